@@ -15,7 +15,12 @@ from transformers import PreTrainedTokenizerFast
 
 __all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "train_bpe"]
 
-SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+SPECIAL_TOKENS = {
+    "pad_token": "<pad>",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+}
 
 # One user turn, then the assistant's answer; enough for instruction-style prompts.
 CHAT_TEMPLATE = (
@@ -28,7 +33,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 2) -> PreTrainedTokenizerFast:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 2
+) -> PreTrainedTokenizerFast:
     """Trains a byte-level BPE on `texts` (single digits kept as separate tokens)."""
     tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

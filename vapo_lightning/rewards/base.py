@@ -69,7 +69,9 @@ class RewardCallback(L.Callback):
         timeout_s: float | None = 300.0,
     ) -> None:
         if on_error not in ("abort", "value"):
-            raise ValueError(f"{type(self).__name__}.on_error must be 'abort' or 'value', got {on_error!r}")
+            raise ValueError(
+                f"{type(self).__name__}.on_error must be 'abort' or 'value', got {on_error!r}"
+            )
         if not math.isfinite(error_value):
             raise ValueError(f"{type(self).__name__}.error_value must be finite, got {error_value}")
         self.weight = float(weight)
@@ -151,7 +153,9 @@ def _checked_scores(cb: RewardCallback, samples: Sequence[Sample]) -> tuple[list
     return scores, errors
 
 
-def combine_rewards(callbacks: Sequence[RewardCallback], samples: Sequence[Sample]) -> RewardOutcome:
+def combine_rewards(
+    callbacks: Sequence[RewardCallback], samples: Sequence[Sample]
+) -> RewardOutcome:
     """Weighted sum of every reward callback's scores (VAPO: R on the last token)."""
     if not callbacks:
         raise RewardError(

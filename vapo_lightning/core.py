@@ -1,0 +1,334 @@
+"""The arithmetic of VAPO (arXiv 2504.05118): pure tensor functions, no state, no logging.
+
+Layout convention everywhere: response tensors are (B, T), right-padded, with
+`response_mask` (B, T) true on generated tokens. `values[:, t]` is V(s_t), the critic's
+output at the position *before* response token t (for t = 0 the last prompt position).
+Section numbers refer to VAPO v3; see ../shared/VAPO_SPEC.md for every number used here.
+
+Losses take their normaliser explicitly (e.g. the number of valid tokens of the whole
+mini-batch, all-reduced over ranks by the caller), so splitting a mini-batch into
+micro-batches or data-parallel shards changes neither the loss nor its gradient (§4.2).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LossAgg = Literal["token", "sequence"]
+
+__all__ = [
+    "aggregate",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "group_normalized_advantages",
+    "kl_penalty",
+    "length_adaptive_lam",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "nll_loss",
+    "overlong_penalty",
+    "policy_loss",
+    "reverse_linear_scan",
+    "sparse_rewards",
+    "value_loss",
+]
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Sum of `x` over positions where `mask` is true (garbage elsewhere never leaks)."""
+    x = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over valid positions; 0 where there are none."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """Unbiased variance of `x` over all valid positions (0 with fewer than two)."""
+    n = mask.sum()
+    centred = torch.where(mask.bool(), x - masked_mean(x, mask), torch.zeros_like(x))
+    return (centred**2).sum() / (n - 1).clamp(min=1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the valid tokens of the batch; masked positions become 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+# --------------------------------------------------------------------------- advantages (§4.1-4.2)
+
+
+def length_adaptive_lam(response_lengths: Tensor, alpha: float = 0.05) -> Tensor:
+    """Length-adaptive GAE, Eq. 5: lambda_actor = 1 - 1 / (alpha * l), clamped to [0, 1].
+
+    response_lengths: (B,) number of generated tokens l. Returns (B,) float.
+    l = 20 -> 0, l = 100 -> 0.8, l = 1000 -> 0.98 for alpha = 0.05.
+    """
+    l = response_lengths.to(torch.get_default_dtype())
+    return (1.0 - 1.0 / (alpha * l)).clamp(0.0, 1.0)
+
+
+def reverse_linear_scan(coef: Tensor, x: Tensor, block: int = 64) -> Tensor:
+    """y[:, t] = x[:, t] + coef[:, t] * y[:, t + 1] with y[:, T] = 0, for (B, T) inputs.
+
+    A blocked parallel scan: within blocks of `block` steps a Hillis-Steele doubling
+    (log2(block) vectorised passes), then the same scan over the blocks' first elements,
+    then one pass adding each block's carry. No Python loop over T.
+    """
+    B, T = x.shape
+    K = min(block, T)
+    nb = -(-T // K)
+    if nb * K != T:  # zero padding: y = 0 there, so it never reaches real positions
+        x, coef = F.pad(x, (0, nb * K - T)), F.pad(coef, (0, nb * K - T))
+    y = x.reshape(B, nb, K).clone()  # (B, nb, K) partial sums within each block
+    a = coef.reshape(B, nb, K).clone()  # (B, nb, K) prod coef[t .. min(t + 2^k - 1, end)]
+    s = 1
+    while s < K:
+        y[..., :-s] += a[..., :-s] * y[..., s:]  # right side evaluated before the write
+        a[..., :-s] = a[..., :-s] * a[..., s:]
+        s *= 2
+    if nb > 1:
+        # y at each block's first step, including everything after the block.
+        heads = reverse_linear_scan(a[..., 0].contiguous(), y[..., 0].contiguous(), block)
+        carry = F.pad(heads[:, 1:], (0, 1))  # (B, nb): y at the start of the next block
+        y = y + a * carry.unsqueeze(-1)
+    return y.reshape(B, nb * K)[:, :T]
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float = 1.0,
+    lam: float | Tensor = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman 2016) with VAPO's per-sequence lambda.
+
+    delta_t = r_t + gamma * V(s_{t+1}) - V(s_t);  A_t = sum_k (gamma * lam)^k delta_{t+k}.
+
+    rewards, values, response_mask: (B, T), right-padded. lam: float or (B,) tensor (the
+    length-adaptive lambda_actor of §4.2). After the last valid token V = 0 (terminal, no
+    bootstrap, even when truncated). Masked positions are skipped: the recursion carries
+    across them and their values (which may be garbage) never enter. Decoupled GAE (§4.1) is
+    two calls: lam=lam_critic for the critic's returns, lam=lam_actor for the advantages.
+
+    Returns (advantages, returns), both (B, T), zero at masked positions, returns =
+    advantages + values; no whitening here.
+    """
+    mask = response_mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(mask, values, zero)
+    # V(s_{t+1}) of the next *valid* position (0 after the last one): a scan that carries the
+    # value at the first valid position >= t backwards across masked positions.
+    v_from = reverse_linear_scan((~mask).to(values.dtype), v)  # (B, T)
+    next_v = F.pad(v_from[:, 1:], (0, 1))
+    delta = torch.where(mask, rewards + gamma * next_v - v, zero)
+    gl = gamma * torch.as_tensor(lam, dtype=values.dtype, device=values.device)
+    gl = gl.reshape(-1, 1).expand_as(values) if gl.ndim else gl.expand_as(values)
+    coef = torch.where(mask, gl, torch.ones_like(gl))
+    advantages = torch.where(mask, reverse_linear_scan(coef, delta), zero)
+    returns = torch.where(mask, advantages + v, zero)
+    return advantages, returns
+
+
+def sparse_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Places each sequence's scalar reward on its last valid token (VAPO "Notation").
+
+    scores: (B,); response_mask: (B, T) right-padded. Returns (B, T).
+    """
+    lengths = response_mask.long().sum(-1)
+    rewards = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
+    has_tokens = lengths > 0
+    rows = torch.arange(len(scores), device=scores.device)[has_tokens]
+    rewards[rows, lengths[has_tokens] - 1] = scores[has_tokens]
+    return rewards
+
+
+def group_normalized_advantages(
+    scores: Tensor, group_ids: Tensor, use_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO / DAPO critic-free advantage: (R - mean_group) / std_group, per response.
+
+    scores: (B,) rewards; group_ids: (B,) int, equal for responses of the same prompt.
+    Unbiased std within each group (a single-response group gets advantage 0).
+    Broadcast to tokens with `adv[:, None] * response_mask`.
+    """
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n = counts.to(scores.dtype)
+    total = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device)
+    mean = total.index_add(0, inverse, scores) / n
+    centred = scores - mean[inverse]
+    if not use_std:
+        return centred
+    sq = torch.zeros_like(total).index_add(0, inverse, centred**2)
+    std = (sq / (n - 1).clamp(min=1)).sqrt()
+    return centred / (std[inverse] + eps)
+
+
+def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward. (B,) lengths -> (B,) penalties.
+
+    0 for l <= L_max - L_cache; ((L_max - L_cache) - l) / L_cache inside the cache window;
+    -1 for l > L_max.
+    """
+    l = response_lengths.to(torch.get_default_dtype())
+    soft = ((max_len - cache_len) - l) / cache_len
+    return torch.where(l > max_len, -torch.ones_like(l), soft.clamp(max=0.0))
+
+
+# --------------------------------------------------------------------------- per-token quantities
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log p(label) for (B, T, V) logits and (B, T) labels without a (B, T, V) log_softmax."""
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """Per-token entropy H = logsumexp(z) - sum softmax(z) * z, (..., V) -> (...).
+
+    Works in the logits' own precision, `chunk_rows` positions at a time, so at most a
+    (chunk_rows, V) temporary exists besides the logits (never a float64 (B, T, V) copy).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for rows in flat.split(chunk_rows):
+        p = torch.softmax(rows, dim=-1)
+        parts.append(torch.logsumexp(rows, dim=-1) - (p * rows).sum(-1))
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var[returns - values] / Var[returns] over valid tokens (1 = perfect critic)."""
+    var_ret = masked_var(returns, mask)
+    return 1.0 - masked_var(returns - values, mask) / var_ret.clamp(min=1e-8)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k3"] = "k3") -> Tensor:
+    """Per-token KL(pi || pi_ref) estimate: k1 = log r, k3 = r - 1 - log r with r = pi_ref/pi."""
+    log_ratio = ref_logprobs - logprobs
+    if kind == "k1":
+        return -log_ratio
+    return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+# --------------------------------------------------------------------------- losses (§4.2-4.3)
+
+
+def aggregate(loss: Tensor, mask: Tensor, agg: LossAgg, normalizer: float | Tensor) -> Tensor:
+    """Reduces a (B, T) per-token loss to a scalar with an explicit global normaliser.
+
+    "token" (token-level loss, §4.2 Eq. 7): sum over all valid tokens / `normalizer`, the
+        number of valid tokens of the whole mini-batch (all micro-batches, all ranks).
+    "sequence" (vanilla PPO's sample-level loss): sum over sequences of each sequence's
+        token-mean / `normalizer`, the number of sequences of the whole mini-batch.
+    """
+    if agg == "token":
+        total = masked_sum(loss, mask)
+    elif agg == "sequence":
+        total = masked_mean(loss, mask, dim=-1).sum()
+    else:
+        raise ValueError(f"loss aggregation must be 'token' or 'sequence', got {agg!r}")
+    return total / torch.as_tensor(normalizer, dtype=loss.dtype, device=loss.device).clamp(min=1)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    normalizer: float | Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    agg: LossAgg = "token",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with Clip-Higher (§4.3, Eq. 8), all inputs (B, T).
+
+    L = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A), r = exp(logp - old_logp).
+    `clip_ratio_c` (verl's dual clip, not in the paper) bounds the loss of negative-advantage
+    tokens at -A * c. Returns (loss, stats) with stats (detached, micro-batch token means):
+    clipfrac_high (r > 1 + clip_high, A > 0), clipfrac_low (r < 1 - clip_low, A < 0),
+    approx_kl (mean of old_logp - logp).
+    """
+    # Garbage at masked positions must reach neither the loss nor the gradient.
+    mask = response_mask.bool()
+    log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+    with torch.no_grad():
+        stats = {
+            "clipfrac_high": masked_mean(
+                ((ratio > 1 + clip_high) & (advantages > 0)).float(), response_mask
+            ),
+            "clipfrac_low": masked_mean(
+                ((ratio < 1 - clip_low) & (advantages < 0)).float(), response_mask
+            ),
+            "approx_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return aggregate(loss, response_mask, agg, normalizer), stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    normalizer: float | Tensor,
+    clip_range: float | None = 0.2,
+    agg: LossAgg = "token",
+) -> tuple[Tensor, Tensor]:
+    """Critic loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old_V + clip(V - old_V, +-eps).
+
+    All inputs (B, T); `clip_range=None` disables clipping. Returns (loss, clipfrac): the
+    fraction of valid tokens where the clipped term was the larger one.
+    """
+    mask = response_mask.bool()
+    values = torch.where(mask, values, torch.zeros_like(values))
+    returns = torch.where(mask, returns, torch.zeros_like(returns))
+    old_values = torch.where(mask, old_values, torch.zeros_like(old_values))
+    err = (values - returns) ** 2
+    if clip_range is None:
+        return aggregate(0.5 * err, response_mask, agg, normalizer), values.new_zeros(())
+    v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    err_clip = (v_clip - returns) ** 2
+    loss = 0.5 * torch.maximum(err, err_clip)
+    clipfrac = masked_mean((err_clip > err).float(), response_mask).detach()
+    return aggregate(loss, response_mask, agg, normalizer), clipfrac
+
+
+def nll_loss(
+    logprobs: Tensor, response_mask: Tensor, correct: Tensor, normalizer: float | Tensor
+) -> Tensor:
+    """Positive-example LM loss (§4.3, Eq. 9): token-mean NLL over correct responses only.
+
+    logprobs, response_mask: (B, T); correct: (B,) bool. `normalizer` is the number of
+    correct-response tokens of the whole mini-batch (0 gives a zero loss).
+    """
+    mask = response_mask.bool() & correct.bool().unsqueeze(-1)
+    return aggregate(
+        -torch.where(mask, logprobs, torch.zeros_like(logprobs)), mask, "token", normalizer
+    )
