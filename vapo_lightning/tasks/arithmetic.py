@@ -1,0 +1,195 @@
+"""A synthetic, verifiable reasoning task: multi-step arithmetic with a chain of thought.
+
+A problem starts from a small number and applies `difficulty` operations (1 to 6) from left to
+right: ``Evaluate left to right: 7 + 15 * 3 - 20``. The reference solution works one operation
+per sentence, writes a multiplication of a two-digit number as tens and units
+(``22 * 3 = 20 * 3 + 2 * 3 = 60 + 6 = 66.``) and ends with ``\\boxed{N}``. With the project's
+digit-splitting BPE a correct response is about 10 tokens at difficulty 1 and up to ~150 at
+difficulty 6, so the length-adaptive λ_actor = 1 − 1/(0.05·l) (VAPO §4.2) spans 0 to ~0.87.
+
+Everything is seeded: `generate(n, seed)` returns the same rows on every machine, and
+`make_splits` gives disjoint train / validation problems (no prompt in both). Rows are
+``{"prompt", "answer", "solution", "data_source": "arithmetic", "difficulty"}``.
+
+    python -m vapo_lightning.tasks.arithmetic --out vapo_lightning/assets/arithmetic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+__all__ = [
+    "DATA_SOURCE",
+    "MAX_DIFFICULTY",
+    "evaluate",
+    "extract_boxed_int",
+    "generate",
+    "is_correct",
+    "make_problem",
+    "make_splits",
+    "read_jsonl",
+    "solve",
+    "write_jsonl",
+    "write_splits",
+]
+
+DATA_SOURCE = "arithmetic"
+MAX_DIFFICULTY = 6
+PROMPT_PREFIX = "Evaluate left to right: "
+MAX_VALUE = 999  # every intermediate value stays in [0, MAX_VALUE]
+MAX_MUL_BASE = 99  # only numbers up to two digits are multiplied (tens-and-units step)
+
+Op = tuple[str, int]  # ("+" | "-" | "*", operand)
+
+
+def evaluate(start: int, ops: Sequence[Op]) -> int:
+    """The value of ``start op1 b1 op2 b2 ...`` read strictly from left to right."""
+    x = start
+    for op, b in ops:
+        x = x + b if op == "+" else x - b if op == "-" else x * b
+    return x
+
+
+def _mul_step(x: int, b: int) -> str:
+    """``x * b = y`` with a two-digit `x` split into tens and units."""
+    y = x * b
+    tens, units = divmod(x, 10)
+    if tens == 0 or units == 0:
+        return f"{x} * {b} = {y}."
+    return f"{x} * {b} = {tens * 10} * {b} + {units} * {b} = {tens * 10 * b} + {units * b} = {y}."
+
+
+def solve(start: int, ops: Sequence[Op]) -> str:
+    """The reference chain of thought, one sentence per operation, ending in ``\\boxed{N}``."""
+    steps, x = [], start
+    for op, b in ops:
+        if op == "*":
+            steps.append(_mul_step(x, b))
+        else:
+            steps.append(f"{x} {op} {b} = {evaluate(x, [(op, b)])}.")
+        x = evaluate(x, [(op, b)])
+    return " ".join(steps) + f" \\boxed{{{x}}}"
+
+
+def _random_op(rng: random.Random, x: int) -> Op:
+    """One operation that keeps the running value in [0, MAX_VALUE] (and is not trivial)."""
+    choices = ["+"]
+    if x >= 2:
+        choices.append("-")
+    if 2 <= x <= MAX_MUL_BASE:
+        choices.append("*")
+    while True:
+        op = rng.choice(choices)
+        if op == "+":
+            b = rng.randint(2, 60)
+        elif op == "-":
+            b = rng.randint(1, min(x, 60))
+        else:
+            b = rng.randint(2, 9)
+        if 0 <= evaluate(x, [(op, b)]) <= MAX_VALUE:
+            return op, b
+
+
+def make_problem(rng: random.Random, difficulty: int) -> dict:
+    """One row with `difficulty` operations, drawn from `rng`."""
+    if not 1 <= difficulty <= MAX_DIFFICULTY:
+        raise ValueError(f"difficulty must be in [1, {MAX_DIFFICULTY}], got {difficulty}")
+    start = rng.randint(2, 30)
+    ops, x = [], start
+    for _ in range(difficulty):
+        op = _random_op(rng, x)
+        ops.append(op)
+        x = evaluate(x, [op])
+    prompt = PROMPT_PREFIX + " ".join([str(start)] + [f"{op} {b}" for op, b in ops])
+    return {
+        "prompt": prompt,
+        "answer": str(x),
+        "solution": solve(start, ops),
+        "data_source": DATA_SOURCE,
+        "difficulty": difficulty,
+    }
+
+
+def generate(
+    n: int,
+    seed: int,
+    difficulties: Iterable[int] = range(1, MAX_DIFFICULTY + 1),
+    exclude: Iterable[str] = (),
+) -> list[dict]:
+    """`n` distinct problems, difficulties cycled evenly, none whose prompt is in `exclude`."""
+    rng = random.Random(seed)
+    levels = list(difficulties)
+    seen = set(exclude)
+    rows: list[dict] = []
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise RuntimeError(f"could not draw {n} distinct problems from difficulties {levels}")
+        row = make_problem(rng, levels[len(rows) % len(levels)])
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+    return rows
+
+
+def make_splits(n_train: int, n_val: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Disjoint train / validation problems: validation first, train drawn excluding it."""
+    val = generate(n_val, seed=seed)
+    train = generate(n_train, seed=seed + 1, exclude=[r["prompt"] for r in val])
+    return train, val
+
+
+_BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
+
+
+def extract_boxed_int(text: str) -> int | None:
+    """The integer in the last ``\\boxed{...}`` of `text`, or None if there is none."""
+    found = _BOXED.findall(text)
+    return int(found[-1]) if found else None
+
+
+def is_correct(response: str, answer: str | int) -> bool:
+    """A local checker: the last boxed integer equals the gold answer."""
+    got = extract_boxed_int(response)
+    return got is not None and got == int(answer)
+
+
+def write_jsonl(rows: Iterable[dict], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_splits(out: str | Path, n_train: int = 4096, n_val: int = 200, seed: int = 0) -> None:
+    """Writes ``out/train.jsonl`` and ``out/val.jsonl`` (see `make_splits`)."""
+    train, val = make_splits(n_train, n_val, seed)
+    write_jsonl(train, Path(out) / "train.jsonl")
+    write_jsonl(val, Path(out) / "val.jsonl")
+
+
+def main(args: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for train.jsonl and val.jsonl")
+    parser.add_argument("--n-train", type=int, default=4096)
+    parser.add_argument("--n-val", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(args)
+    write_splits(ns.out, ns.n_train, ns.n_val, ns.seed)
+    print(f"wrote {ns.n_train} train and {ns.n_val} val problems to {ns.out}")
+
+
+if __name__ == "__main__":
+    main()
