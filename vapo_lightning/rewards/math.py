@@ -1,0 +1,424 @@
+"""The math reward: extract a response's final answer and check it against the ground truth.
+
+VAPO scores a math response +1 if its final answer is correct and -1 otherwise (arXiv
+2504.05118, Sec. 5.1; 1 / 0 by config). The answer is the last ``\\boxed{}`` / ``\\fbox{}``,
+else the last ``Answer:`` line (DAPO's prompt format), else the last ``#### N`` line (GSM8K's).
+It is compared with math-verify's semantics (equivalent expressions, fractions vs decimals,
+intervals, sets, tuples, matrices, "033" vs 33).
+
+Model text is never run as code: it only reaches math-verify's LaTeX / expression parser, and
+only inside worker processes. math-verify's own timeout is built on ``signal.alarm`` (main
+thread only) and cannot stop a computation stuck in C, such as ``9^{9^{9^{9}}}``; so each check
+runs in a separate interpreter (started with exec, never a bare fork of the trainer, which may
+hold threads or CUDA) and the host kills a worker that passes its deadline and starts a new one.
+A check that runs out of time, crashes its worker or exhausts its memory is judged wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vapo_lightning.rewards.base import RewardCallback, Sample
+
+__all__ = ["MathReward", "MathVerifier", "extract_answer", "is_equivalent"]
+
+# The worker: a fresh interpreter that imports math-verify once, then answers one JSON line
+# ``[task, pred, gold]`` with ``[task, ok]``. Kept as source text so the worker imports neither
+# this package nor torch / lightning (start-up ~1 s instead of ~7 s, ~100 MB instead of ~500).
+_WORKER_SOURCE = r"""
+import json, logging, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
+proto = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)  # a stray print() from a library must not corrupt the protocol
+logging.disable(logging.CRITICAL)
+from math_verify import parse, verify
+limit = int(sys.argv[1])
+if limit > 0:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+proto.write('"ready"\n')
+for line in sys.stdin:
+    task, pred, gold = json.loads(line)
+    try:
+        # math-verify's signal timeouts are off: the host's deadline is the real limit.
+        g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+        p = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+        ok = bool(verify(g, p, timeout_seconds=None))
+    except BaseException:  # RecursionError, MemoryError, parser internals: all "wrong"
+        ok = False
+    proto.write(json.dumps([task, ok]) + "\n")
+"""
+
+# ----------------------------------------------------------------------------- extraction
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
+_GSM8K_LINE = re.compile(r"####[ \t]*([^\n]*)")
+_MAX_BOX_SCAN = 10_000  # a box whose closing brace is further away than this is not an answer
+
+
+def _last_box(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed 5``; None if absent
+    or unclosed (a response truncated inside its box has no answer)."""
+    start, command = max((text.rfind(c), c) for c in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    i = start + len(command)
+    if i < len(text) and text[i] == " ":  # ``\boxed 5``: one TeX token-ish run
+        match = re.match(r" +([^\s$]+)", text[i : i + _MAX_BOX_SCAN])
+        return match.group(1) if match else None
+    while i < len(text) and text[i] in " \t\n":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth, j, end = 0, i, min(len(text), i + _MAX_BOX_SCAN)
+    while j < end:
+        c = text[j]
+        if c == "\\":  # ``\{``, ``\}`` and ``\\`` are not group braces
+            j += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+        j += 1
+    return None
+
+
+def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
+    last = None
+    for last in pattern.finditer(text):  # noqa: B007 - keep the last one
+        pass
+    return last.group(1) if last else None
+
+
+def _clean(answer: str) -> str:
+    """Strips markdown emphasis, math delimiters and a final full stop around an answer."""
+    answer = answer.strip().strip("*").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left + right):
+            answer = answer[len(left) : -len(right)].strip()
+    return answer.rstrip(".").strip()
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response: the last ``\\boxed{}`` or ``\\fbox{}`` (braces balanced,
+    ``\\boxed 5`` too), else the last ``Answer: ...`` line (DAPO), else the last ``#### N``
+    line (GSM8K). None when there is none or it is empty."""
+    for found in (
+        _last_box(response),
+        _last_match(_ANSWER_LINE, response),
+        _last_match(_GSM8K_LINE, response),
+    ):
+        if found is not None and (answer := _clean(found)):
+            return answer
+    return None
+
+
+def _gold_answer(ground_truth: Any) -> str | None:
+    """The ground truth as an answer string: bare ("3/4"), LaTeX, a number, or a solution
+    ending in ``#### 18`` / a box. None when missing."""
+    if ground_truth is None or isinstance(ground_truth, bool):
+        return None
+    if isinstance(ground_truth, float) and ground_truth.is_integer():
+        ground_truth = int(ground_truth)  # JSON's 142.0 for AMC's 142
+    text = str(ground_truth).strip()
+    if "####" in text or any(c in text for c in _BOX_COMMANDS):
+        return extract_answer(text)
+    return _clean(text) or None
+
+
+# ------------------------------------------------------------------------- fast path
+
+_SPACING = re.compile(r"\\[,;:! ]|\\left\b|\\right\b|\$")
+_INTEGER = re.compile(r"[+-]?\d{1,60}")
+
+
+def _normalise(answer: str) -> str:
+    """Spelling-only changes: spacing macros, ``\\left``/``\\right``, ``\\dfrac``, and
+    whitespace except between two letters/digits (``\\pi r`` must not become ``\\pir``)."""
+    answer = _SPACING.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return re.sub(r"(?<![A-Za-z0-9])\s+|\s+(?![A-Za-z0-9])", "", answer)
+
+
+def _fast_verdict(pred: str, gold: str) -> bool | None:
+    """True / False when it is certain without math-verify, else None."""
+    pred, gold = _normalise(pred), _normalise(gold)
+    if pred == gold:
+        return True
+    if _INTEGER.fullmatch(pred) and _INTEGER.fullmatch(gold):
+        return int(pred) == int(gold)  # AIME's "033" vs 33
+    return None
+
+
+# ------------------------------------------------------------------------------- pool
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    buffer: bytes = b""
+    ready: bool = False
+    task: int | None = None
+    deadline: float = 0.0
+
+
+@dataclass
+class VerifierStats:
+    """Counters since the verifier was created."""
+
+    fast: int = 0
+    """Checks decided without a worker (equal spelling, integers, no answer, answer too long)."""
+    pooled: int = 0
+    """Checks sent to a worker."""
+    timeouts: int = 0
+    """Checks whose worker passed the deadline and was killed (judged wrong)."""
+    crashes: int = 0
+    """Checks whose worker died (judged wrong)."""
+
+
+def _stop(worker: _Worker) -> None:
+    if worker.proc.poll() is None:
+        worker.proc.kill()
+    worker.proc.wait()
+    for stream in (worker.proc.stdin, worker.proc.stdout):
+        if stream is not None:
+            stream.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        _stop(worker)
+    workers.clear()
+
+
+class MathVerifier:
+    """A pool of math-verify worker processes with a hard wall-clock limit per check.
+
+    Args:
+        num_workers: worker processes (each ~100 MB, ~1 s to start; started on first use).
+        timeout_s: wall-clock limit of one check, enforced by killing the worker.
+        max_answer_chars: longer extracted answers are judged wrong without parsing.
+        memory_limit_mb: address-space limit of each worker (0: none); a check that exceeds
+            it fails inside the worker and is judged wrong.
+        startup_timeout_s: how long a starting worker may take to import math-verify.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 3.0,
+        max_answer_chars: int = 1000,
+        memory_limit_mb: int = 4096,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.max_answer_chars = max_answer_chars
+        self.memory_limit_mb = memory_limit_mb
+        self.startup_timeout_s = startup_timeout_s
+        self.stats = VerifierStats()
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        # Kill the workers when the verifier is collected or the interpreter exits.
+        weakref.finalize(self, _stop_all, self._workers)
+
+    # -- public
+
+    def check_batch(
+        self, responses: Sequence[str], ground_truths: Sequence[Any]
+    ) -> list[bool | None]:
+        """One verdict per (response, ground truth): True / False, None if the ground truth
+        is missing. Checks run concurrently across the workers."""
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        verdicts: list[bool | None] = [None] * len(responses)
+        pending: list[tuple[int, str, str]] = []
+        for k, (response, ground_truth) in enumerate(zip(responses, ground_truths)):
+            gold = _gold_answer(ground_truth)
+            if gold is None:
+                continue
+            pred = extract_answer(response)
+            if pred is None or len(pred) > self.max_answer_chars:
+                verdicts[k] = False
+            else:
+                verdicts[k] = _fast_verdict(pred, gold)
+            if verdicts[k] is None:
+                pending.append((k, pred, gold))
+            else:
+                self.stats.fast += 1
+        if pending:
+            with self._lock:
+                for k, ok in self._run(pending).items():
+                    verdicts[k] = ok
+        return verdicts
+
+    def close(self) -> None:
+        """Kills the workers; a later `check_batch` starts new ones."""
+        with self._lock:
+            _stop_all(self._workers)
+
+    # -- pool internals
+
+    def _spawn(self) -> _Worker:
+        limit = self.memory_limit_mb * 2**20
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_SOURCE, str(limit)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            close_fds=True,
+        )
+        return _Worker(proc, deadline=time.monotonic() + self.startup_timeout_s)
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        _stop(worker)
+        fresh = self._spawn()
+        self._workers[self._workers.index(worker)] = fresh
+        return fresh
+
+    def _run(self, pending: list[tuple[int, str, str]]) -> dict[int, bool]:
+        """Dispatches `pending` checks to idle workers until all are answered or killed."""
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._spawn())
+        queue, tasks = deque(pending), {k: (pred, gold) for k, pred, gold in pending}
+        results: dict[int, bool] = {}
+        failed_starts = 0
+        with selectors.DefaultSelector() as selector:
+            while len(results) < len(tasks):
+                for worker in self._workers:  # hand out work
+                    if worker.ready and worker.task is None and queue:
+                        k, pred, gold = queue.popleft()
+                        line = json.dumps([k, pred, gold]).encode() + b"\n"
+                        try:
+                            worker.proc.stdin.write(line)  # type: ignore[union-attr]
+                        except (BrokenPipeError, OSError):
+                            queue.appendleft((k, pred, gold))
+                            self._replace(worker)
+                            continue
+                        worker.task, worker.deadline = k, time.monotonic() + self.timeout_s
+                selector_map = {}
+                for worker in self._workers:
+                    fd = worker.proc.stdout.fileno()  # type: ignore[union-attr]
+                    selector.register(fd, selectors.EVENT_READ, worker)
+                    selector_map[fd] = worker
+                waiting = [w.deadline for w in self._workers if w.task is not None or not w.ready]
+                wait = max(0.0, min(waiting) - time.monotonic()) if waiting else None
+                events = selector.select(wait)
+                for fd in selector_map:
+                    selector.unregister(fd)
+                for key, _ in events:
+                    worker = key.data
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:  # the worker died
+                        if not worker.ready:
+                            failed_starts += 1
+                            if failed_starts >= 3:
+                                raise RuntimeError(
+                                    "math-verify worker failed to start 3 times; see its stderr "
+                                    f"(is math-verify installed for {sys.executable}?)"
+                                )
+                        elif worker.task is not None:
+                            results[worker.task] = False
+                            self.stats.crashes += 1
+                        self._replace(worker)
+                        continue
+                    *lines, worker.buffer = (worker.buffer + chunk).split(b"\n")
+                    for raw in lines:
+                        message = json.loads(raw)
+                        if message == "ready":
+                            worker.ready = True
+                        else:
+                            results[message[0]] = bool(message[1])
+                            self.stats.pooled += 1
+                            worker.task = None
+                now = time.monotonic()
+                for worker in list(self._workers):  # enforce deadlines from outside
+                    if worker.deadline > now or (worker.ready and worker.task is None):
+                        continue
+                    if not worker.ready:
+                        raise RuntimeError(
+                            f"math-verify worker did not start within {self.startup_timeout_s} s"
+                        )
+                    results[worker.task] = False  # type: ignore[index]
+                    self.stats.timeouts += 1
+                    self._replace(worker)
+        return results
+
+
+# ------------------------------------------------------------------------- public API
+
+_DEFAULT: MathVerifier | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def is_equivalent(response: str, ground_truth: str) -> bool:
+    """Whether the final answer of `response` (full model text) equals `ground_truth` (bare,
+    LaTeX, or a GSM8K solution ending ``#### N``) under math-verify's semantics. Uses a shared
+    one-worker pool with a 3 s limit per check; a check that runs out of time is False."""
+    global _DEFAULT
+    if _gold_answer(ground_truth) is None:
+        raise ValueError(f"ground truth has no answer: {ground_truth!r}")
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = MathVerifier(num_workers=1)
+    return bool(_DEFAULT.check_batch([response], [ground_truth])[0])
+
+
+class MathReward(RewardCallback):
+    """VAPO's rule-based math reward: `correct_reward` if the final answer is equivalent to the
+    sample's ground truth, `wrong_reward` otherwise (no answer, wrong, or out of time).
+
+    Args:
+        correct_reward: reward of a correct answer (paper: +1).
+        wrong_reward: reward of a wrong or missing answer (paper: -1; 0 for 1 / 0 rewards).
+        check_timeout_s: hard wall-clock limit of one check (the worker is killed after it).
+        num_workers: math-verify worker processes, started on the first batch.
+        max_answer_chars: longer extracted answers are judged wrong without parsing.
+        **kwargs: `RewardCallback`'s ``weight``, ``on_error``, ``error_value``, ``timeout_s``
+            (the latter bounds a whole batch; a sample without ground truth is an error).
+    """
+
+    def __init__(
+        self,
+        correct_reward: float = 1.0,
+        wrong_reward: float = -1.0,
+        check_timeout_s: float = 3.0,
+        num_workers: int = 2,
+        max_answer_chars: int = 1000,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.correct_reward = float(correct_reward)
+        self.wrong_reward = float(wrong_reward)
+        self.verifier = MathVerifier(num_workers, check_timeout_s, max_answer_chars)
+
+    def score(self, samples: Sequence[Sample]) -> list[float | None]:
+        verdicts = self.verifier.check_batch(
+            [s.response for s in samples], [s.ground_truth for s in samples]
+        )
+        return [
+            None if ok is None else self.correct_reward if ok else self.wrong_reward
+            for ok in verdicts
+        ]
+
+    def close(self) -> None:
+        self.verifier.close()
