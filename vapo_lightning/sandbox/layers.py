@@ -1,0 +1,203 @@
+"""Linux isolation primitives over ctypes: namespaces, Landlock, capabilities, rlimits.
+
+Everything here is stdlib-only and import-light, because it also runs inside the warm fork
+server (started with ``python -I -S``) and in the sandboxed child after it dropped to an
+unprivileged uid. Each primitive raises `OSError` when the kernel refuses; callers treat every
+layer as optional and report which ones took effect.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import stat
+import sys
+
+IS_LINUX = sys.platform.startswith("linux")
+_libc = ctypes.CDLL(None, use_errno=True) if IS_LINUX else None
+
+# x86_64 and aarch64 share the new-style numbers for Landlock; capset differs.
+_SYS = {
+    "x86_64": {"capset": 126, "ll_create": 444, "ll_add": 445, "ll_restrict": 446},
+    "aarch64": {"capset": 91, "ll_create": 444, "ll_add": 445, "ll_restrict": 446},
+}.get(os.uname().machine, {}) if IS_LINUX else {}
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+
+NOBODY = 65534
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+def prctl(option: int, arg: int = 0) -> None:
+    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+    _check(
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() or None,
+        ),
+        f"mount {target}",
+    )
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def enter_namespaces(uid: int, gid: int, net: bool = True) -> int:
+    """unshare user (+ mount, pid, ipc, uts and optionally net) namespaces; maps uid to itself.
+
+    The caller keeps its uid outside; inside it has every capability of the new namespace
+    until `drop_capabilities`. The new PID namespace applies to the caller's next child.
+    Returns the flags that took effect.
+    """
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    flags |= CLONE_NEWNET if net else 0
+    unshare(flags)
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+    return flags
+
+
+def private_mounts(tmp_bytes: int) -> None:
+    """In a fresh mount namespace: fresh tmpfs on /tmp and /dev/shm, fresh /proc (own PIDs)."""
+    mount("none", "/", None, MS_REC | MS_PRIVATE)
+    opts = MS_NOSUID | MS_NODEV
+    mount("tmpfs", "/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
+    if os.path.isdir("/dev/shm"):
+        mount("tmpfs", "/dev/shm", "tmpfs", opts | MS_NOEXEC, "size=1m,mode=1777")
+    mount("proc", "/proc", "proc", opts | MS_NOEXEC)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+def drop_capabilities() -> None:
+    """Empty effective, permitted and inheritable sets (v3 capset: two 32-bit words)."""
+    header = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)()
+    _check(_libc.syscall(_SYS["capset"], ctypes.byref(header), data), "capset")
+
+
+def drop_privileges(uid: int = NOBODY, gid: int = NOBODY) -> None:
+    """Real root -> `uid`/`gid` for good (saved ids too; supplementary groups cleared)."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    prctl(PR_SET_DUMPABLE, 1)  # reset by the uid change; needed to write our own uid_map
+
+
+# --- Landlock -----------------------------------------------------------------------------
+LL_FS_EXECUTE, LL_FS_WRITE_FILE, LL_FS_READ_FILE, LL_FS_READ_DIR = 1, 2, 4, 8
+LL_FS_TRUNCATE, LL_FS_IOCTL_DEV = 1 << 14, 1 << 15
+_LL_FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1}
+LL_NET_ALL = 0b11  # BIND_TCP | CONNECT_TCP (ABI >= 4)
+LL_SCOPE_ALL = 0b11  # ABSTRACT_UNIX_SOCKET | SIGNAL (ABI >= 6)
+LL_READ = LL_FS_EXECUTE | LL_FS_READ_FILE | LL_FS_READ_DIR
+LL_FILE_RIGHTS = LL_FS_EXECUTE | LL_FS_WRITE_FILE | LL_FS_READ_FILE | LL_FS_TRUNCATE
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = (("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64))
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = (("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
+
+
+def landlock_abi() -> int:
+    if not IS_LINUX or "ll_create" not in _SYS:
+        return 0
+    ret = _libc.syscall(_SYS["ll_create"], None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(ret, 0)
+
+
+def landlock_fs_all(abi: int) -> int:
+    return _LL_FS_ALL_BY_ABI.get(abi, (1 << 16) - 1)
+
+
+def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
+    """Confine this process (and its future children) with Landlock.
+
+    `rules` are (O_PATH fd, allowed access bits); everything else on the file system is denied.
+    TCP bind/connect are denied (ABI >= 4); signals to and abstract Unix sockets of processes
+    outside the domain are denied (ABI >= 6). Returns the parts that took effect.
+    """
+    fs_all = landlock_fs_all(abi)
+    attr = _RulesetAttr(fs_all, LL_NET_ALL if abi >= 4 else 0, LL_SCOPE_ALL if abi >= 6 else 0)
+    size = ctypes.sizeof(attr) if abi >= 6 else (16 if abi >= 4 else 8)
+    rs = _check(_libc.syscall(_SYS["ll_create"], ctypes.byref(attr), ctypes.c_size_t(size), 0),
+                "landlock_create_ruleset")
+    try:
+        for fd, allowed in rules:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                allowed &= LL_FILE_RIGHTS  # directory rights on a file: EINVAL
+            rule = _PathBeneath(allowed & fs_all, fd)
+            _check(_libc.syscall(_SYS["ll_add"], rs, 1, ctypes.byref(rule), 0), "landlock_add_rule")
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _check(_libc.syscall(_SYS["ll_restrict"], rs, 0), "landlock_restrict_self")
+    finally:
+        os.close(rs)
+    done = ["landlock_fs"]
+    done += ["landlock_tcp"] if abi >= 4 else []
+    done += ["landlock_scope"] if abi >= 6 else []
+    return done
+
+
+def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, nproc: int) -> None:
+    """Hard rlimits for the candidate (soft = hard so it cannot raise them back)."""
+    for res, value in (
+        (resource.RLIMIT_CPU, cpu_s),
+        (resource.RLIMIT_AS, address_space),
+        (resource.RLIMIT_FSIZE, file_size),
+        (resource.RLIMIT_NOFILE, open_files),
+        (resource.RLIMIT_NPROC, nproc),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MEMLOCK, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),
+    ):
+        resource.setrlimit(res, (value, value))

@@ -1,0 +1,205 @@
+"""What runs inside the sandbox, after the isolation layers are in place.
+
+The runner only *produces* values; it never sees expected outputs and never judges. It writes
+one frame per test to the result pipe, which the host decodes and compares with its own code:
+
+    ``<i> R <json>``           function mode: the return value, encoded as plain JSON
+    ``<i> E <json string>``    function mode: the exception type the call raised
+    ``<i> O <exit> <json>``    stdin mode: exit status and the captured stdout text
+
+The candidate shares this process (function mode) or is its child (stdin mode), so it can
+write forged frames too; that is harmless, because a forged frame is just a claimed output, and
+claiming the right output requires computing it.
+
+Also here: `DirFdFinder`, which imports stdlib modules through directory file descriptors
+opened before the uid drop (the interpreter may live under a mode-700 home such as /root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import math
+import os
+import sys
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def plain(x: object, depth: int = 0) -> object:
+    """`x` as plain JSON data, by exact type (subclasses and custom objects are refused)."""
+    if depth > 200:
+        raise ValueError("nested too deeply")
+    t = type(x)
+    if x is None or t is bool or t is int or t is str:
+        return x
+    if t is float:
+        if not math.isfinite(x):
+            raise ValueError("non-finite float")
+        return x
+    if t is list or t is tuple:
+        return [plain(v, depth + 1) for v in x]
+    if t is dict:
+        if any(type(k) is not str for k in x):
+            raise TypeError("dict keys must be str")
+        return {k: plain(v, depth + 1) for k, v in x.items()}
+    raise TypeError(f"cannot return a {t.__name__}")
+
+
+def _find_function(namespace: dict, fn_name: str):
+    if fn_name in namespace:
+        return namespace[fn_name]
+    solution = namespace.get("Solution")  # LeetCode-style problems (TACO, LiveCodeBench)
+    if isinstance(solution, type):
+        return getattr(solution(), fn_name)
+    raise NameError(f"no function named {fn_name!r}")
+
+
+def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -> None:
+    """Defines the program once, then calls `fn_name` on each test's (freshly decoded) args."""
+    try:
+        namespace = {"__name__": "solution", "__builtins__": __builtins__}
+        exec(compile(code, "<solution>", "exec"), namespace)
+        fn = _find_function(namespace, fn_name)
+    except BaseException as err:  # the candidate's error, reported as every test's error
+        frame = json.dumps(type(err).__name__)
+        _write_all(res_fd, "".join(f"{i} E {frame}\n" for i in range(len(inputs))).encode())
+        return
+    for i, raw in enumerate(inputs):
+        try:
+            args = json.loads(raw)
+            line = f"{i} R {json.dumps(plain(fn(*args)), allow_nan=False)}\n"
+        except BaseException as err:  # includes SystemExit: one test's failure, not the run's
+            line = f"{i} E {json.dumps(type(err).__name__)}\n"
+        _write_all(res_fd, line.encode())
+
+
+def _run_program(code: str, stdin_path: str, stdout_path: str) -> None:
+    """Child of the runner: fd 0/1 are the test's files; runs the program as __main__."""
+    fd = os.open(stdin_path, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+    fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.close(fd)
+    status = 0
+    try:
+        exec(compile(code, "<solution>", "exec"), {"__name__": "__main__"})
+    except SystemExit as err:
+        status = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    except BaseException:
+        status = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        status = status or 1
+    os._exit(status & 0xFF)
+
+
+def run_stdin_mode(
+    code: str, inputs: list[str], res_fd: int, max_stdout: int, own_pid_namespace: bool
+) -> None:
+    """Runs the program once per test in a fresh child; reports its exit status and stdout."""
+    for i, text in enumerate(inputs):
+        stdin_path, stdout_path = f"stdin-{i}", f"stdout-{i}"
+        with open(stdin_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(res_fd)
+            _run_program(code, stdin_path, stdout_path)
+        _, status = os.waitpid(pid, 0)
+        if own_pid_namespace:  # kill what test i left behind (daemons); spares us and pid 1
+            with contextlib.suppress(OSError):
+                os.kill(-1, 9)
+        exit_code = os.waitstatus_to_exitcode(status)
+        try:
+            with open(stdout_path, "rb") as f:
+                out = f.read(max_stdout + 1)
+        except OSError:
+            out = b""
+        for path in (stdin_path, stdout_path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if len(out) > max_stdout:
+            exit_code, out = -999, b""  # over the byte cap: reported as a failure
+        text_out = json.dumps(out.decode("utf-8", "replace"))
+        _write_all(res_fd, f"{i} O {exit_code} {text_out}\n".encode())
+
+
+class _FdLoader(importlib.abc.SourceLoader):
+    def __init__(self, dir_fd: int, rel: str, path: str) -> None:
+        self.dir_fd, self.rel, self.path = dir_fd, rel, path
+
+    def get_filename(self, fullname: str) -> str:
+        return self.path
+
+    def get_data(self, path: str) -> bytes:
+        fd = os.open(self.rel, os.O_RDONLY, dir_fd=self.dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
+    def path_stats(self, path: str):  # no bytecode cache: always compile from source
+        raise OSError
+
+
+class DirFdFinder(importlib.abc.MetaPathFinder):
+    """Finds stdlib modules below directories we hold open, when paths are not searchable.
+
+    `roots` maps a directory path to an fd opened before the privilege drop. Source modules are
+    read with openat(); extension modules are loaded through /proc/self/fd/<n>.
+    """
+
+    def __init__(self, roots: dict[str, int]) -> None:
+        self.roots = roots
+
+    def find_spec(self, fullname, path=None, target=None):
+        parts = fullname.split(".")
+        bases = list(path) if path else list(self.roots)
+        for base in bases:
+            root = next((r for r in self.roots if base == r or base.startswith(r + "/")), None)
+            if root is None:
+                continue
+            rel_dir = os.path.relpath(base, root) if path else "."
+            spec = self._spec(fullname, parts[-1], root, rel_dir)
+            if spec is not None:
+                return spec
+        return None
+
+    def _spec(self, fullname, name, root, rel_dir):
+        fd = self.roots[root]
+
+        def exists(rel):
+            try:
+                os.stat(rel, dir_fd=fd)
+                return True
+            except OSError:
+                return False
+
+        pkg_init = os.path.normpath(f"{rel_dir}/{name}/__init__.py")
+        if exists(pkg_init):
+            loader = _FdLoader(fd, pkg_init, f"{root}/{pkg_init}")
+            spec = importlib.util.spec_from_file_location(
+                fullname, loader.path, loader=loader,
+                submodule_search_locations=[os.path.normpath(f"{root}/{rel_dir}/{name}")],
+            )
+            return spec
+        rel = os.path.normpath(f"{rel_dir}/{name}.py")
+        if exists(rel):
+            loader = _FdLoader(fd, rel, f"{root}/{rel}")
+            return importlib.util.spec_from_file_location(fullname, loader.path, loader=loader)
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            rel = os.path.normpath(f"{rel_dir}/{name}{suffix}")
+            if exists(rel):
+                ext_fd = os.open(rel, os.O_RDONLY, dir_fd=fd)
+                loader = importlib.machinery.ExtensionFileLoader(fullname, f"/proc/self/fd/{ext_fd}")
+                return importlib.util.spec_from_file_location(fullname, loader.path, loader=loader)
+        return None
