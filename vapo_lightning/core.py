@@ -196,10 +196,18 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> 
 # --------------------------------------------------------------------------- per-token quantities
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(label) for (B, T, V) logits and (B, T) labels without a (B, T, V) log_softmax."""
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """log p(label) for (B, T, V) logits and (B, T) labels -> (B, T).
+
+    gather - logsumexp, `chunk_rows` positions at a time: never a full (B, T, V)
+    log_softmax, at most a (chunk_rows, V) temporary.
+    """
+    flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
+    parts = [
+        rows.gather(-1, lab).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+        for rows, lab in zip(flat.split(chunk_rows), flat_labels.split(chunk_rows))
+    ]
+    return torch.cat(parts).reshape(labels.shape)
 
 
 def entropy_from_logits(logits: Tensor, chunk_rows: int = 4096) -> Tensor:

@@ -1,0 +1,9 @@
+import os
+
+# Tests never reach a model hub: everything is built from configs and local files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+torch.set_num_threads(2)
