@@ -144,8 +144,10 @@ class Server:
                 rules += [(fd, L.LL_READ) for fd in self.stdlib.values()]
                 rules += [(fd, L.LL_FILE_RIGHTS & ~L.LL_FS_EXECUTE) for fd in self.dev_fds]
                 rules += [(work_fd, everything)]
-                if "private_tmp" in active:
+                if "private_tmp" in active:  # fresh tmpfs of this run only: all of it is ours
                     rules.append((os.open("/proc", os.O_PATH), L.LL_READ))
+                    rules += [(os.open(p, os.O_PATH), everything) for p in ("/tmp", "/dev/shm")
+                              if os.path.isdir(p)]
                 try:
                     active += L.landlock_restrict(rules, self.abi)
                 except OSError as err:  # reported; the host decides whether it may run

@@ -1,0 +1,299 @@
+"""Hostile programs: each must score 0 and leave the host intact.
+
+Every program is paired with expected outputs that only cheating could produce (a secret, a
+value the program never computes), so a pass would mean the sandbox or the verdict leaked.
+After every run we check the host: no process left running as the sandbox uid, the canary
+paths outside the sandbox not created, the secret file untouched, the pool still healthy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import subprocess
+import sysconfig
+import threading
+from pathlib import Path
+
+import pytest
+
+from vapo_lightning.sandbox import Pool
+
+TOKEN = secrets.token_hex(8)
+SECRET = f"s3cret-{secrets.token_hex(8)}"
+SITE = sysconfig.get_paths()["purelib"]
+CANARIES = [
+    f"/tmp/vapo-pwned-{TOKEN}",
+    f"/dev/shm/vapo-pwned-{TOKEN}",
+    f"{SITE}/vapo_pwned_{TOKEN}.pth",
+    f"/root/vapo-pwned-{TOKEN}",
+    f"/work/vapo-pwned-{TOKEN}",
+]
+REPO_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "pyproject.toml")
+
+
+def _sandbox_processes() -> list[int]:
+    """Live (non-zombie) processes whose real uid is the sandbox uid 65534."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields["Uid"].split()[0] == "65534" and not fields["State"].strip().startswith("Z"):
+            found.append(int(entry))
+    return found
+
+
+class Listener:
+    """A TCP, a UDP and an abstract Unix socket on the host, recording anything received."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.unix.bind(f"\0vapo-test-{TOKEN}")
+        self.unix.listen()
+        for sock in (self.tcp, self.udp, self.unix):
+            sock.settimeout(0.05)
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop:
+            for sock in (self.tcp, self.unix):
+                try:
+                    conn, _ = sock.accept()
+                    self.received.append(b"connect")
+                    conn.close()
+                except OSError:
+                    pass
+            with contextlib.suppress(OSError):
+                self.received.append(self.udp.recv(100))
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    secret_file = home / ".secret"
+    secret_file.write_text(SECRET)
+    secret_file.chmod(0o644)
+    os.environ["VAPO_TEST_SECRET"] = SECRET
+    # A process whose environment holds the secret, for /proc/<pid>/environ attacks.
+    holder = subprocess.Popen(["sleep", "600"], env={"VAPO_TEST_SECRET": SECRET})
+    listener = Listener()
+    pool = Pool(size=2)
+    yield {"pool": pool, "home": str(home), "secret_file": secret_file,
+           "listener": listener, "holder": holder.pid}
+    pool.close()
+    listener.stop = True
+    holder.kill()
+    holder.wait()
+    os.environ.pop("VAPO_TEST_SECRET", None)
+
+
+def _assert_host_intact(host) -> None:
+    assert _sandbox_processes() == []
+    for path in CANARIES:
+        assert not os.path.exists(path), path
+    assert host["secret_file"].read_text() == SECRET
+    assert sorted(os.listdir(host["home"])) == [".secret"]
+    assert host["listener"].received == []
+    assert os.path.exists(f"/proc/{host['holder']}")
+    assert os.environ["VAPO_TEST_SECRET"] == SECRET
+    # The servers survived and still judge honest code correctly.
+    for _ in range(2):
+        ok = host["pool"].evaluate("def f(x):\n    return x + 1\n",
+                                   [{"input": [1], "output": 2}], "f")
+        assert (ok.passed, ok.total) == (1, 1), ok
+
+
+def _writes_everywhere(text: str, indent: str = "") -> str:
+    body = f"""for p in {CANARIES!r} + [HOME + '/pwned', '/root/.bashrc']:
+    try:
+        with open(p, 'a') as fh:
+            fh.write({text!r})
+    except Exception:
+        pass
+"""
+    return "".join(indent + line + "\n" for line in body.splitlines())
+
+
+# (name, code, fn_name, tests, timeout_s). `WANT` is a secret the program must never obtain.
+WANT = [{"input": [], "output": SECRET}]
+STDIN_WANT = [{"input": "", "output": SECRET}]
+PROGRAMS = [
+    # liveness
+    ("busy_loop", "def f():\n    while True: pass", "f", WANT, 1.0),
+    ("sleep", "import time\ndef f():\n    time.sleep(100)", "f", WANT, 1.0),
+    ("regex_c_loop", "import re\ndef f():\n    return re.match(r'(a+)+$', 'a'*64 + 'b')",
+     "f", WANT, 1.0),
+    ("bigint_c_loop", "def f():\n    return 7 ** (10 ** 9) % 10", "f", WANT, 1.0),
+    ("ignored_signals", "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM,"
+     " signal.SIGXCPU, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
+     "def f():\n    while True: pass", "f", WANT, 1.0),
+    ("swallowed_timeouts", "import time\ndef f():\n    while True:\n        try:\n"
+     "            time.sleep(10)\n        except BaseException:\n            pass", "f", WANT, 1.0),
+    ("sigstop_self", "import os, signal\ndef f():\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+     "    return 0", "f", WANT, 1.0),
+    ("stdin_mode_loop", "while True:\n    pass", None, STDIN_WANT, 1.0),
+    # memory
+    ("huge_alloc", "def f():\n    x = bytearray(10 ** 11)\n    return len(x)", "f", WANT, 5.0),
+    ("growing_list", "def f():\n    l = []\n    while True:\n        l.append(' ' * 10 ** 7)",
+     "f", WANT, 5.0),
+    ("mmap_bomb", "import mmap\ndef f():\n    m = mmap.mmap(-1, 1 << 36)\n    return len(m)",
+     "f", WANT, 5.0),
+    # processes
+    ("fork_bomb", "import os\ndef f():\n    while True:\n        try: os.fork()\n"
+     "        except OSError: pass", "f", WANT, 1.0),
+    ("many_children", "import subprocess\ndef f():\n    ps = [subprocess.Popen(['sleep', '60'])"
+     " for _ in range(100)]\n    return len(ps)", "f", WANT, 2.0),
+    ("double_fork_daemon", "import os, time\nHOME = @HOME@\ndef f():\n    if os.fork() == 0:\n"
+     "        os.setsid()\n        if os.fork() == 0:\n            time.sleep(0.5)\n"
+     + _writes_everywhere("daemon", " " * 12) + "            time.sleep(600)\n"
+     "        os._exit(0)\n    return 0", "f", WANT, 2.0),
+    ("escaped_session", "import subprocess\ndef f():\n"
+     "    subprocess.Popen(['sleep', '600'], start_new_session=True)\n    return 0", "f", WANT, 2.0),
+    # output floods and garbage
+    ("stdout_flood", "def f():\n    while True: print('x' * 10 ** 6)", "f", WANT, 1.0),
+    ("stderr_flood", "import sys\ndef f():\n    while True: sys.stderr.write('x' * 10 ** 6)",
+     "f", WANT, 1.0),
+    ("result_pipe_flood", "import os\ndef f():\n    while True:\n        for fd in range(3, 30):\n"
+     "            try: os.write(fd, b'0 R 1\\n' * 10 ** 5)\n            except OSError: pass",
+     "f", WANT, 2.0),
+    ("stdin_mode_flood", "import sys\nwhile True: sys.stdout.write('y' * 10 ** 6)",
+     None, STDIN_WANT, 2.0),
+    ("binary_garbage", "import os, sys\nsys.stdout.buffer.write(os.urandom(1 << 16))",
+     None, STDIN_WANT, 2.0),
+    ("returns_bytes", "def f():\n    return b'\\xff\\x00' * 100", "f", WANT, 2.0),
+    # disk and file descriptors
+    ("disk_fill", "def f():\n    i = 0\n    while True:\n        with open(f'fill{i}', 'wb') as fh:\n"
+     "            fh.write(b'0' * (15 << 20))\n        i += 1", "f", WANT, 3.0),
+    ("big_file", "def f():\n    with open('big', 'wb') as fh:\n        while True:\n"
+     "            fh.write(b'0' * (1 << 20))", "f", WANT, 3.0),
+    ("fd_exhaustion", "def f():\n    fs = []\n    while True: fs.append(open('/dev/null'))",
+     "f", WANT, 2.0),
+    ("inode_exhaustion", "def f():\n    i = 0\n    while True:\n        open(f'n{i}', 'w').close()\n"
+     "        i += 1", "f", WANT, 2.0),
+    # crashes
+    ("segfault", "import ctypes\ndef f():\n    return ctypes.string_at(0)", "f", WANT, 2.0),
+    ("abort", "import os\ndef f():\n    os.abort()", "f", WANT, 2.0),
+    ("infinite_recursion", "import sys\nsys.setrecursionlimit(10 ** 9)\n"
+     "def f(n=0):\n    return f(n + 1)", "f", WANT, 3.0),
+    ("deep_parser", "def f():\n    return eval('(' * 10 ** 6 + ')' * 10 ** 6)", "f", WANT, 2.0),
+    # files outside the temp dir
+    ("write_everywhere", "HOME = @HOME@\n" + _writes_everywhere("pwned")
+     + "def f():\n    return 0", "f", WANT, 2.0),
+    ("read_repo_file", f"def f():\n    return open({REPO_FILE!r}).read()", "f",
+     [{"input": [], "output": Path(REPO_FILE).read_text()}], 2.0),
+    ("read_shadow", "def f():\n    return open('/etc/shadow').read()", "f",
+     [{"input": [], "output": Path("/etc/shadow").read_text() if os.access("/etc/shadow", os.R_OK)
+       else SECRET}], 2.0),
+    # secrets
+    ("env_secret", "import os\ndef f():\n    return os.environ.get('VAPO_TEST_SECRET', 'none')",
+     "f", WANT, 2.0),
+    ("proc_environ", "import os\ndef f():\n    for p in os.listdir('/proc'):\n        try:\n"
+     "            for kv in open(f'/proc/{p}/environ', 'rb').read().split(b'\\0'):\n"
+     "                if kv.startswith(b'VAPO_TEST_SECRET='): return kv[17:].decode()\n"
+     "        except Exception: pass\n    return 'none'", "f", WANT, 2.0),
+    ("ppid_environ", "import os\ndef f():\n    d = open(f'/proc/{os.getppid()}/environ', 'rb')"
+     ".read()\n    return d.decode()", "f", WANT, 2.0),
+    ("home_secret_file", "def f():\n    return open(@HOME@ + '/.secret').read()", "f", WANT, 2.0),
+    ("self_memory_scan", "def f():\n    import gc\n    for o in gc.get_objects():\n"
+     "        if isinstance(o, str) and o.startswith('s3cret-'): return o\n"
+     "    return open('/proc/self/environ', 'rb').read().decode()", "f", WANT, 2.0),
+    # network
+    ("tcp_loopback", "import socket\ndef f():\n    s = socket.create_connection(('127.0.0.1', @TCP@),"
+     " timeout=1)\n    s.sendall(b'x')\n    return 'connected'", "f", WANT, 3.0),
+    ("udp_loopback", "import socket\ndef f():\n    s = socket.socket(socket.AF_INET, "
+     "socket.SOCK_DGRAM)\n    s.sendto(b'x', ('127.0.0.1', @UDP@))\n    return 'sent'",
+     "f", WANT, 3.0),
+    ("abstract_unix_socket", "import socket\ndef f():\n    s = socket.socket(socket.AF_UNIX)\n"
+     "    s.connect('\\0vapo-test-@TOKEN@')\n    return 'connected'", "f", WANT, 3.0),
+    # attacks on the parent
+    ("kill_parent", "import os\ndef f():\n    os.kill(os.getppid(), 9)\n    return 0",
+     "f", WANT, 2.0),
+    ("stop_parent", "import os\ndef f():\n    os.kill(os.getppid(), 19)\n    return 0",
+     "f", WANT, 2.0),
+    ("killpg_and_kill_all", "import os\ndef f():\n    try: os.kill(-1, 9)\n"
+     "    except OSError: pass\n    os.killpg(0, 9)", "f", WANT, 2.0),
+    ("stop_every_process", "import os\ndef f():\n    for p in os.listdir('/proc'):\n"
+     "        if p.isdigit() and int(p) != os.getpid():\n"
+     "            try: os.kill(int(p), 19)\n            except OSError: pass\n    return 0",
+     "f", WANT, 2.0),
+    # verdict tampering (the expected output is a secret the program cannot know)
+    ("exit_zero_early", "import sys\nsys.exit(0)\ndef f():\n    return 0", "f", WANT, 2.0),
+    ("os_exit_zero", "import os\ndef f():\n    os._exit(0)", "f", WANT, 2.0),
+    ("atexit_exit", "import atexit, os\natexit.register(lambda: os._exit(0))\n"
+     "def f():\n    raise SystemExit(0)", "f", WANT, 2.0),
+    ("excepthook_exit", "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\n"
+     "def f():\n    raise ValueError", "f", WANT, 2.0),
+    ("fake_markers", "def f():\n    print('0 R \"ok\"')\n    print('PASSED all tests')\n"
+     "    return 'ok'", "f", WANT, 2.0),
+    ("always_equal", "class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o):"
+     " return False\ndef f():\n    return A()", "f", WANT, 2.0),
+    ("str_subclass", "class S(str):\n    def __eq__(self, o): return True\n"
+     "def f():\n    return S('x')", "f", WANT, 2.0),
+    ("patched_builtins", "import builtins, json\nbuiltins.type = lambda *a: str\n"
+     "json.dumps = lambda *a, **k: '\"yes\"'\ndef f():\n    return 'no'", "f", WANT, 2.0),
+    ("frame_walk", "import sys\ndef f():\n    fr = sys._getframe()\n    while fr:\n"
+     "        for v in list(fr.f_locals.values()) + list(fr.f_globals.values()):\n"
+     "            if isinstance(v, str) and 's3cret' in v: return v\n        fr = fr.f_back\n"
+     "    return 'x'", "f", WANT, 2.0),
+    ("stdin_fake_exit", "import os\nos.write(1, b'PASS\\n')\nos._exit(0)", None, STDIN_WANT, 2.0),
+    ("true_for_one", "def f():\n    return True", "f", [{"input": [], "output": 1}], 2.0),
+    ("nan_for_anything", "def f():\n    return float('nan')", "f",
+     [{"input": [], "output": 1.5}], 2.0),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,code,fn_name,tests,timeout_s", PROGRAMS,
+                         ids=[p[0] for p in PROGRAMS])
+def test_hostile_program_scores_zero(host, name, code, fn_name, tests, timeout_s):
+    lst = host["listener"]
+    for key, value in (("@HOME@", repr(host["home"])), ("@TCP@", str(lst.tcp.getsockname()[1])),
+                       ("@UDP@", str(lst.udp.getsockname()[1])), ("@TOKEN@", TOKEN)):
+        code = code.replace(key, value)
+    result = host["pool"].evaluate(code, tests, fn_name, timeout_s=timeout_s)
+    assert result.total == len(tests)
+    assert result.passed == 0, result
+    assert "uid_drop" in result.layers or os.geteuid() != 0
+    _assert_host_intact(host)
+
+
+def test_there_are_at_least_40_hostile_programs():
+    assert len(PROGRAMS) >= 40
+    assert len({p[0] for p in PROGRAMS}) == len(PROGRAMS)
+
+
+def test_escaped_pipe_holder_does_not_hold_up_the_run(host):
+    code = ("import os, time\ndef f():\n    if os.fork() == 0:\n        os.setsid()\n"
+            "        time.sleep(600)\n    return 1\n")
+    result = host["pool"].evaluate(code, [{"input": [], "output": 1}], "f", timeout_s=20)
+    assert (result.passed, result.status) == (1, "ok"), result
+    _assert_host_intact(host)
+
+
+def test_no_cross_run_leakage(host):
+    pool = host["pool"]
+    writer = ("def f():\n    open('/tmp/leak', 'w').write('L')\n"
+              "    open('/dev/shm/leak', 'w').write('L')\n    open('leak', 'w').write('L')\n"
+              "    return 'written'\n")
+    assert pool.evaluate(writer, [{"input": [], "output": "written"}], "f").passed == 1
+    reader = ("import os\ndef f():\n    for p in ('/tmp/leak', '/dev/shm/leak', 'leak'):\n"
+              "        if os.path.exists(p): return 'L'\n    return 'clean'\n")
+    for _ in range(3):  # whichever server of the pool runs it
+        result = pool.evaluate(reader, [{"input": [], "output": "clean"}], "f")
+        assert result.passed == 1, result
+    _assert_host_intact(host)
