@@ -1,0 +1,136 @@
+"""Math checks per second: math-verify in-process (reference), and `MathVerifier` with one worker
+process and batched across N worker processes, on real gold answers (MATH-500 and GSM8K test
+from ../shared/data) in a mix of correct responses spelled differently from the gold answer
+(so they reach math-verify, not the exact-match fast path) and wrong ones.
+
+    .venv/bin/python benchmarks/bench_math_reward.py --workers 1 2 4 --repeats 3
+
+Prints a markdown table (results in benchmarks/results/math_reward.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import time
+from fractions import Fraction
+from pathlib import Path
+
+from vapo_lightning.rewards.math import MathVerifier, extract_answer
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+FRAC = re.compile(r"(-?)\\[dt]?frac\{?(\d+)\}?\{?(\d+)\}?")
+
+
+def correct_form(answer: str) -> str:
+    """An equivalent spelling that differs from the gold answer where one is easy to make
+    (numbers, fractions); other answers are repeated as they are (the fast path)."""
+    plain = answer.replace(",", "") if re.fullmatch(r"[\d,]+", answer) else answer
+    if NUMBER.fullmatch(plain):
+        return f"{Fraction(plain)}.0" if "." not in plain else f"{plain}0"
+    if m := FRAC.fullmatch(answer):
+        sign, p, q = m.groups()
+        return f"{sign}{p}/{q}"
+    return answer
+
+
+def wrong_form(answer: str, other: str) -> str:
+    plain = answer.replace(",", "") if re.fullmatch(r"[\d,]+", answer) else answer
+    if NUMBER.fullmatch(plain):
+        return str(Fraction(plain) + 1)
+    return other  # another problem's gold answer
+
+
+def make_pairs(seed: int = 0) -> list[tuple[str, str]]:
+    math500 = [row["answer"] for row in json.loads((DATA / "math500.json").read_text())]
+    with open(DATA / "gsm8k_test.jsonl") as f:
+        gsm8k = [json.loads(line)["answer"] for line in f]
+    pairs = []
+    for golds in (math500, gsm8k):
+        for i, gold in enumerate(golds):
+            answer = extract_answer(gold) if "####" in gold else gold
+            other = golds[(i + 1) % len(golds)]
+            other = extract_answer(other) if "####" in other else other
+            pairs.append(
+                (f"Reasoning...\nThe answer is $\\boxed{{{correct_form(answer)}}}$.", gold)
+            )
+            pairs.append(
+                (f"Reasoning...\nThe answer is $\\boxed{{{wrong_form(answer, other)}}}$.", gold)
+            )
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
+def bench_in_process(pairs: list[tuple[str, str]]) -> float:
+    """math-verify called directly in this process, with no time limit (reference only)."""
+    from math_verify import parse, verify
+
+    start = time.perf_counter()
+    for response, gold in pairs:
+        gold = extract_answer(gold) if "####" in gold else gold
+        verify(
+            parse("\\boxed{" + gold + "}", parsing_timeout=None),
+            parse("\\boxed{" + (extract_answer(response) or "") + "}", parsing_timeout=None),
+            timeout_seconds=None,
+        )
+    return len(pairs) / (time.perf_counter() - start)
+
+
+def bench_pool(pairs, workers: int, repeats: int, batch: int) -> dict:
+    verifier = MathVerifier(num_workers=workers, timeout_s=3.0)
+    start = time.perf_counter()
+    verifier.check_batch(*zip(*pairs[: workers * 2]))  # start the workers
+    startup = time.perf_counter() - start
+    rates, correct = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        verdicts = []
+        for i in range(0, len(pairs), batch):
+            chunk = pairs[i : i + batch]
+            verdicts += verifier.check_batch([r for r, _ in chunk], [g for _, g in chunk])
+        rates.append(len(pairs) / (time.perf_counter() - start))
+        correct = sum(bool(v) for v in verdicts)
+    stats = verifier.stats
+    verifier.close()
+    return {"startup": startup, "rates": rates, "correct": correct, "stats": stats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=512, help="checks per check_batch call")
+    args = parser.parse_args()
+
+    pairs = make_pairs()
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}"
+    )
+    print(f"{len(pairs)} checks (MATH-500 + GSM8K test, half correct), batches of {args.batch}\n")
+    ref = bench_in_process(pairs)
+    print(
+        "| setting | checks/s (median of runs) | runs | judged correct | pooled / fast | "
+        "start-up s |"
+    )
+    print("|---|---|---|---|---|---|")
+    print(f"| math-verify in-process, no time limit (reference) | {ref:,.0f} | 1 | | | |")
+    for workers in args.workers:
+        out = bench_pool(pairs, workers, args.repeats, args.batch)
+        rates = ", ".join(f"{r:,.0f}" for r in out["rates"])
+        s = out["stats"]
+        print(
+            f"| MathVerifier, {workers} worker process(es) | {statistics.median(out['rates']):,.0f}"
+            f" | {rates} | {out['correct']}/{len(pairs)} | {s.pooled} / {s.fast} | "
+            f"{out['startup']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
