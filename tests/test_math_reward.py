@@ -42,7 +42,10 @@ def boxed(answer: str) -> str:
     [
         ("so \\boxed{\\frac{1}{2}} and then \\boxed{\\frac{3}{4}}.", "\\frac{3}{4}"),
         ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
-        ("\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+        (
+            "\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}",
+            "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}",
+        ),
         ("the answer is \\fbox{42}", "42"),
         ("hence $\\boxed 5$.", "5"),
         ("Working...\nAnswer: $x = 5$\n", "x = 5"),
@@ -82,8 +85,16 @@ def test_extract_answer_is_linear_on_a_2mb_response():
         (boxed("\\{3, 2, 1\\}"), "\\{1,2,3\\}", True),
         (boxed("(2, 1)"), "(1,2)", False),
         (boxed("(x+1)^2"), "x^2+2x+1", True),
-        (boxed("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"), "\\begin{pmatrix}1\\\\2\\end{pmatrix}", True),
-        (boxed("\\begin{pmatrix} 1 \\\\ 3 \\end{pmatrix}"), "\\begin{pmatrix}1\\\\2\\end{pmatrix}", False),
+        (
+            boxed("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+            "\\begin{pmatrix}1\\\\2\\end{pmatrix}",
+            True,
+        ),
+        (
+            boxed("\\begin{pmatrix} 1 \\\\ 3 \\end{pmatrix}"),
+            "\\begin{pmatrix}1\\\\2\\end{pmatrix}",
+            False,
+        ),
         ("Answer: 18", "Janet sells 16 - 3 - 4 = 9 eggs... 9 * 2 = 18\n#### 18", True),
         ("#### 1,000", "1000", True),
         (boxed("1/3"), "0.3333", False),
@@ -107,7 +118,9 @@ def test_missing_ground_truth_is_none_not_false(verifier):
 
 def test_works_off_the_main_thread(verifier):
     out = []
-    thread = threading.Thread(target=lambda: out.extend(verifier.check_batch([boxed("0.5")], ["1/2"])))
+    thread = threading.Thread(
+        target=lambda: out.extend(verifier.check_batch([boxed("0.5")], ["1/2"]))
+    )
     thread.start()
     thread.join(30)
     assert out == [True]
@@ -208,7 +221,11 @@ def equivalent_forms(source: str, answer: str) -> list[str]:
             forms.append(f"\\${plain}")
     if m := FRAC.fullmatch(answer):
         sign, p, q = m.groups()
-        forms += [f"{sign}\\dfrac{{{p}}}{{{q}}}", f"{sign}{p}/{q}", f"{sign}\\frac{{{2 * int(p)}}}{{{2 * int(q)}}}"]
+        forms += [
+            f"{sign}\\dfrac{{{p}}}{{{q}}}",
+            f"{sign}{p}/{q}",
+            f"{sign}\\frac{{{2 * int(p)}}}{{{2 * int(q)}}}",
+        ]
         if set(_prime_factors(int(q))) <= {2, 5}:  # an exact, terminating decimal
             forms.append(f"{sign}{float(Fraction(int(p), int(q))):.10g}")
     if answer.startswith("\\left(") or answer.startswith("("):
@@ -239,7 +256,10 @@ def wrong_forms(source: str, answer: str) -> list[str]:
         return [str(value + 1), str(-value) if value else "1", str(value * 10 if value else 2)]
     if m := FRAC.fullmatch(answer):
         sign, p, q = m.groups()
-        return [f"{sign}\\frac{{{int(p) + 1}}}{{{q}}}", f"{sign}\\frac{{{q}}}{{{p}}}" if p != q else "2"]
+        return [
+            f"{sign}\\frac{{{int(p) + 1}}}{{{q}}}",
+            f"{sign}\\frac{{{q}}}{{{p}}}" if p != q else "2",
+        ]
     if re.fullmatch(r"\\left\(.*\\right\)|\(.*\)", answer) and "(-\\infty" not in answer:
         # a tuple or an open interval ([-oo, b) would be (-oo, b) for sympy)
         return ["[" + answer.removeprefix("\\left(").removeprefix("(")]
