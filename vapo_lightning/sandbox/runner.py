@@ -162,14 +162,18 @@ class DirFdFinder(importlib.abc.MetaPathFinder):
         self.roots = roots
 
     def find_spec(self, fullname, path=None, target=None):
-        parts = fullname.split(".")
-        bases = list(path) if path else list(self.roots)
-        for base in bases:
-            root = next((r for r in self.roots if base == r or base.startswith(r + "/")), None)
-            if root is None:
-                continue
-            rel_dir = os.path.relpath(base, root) if path else "."
-            spec = self._spec(fullname, parts[-1], root, rel_dir)
+        name = fullname.rpartition(".")[2]
+        if path is None:
+            places = [(root, ".") for root in self.roots]
+        else:
+            places = []
+            for base in path:
+                roots = [r for r in self.roots if base == r or base.startswith(r + "/")]
+                if roots:
+                    root = max(roots, key=len)
+                    places.append((root, os.path.relpath(base, root)))
+        for root, rel_dir in places:
+            spec = self._spec(fullname, name, root, rel_dir)
             if spec is not None:
                 return spec
         return None

@@ -1,0 +1,147 @@
+"""Honest programs score exactly what they earn; the host-side comparison is type-strict."""
+
+from __future__ import annotations
+
+import pytest
+
+from vapo_lightning.sandbox import Pool
+from vapo_lightning.sandbox.compare import normalise_stdout, same_value
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(size=2)
+    yield p
+    p.close()
+
+
+def _score(pool, code, tests, fn_name=None, timeout_s=10.0):
+    r = pool.evaluate(code, tests, fn_name, timeout_s=timeout_s)
+    assert r.total == len(tests)
+    return r.passed
+
+
+ADD = [{"input": [1, 2], "output": 3}, {"input": [-5, 5], "output": 0},
+       {"input": [10, 20], "output": 30}]
+
+
+def test_prints_while_returning(pool):
+    code = "def add(a, b):\n    print('debug', a, b)\n    return a + b\n"
+    assert _score(pool, code, ADD, "add") == 3
+
+
+def test_partly_correct(pool):
+    code = "def add(a, b):\n    return a + b if a > 0 else 99\n"
+    assert _score(pool, code, ADD, "add") == 2
+
+
+def test_raising_on_one_test(pool):
+    code = "def add(a, b):\n    if a < 0:\n        raise ValueError('no')\n    return a + b\n"
+    r = pool.evaluate(code, ADD, "add")
+    assert (r.passed, r.per_test, r.errors[1]) == (2, [True, False, True], "ValueError")
+
+
+def test_sys_exit_in_one_test_costs_only_that_test(pool):
+    code = "import sys\ndef add(a, b):\n    if a < 0:\n        sys.exit(0)\n    return a + b\n"
+    assert _score(pool, code, ADD, "add") == 2
+
+
+def test_slow_but_in_time(pool):
+    code = "import time\ndef add(a, b):\n    time.sleep(0.2)\n    return a + b\n"
+    assert _score(pool, code, ADD, "add", timeout_s=10) == 3
+
+
+def test_deep_recursion_with_raised_limit(pool):
+    code = ("import sys\nsys.setrecursionlimit(200000)\n"
+            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n")
+    assert _score(pool, code, [{"input": [100000], "output": 100000}], "depth") == 1
+
+
+def test_timeout_fails_the_remaining_tests_only(pool):
+    code = "def add(a, b):\n    while a < 0:\n        pass\n    return a + b\n"
+    r = pool.evaluate(code, ADD, "add", timeout_s=1.0)
+    assert (r.passed, r.status, r.per_test) == (1, "timeout", [True, False, False])
+
+
+def test_imports_beyond_the_preloaded_stdlib(pool):
+    code = ("import graphlib, zlib, json.decoder, csv, email.utils\n"
+            "def f():\n    return zlib.crc32(b'abc') + len(list(graphlib.TopologicalSorter("
+            "{1: [2]}).static_order()))\n")
+    import zlib
+
+    assert _score(pool, code, [{"input": [], "output": zlib.crc32(b"abc") + 2}], "f") == 1
+
+
+def test_threads_and_tmp_files_work(pool):
+    code = ("import threading, tempfile\ndef f():\n    out = []\n"
+            "    t = threading.Thread(target=lambda: out.append(7))\n    t.start(); t.join()\n"
+            "    with tempfile.NamedTemporaryFile('w+') as fh:\n        fh.write('x')\n"
+            "    open('/tmp/scratch', 'w').write('y')\n    return out[0]\n")
+    assert _score(pool, code, [{"input": [], "output": 7}], "f") == 1
+
+
+def test_leetcode_solution_class(pool):
+    code = "class Solution:\n    def twice(self, x):\n        return 2 * x\n"
+    assert _score(pool, code, [{"input": [4], "output": 8}], "twice") == 1
+
+
+def test_inputs_are_fresh_for_every_test(pool):
+    code = "def f(xs):\n    xs.append(0)\n    return len(xs)\n"
+    tests = [{"input": [[1, 2]], "output": 3}, {"input": [[1, 2]], "output": 3}]
+    assert _score(pool, code, tests, "f") == 2
+
+
+def test_type_strict_comparison(pool):
+    tests = [{"input": [], "output": 1}]
+    assert _score(pool, "def f():\n    return True\n", tests, "f") == 0
+    assert _score(pool, "def f():\n    return 1.0\n", tests, "f") == 0
+    assert _score(pool, "def f():\n    return '1'\n", tests, "f") == 0
+    assert _score(pool, "def f():\n    return 1\n", tests, "f") == 1
+    assert _score(pool, "def f():\n    return (1, [2])\n",
+                  [{"input": [], "output": [1, [2]]}], "f") == 1
+
+
+def test_stdin_mode(pool):
+    code = "a, b = map(int, input().split())\nprint(a + b)   \nprint()\n"
+    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2\n", "output": "4"},
+             {"input": "2 2\n", "output": "5\n"}]
+    assert _score(pool, code, tests) == 2
+
+
+def test_stdin_mode_whole_output_not_a_prefix(pool):
+    code = "print(3)\nprint('extra')\n"
+    assert _score(pool, code, [{"input": "", "output": "3\n"}]) == 0
+    assert _score(pool, "print(3)", [{"input": "", "output": "3\nextra"}]) == 0
+
+
+def test_stdin_mode_nonzero_exit_fails_and_runs_are_separate(pool):
+    code = ("import sys\nn = int(sys.stdin.read())\nprint(n * 2)\n"
+            "if n == 2:\n    raise SystemExit(3)\n")
+    tests = [{"input": "1", "output": "2"}, {"input": "2", "output": "4"},
+             {"input": "3", "output": "6"}]
+    r = pool.evaluate(code, tests)
+    assert (r.passed, r.errors[1]) == (2, "exit 3")
+
+
+def test_syntax_error_scores_zero_with_reason(pool):
+    r = pool.evaluate("def f(:\n", [{"input": [], "output": 1}], "f")
+    assert (r.passed, r.errors) == (0, ["SyntaxError"])
+
+
+def test_no_tests_is_zero_of_zero(pool):
+    r = pool.evaluate("def f(): pass", [], "f")
+    assert (r.passed, r.total) == (0, 0)
+
+
+def test_same_value_rules():
+    assert same_value([1, {"a": None}], [1, {"a": None}])
+    assert not same_value(True, 1) and not same_value(1, True) and not same_value(1, 1.0)
+    assert same_value(0.1 + 0.2, 0.3) and not same_value(0.3001, 0.3)
+    assert same_value(0.3001, 0.3, tol=1e-3) and not same_value(0.302, 0.3, tol=1e-3)
+    assert not same_value([1, 2], [1, 2, 3]) and not same_value({"a": 1}, {"a": 1, "b": 2})
+
+
+def test_normalise_stdout():
+    assert normalise_stdout("1 \n2\t\n\n") == normalise_stdout("1\n2")
+    assert normalise_stdout(" 1") != normalise_stdout("1")
+    assert normalise_stdout("1\n\n2") != normalise_stdout("1\n2")
