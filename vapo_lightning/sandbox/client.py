@@ -24,7 +24,7 @@ SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server
 
 ALL_LAYERS = (
     "session", "uid_drop", "userns", "netns", "pidns", "mountns", "private_tmp", "clean_env",
-    "rlimits", "no_caps", "landlock_fs", "landlock_tcp", "landlock_scope",
+    "rlimits", "no_caps", "landlock_fs", "landlock_tcp", "landlock_scope", "subreaper",
 )
 """Every layer the sandbox knows; `Result.layers` lists those that took effect."""
 
@@ -81,8 +81,8 @@ class WarmServer:
         self.lock = threading.Lock()
         hello, _ = self._recv()
         self.probe = hello["probe"]
-        self.layers: list[str] = list(self.probe.get("layers", []))
-        self.subreaper = bool(hello.get("subreaper"))
+        self.extra_layers = ["subreaper"] if hello.get("subreaper") else []
+        self.layers: list[str] = list(self.probe.get("layers", [])) + self.extra_layers
 
     def _recv(self) -> tuple[dict, bytes]:
         out = self.proc.stdout
@@ -100,7 +100,9 @@ class WarmServer:
         with self.lock:
             self.proc.stdin.write(struct.pack(">I", len(blob)) + blob)
             self.proc.stdin.flush()
-            return self._recv()
+            header, raw = self._recv()
+        header["layers"] = list(header.get("layers", [])) + self.extra_layers
+        return header, raw
 
     def close(self) -> None:
         if self.proc.poll() is None:

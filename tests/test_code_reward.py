@@ -1,0 +1,100 @@
+"""CodeReward: code extraction, test formats, pass fraction vs all-or-nothing, isolation gate."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vapo_lightning.rewards.base import Sample, combine_rewards
+from vapo_lightning.rewards.code import CodeReward, extract_code, missing_isolation
+from vapo_lightning.sandbox import ALL_LAYERS
+
+
+def _sample(response, ground_truth, **extra):
+    return Sample(prompt="p", response=response, response_ids=[1], truncated=False,
+                  ground_truth=ground_truth, extra_info=extra)
+
+
+@pytest.fixture(scope="module")
+def reward():
+    cb = CodeReward(num_workers=2, program_timeout_s=5.0)
+    yield cb
+    cb.close()
+
+
+def test_extract_code_takes_the_last_python_block():
+    text = "Try:\n```python\nx = 1\n```\nBetter:\n```python\nx = 2\n```\nDone."
+    assert extract_code(text) == "x = 2\n"
+    assert extract_code("```\nprint(1)\n```") == "print(1)\n"
+    assert extract_code("def f():\n    return 1") == "def f():\n    return 1"
+
+
+def test_scores_each_format(reward):
+    io_tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2\n", "output": "5\n"}]
+    stdin_prog = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    taco = {"inputs": [[1, 2], [2, 2]], "outputs": [[3], [4]], "fn_name": "add"}
+    fn_prog = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
+    mbpp = ["assert add(1, 1) == 2", "assert add(0, 0) == 1"]
+    samples = [
+        _sample(stdin_prog, io_tests),
+        _sample(fn_prog, taco),
+        _sample(fn_prog, mbpp, fn_name="add"),
+        _sample("no code at all", taco),
+        _sample(fn_prog, [{"input": [2, 3], "output": 5}], fn_name="add"),
+    ]
+    assert reward.score(samples) == [0.5, 1.0, 0.5, 0.0, 1.0]
+
+
+def test_all_or_nothing():
+    cb = CodeReward(num_workers=1, all_or_nothing=True)
+    try:
+        tests = [{"input": [1], "output": 1}, {"input": [2], "output": 3}]
+        scores = cb.score([_sample("def f(x):\n    return x", tests, fn_name="f"),
+                           _sample("def f(x):\n    return 2 * x - 1", tests, fn_name="f")])
+        assert scores == [0.0, 1.0]
+    finally:
+        cb.close()
+
+
+def test_missing_tests_are_errors_not_zeros(reward):
+    outcome = combine_rewards([reward], [_sample("x = 1", None)])
+    assert outcome.errors == 1
+
+
+def test_hostile_response_scores_zero_through_the_callback(reward):
+    taco = {"inputs": [[1]], "outputs": [[12345]], "fn_name": "f"}
+    resp = "```python\nimport os\ndef f(x):\n    os._exit(0)\n```"
+    assert reward.score([_sample(resp, taco)]) == [0.0]
+
+
+def test_isolation_gate_names_what_is_missing():
+    assert missing_isolation(list(ALL_LAYERS), "full", is_root=True) == []
+    assert missing_isolation(["rlimits", "clean_env", "session", "subreaper"], "strong",
+                             is_root=False) == ["filesystem", "network"]
+    assert "not_root" in missing_isolation(["rlimits"], "basic", is_root=True)
+    with pytest.raises(ValueError):
+        missing_isolation([], "paranoid", is_root=False)
+
+
+def test_refuses_to_start_below_the_minimum(monkeypatch):
+    import vapo_lightning.rewards.code as code_mod
+
+    class WeakPool:
+        layers = ("rlimits", "session", "clean_env")
+
+        def __init__(self, *a, **k):
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(code_mod, "Pool", WeakPool)
+    with pytest.raises(RuntimeError, match=r"(?s)Missing:.*network.*user namespaces"):
+        CodeReward(min_isolation="strong")
+    CodeReward(min_isolation="none").close()
+
+
+def test_reported_layers_are_known_and_include_the_basics(reward):
+    assert set(reward.layers) <= set(ALL_LAYERS)
+    assert missing_isolation(reward.layers, "basic", is_root=os.geteuid() == 0) == []

@@ -1,0 +1,165 @@
+"""`CodeReward`: run the response's program on the row's tests in the sandbox and score it.
+
+The tests come from `Sample.ground_truth` (a list of ``{"input", "output"}`` dicts, the
+TACO/APPS/LiveCodeBench ``{"inputs", "outputs", "fn_name"}`` dict, HumanEval problems or
+MBPP assert lines; see `vapo_lightning.sandbox.importers`); ``fn_name`` may also come from
+`Sample.extra_info`. The warm fork servers start in ``__init__``, i.e. when the CLI builds the
+callbacks, before the trainer initialises CUDA or threads; the run refuses to start when the
+machine offers less isolation than `min_isolation`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+from vapo_lightning.rewards.base import RewardCallback, Sample
+from vapo_lightning.sandbox import Limits, Pool
+from vapo_lightning.sandbox.importers import from_ground_truth
+
+__all__ = ["ISOLATION_LEVELS", "CodeReward", "extract_code", "missing_isolation"]
+
+_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+# Each requirement is met by any one of its layers.
+_REQUIREMENTS = {
+    "limits": ("rlimits",),
+    "clean_env": ("clean_env",),
+    "no_tty": ("session",),
+    "not_root": ("uid_drop",),
+    "filesystem": ("landlock_fs",),
+    "network": ("netns",),
+    "reaping": ("pidns", "subreaper"),
+    "private_tmp": ("private_tmp",),
+    "signals": ("pidns", "landlock_scope"),
+}
+ISOLATION_LEVELS = {
+    "none": (),
+    "basic": ("limits", "clean_env", "no_tty", "not_root", "reaping"),
+    "strong": ("limits", "clean_env", "no_tty", "not_root", "reaping", "filesystem", "network"),
+    "full": tuple(_REQUIREMENTS),
+}
+"""What each `min_isolation` value requires (see `_HOW_TO` for how to get each part)."""
+
+_HOW_TO = {
+    "not_root": "candidate code would run as root: the server could not setresuid(65534)",
+    "filesystem": "Landlock (Linux >= 5.13 with 'landlock' in /sys/kernel/security/lsm; add "
+                  "lsm=landlock,... to the kernel command line)",
+    "network": "a network namespace, which needs unprivileged user namespaces: on Ubuntu >= "
+               "23.10 `sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "
+               "`sysctl kernel.unprivileged_userns_clone=1`; in Docker use "
+               "`--security-opt seccomp=unconfined` (or run on a VM)",
+    "private_tmp": "a mount namespace (same requirement as the network namespace)",
+    "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
+    "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
+}
+
+
+def missing_isolation(layers: Sequence[str], level: str, is_root: bool) -> list[str]:
+    """Requirements of `level` that none of the active `layers` meets."""
+    if level not in ISOLATION_LEVELS:
+        raise ValueError(f"min_isolation must be one of {sorted(ISOLATION_LEVELS)}, got {level!r}")
+    have = set(layers)
+    missing = []
+    for need in ISOLATION_LEVELS[level]:
+        if need == "not_root" and not is_root:
+            continue  # not root to begin with
+        if not have.intersection(_REQUIREMENTS[need]):
+            missing.append(need)
+    return missing
+
+
+def extract_code(response: str) -> str:
+    """The last ```python (or bare ```) fenced block of the response, else the whole text."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1][1] if blocks else response
+
+
+class CodeReward(RewardCallback):
+    """Reward = tests passed by the response's program, run sandboxed and judged on the host.
+
+    Args:
+        all_or_nothing: 1.0 only when every test passes; otherwise the fraction passed.
+        program_timeout_s: wall-clock limit for one program on all of its tests.
+        min_isolation: ``"none" | "basic" | "strong" | "full"`` (`ISOLATION_LEVELS`); the run
+            refuses to start with less, naming what is missing and how to get it.
+        num_workers: warm fork servers run in parallel (default: CPU count).
+        memory_mb: address-space limit per sandboxed process.
+        no_tests_value: reward for a row whose tests cannot be imported (None: an error,
+            handled by `on_error`).
+        **kwargs: `RewardCallback` arguments (weight, on_error, error_value, timeout_s).
+    """
+
+    def __init__(
+        self,
+        all_or_nothing: bool = False,
+        program_timeout_s: float = 10.0,
+        min_isolation: Literal["none", "basic", "strong", "full"] = "strong",
+        num_workers: int | None = None,
+        memory_mb: int = 2048,
+        no_tests_value: float | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        if program_timeout_s <= 0:
+            raise ValueError(f"CodeReward.program_timeout_s must be > 0, got {program_timeout_s}")
+        self.all_or_nothing = all_or_nothing
+        self.program_timeout_s = float(program_timeout_s)
+        self.min_isolation = min_isolation
+        self.no_tests_value = no_tests_value
+        self.num_workers = num_workers or max(1, os.cpu_count() or 1)
+        self.limits = Limits(memory_mb=memory_mb)
+        self.pool: Pool | None = Pool(self.num_workers, limits=self.limits)
+        self.layers = list(self.pool.layers)
+        self.last_statuses: Counter[str] = Counter()
+        self._check_isolation()
+
+    def _check_isolation(self) -> None:
+        missing = missing_isolation(self.layers, self.min_isolation, os.geteuid() == 0)
+        if missing:
+            self.close()
+            how = "\n".join(f"  - {m}: {_HOW_TO.get(m, 'see vapo_lightning/sandbox')}"
+                            for m in missing)
+            raise RuntimeError(
+                f"CodeReward: this machine's sandbox lacks what min_isolation="
+                f"{self.min_isolation!r} requires.\nActive layers: {', '.join(self.layers)}.\n"
+                f"Missing:\n{how}\nFix the above, or lower min_isolation (e.g. 'basic') if you "
+                "accept running model-written code with less isolation."
+            )
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.pool is None:  # closed by an earlier fit/validate: start again
+            self.pool = Pool(self.num_workers, limits=self.limits)
+            self.layers = list(self.pool.layers)
+        self._check_isolation()
+
+    def _score_one(self, sample: Sample) -> float | None:
+        fn_name = (sample.extra_info or {}).get("fn_name")
+        try:
+            imported = from_ground_truth(sample.ground_truth, fn_name)
+        except (ValueError, TypeError, KeyError, SyntaxError):
+            return self.no_tests_value
+        if not imported.tests:
+            return self.no_tests_value
+        result = self.pool.evaluate(extract_code(sample.response), imported.tests,
+                                    imported.fn_name, timeout_s=self.program_timeout_s)
+        self.last_statuses[result.status] += 1
+        if self.all_or_nothing:
+            return float(result.passed == result.total)
+        return result.passed / result.total
+
+    def score(self, samples: Sequence[Sample]) -> list[float | None]:
+        if self.pool is None:
+            raise RuntimeError("CodeReward was closed")
+        self.last_statuses = Counter()
+        with ThreadPoolExecutor(self.num_workers, thread_name_prefix="vapo-code") as ex:
+            return list(ex.map(self._score_one, samples))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
