@@ -23,8 +23,20 @@ from vapo_lightning.sandbox.compare import judge
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
 
 ALL_LAYERS = (
-    "session", "uid_drop", "userns", "netns", "pidns", "mountns", "private_tmp", "clean_env",
-    "rlimits", "no_caps", "landlock_fs", "landlock_tcp", "landlock_scope", "subreaper",
+    "session",
+    "uid_drop",
+    "userns",
+    "netns",
+    "pidns",
+    "mountns",
+    "private_tmp",
+    "clean_env",
+    "rlimits",
+    "no_caps",
+    "landlock_fs",
+    "landlock_tcp",
+    "landlock_scope",
+    "subreaper",
 )
 """Every layer the sandbox knows; `Result.layers` lists those that took effect."""
 
@@ -75,8 +87,13 @@ class WarmServer:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing secret to inherit
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-B", SERVER_SCRIPT, opts],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, cwd="/", close_fds=True, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd="/",
+            close_fds=True,
+            start_new_session=True,
         )
         self.lock = threading.Lock()
         hello, _ = self._recv()
@@ -88,8 +105,10 @@ class WarmServer:
         out = self.proc.stdout
         head = out.read(4)
         if len(head) != 4:
-            raise RuntimeError("sandbox server died (run it by hand to see why: "
-                               f"{sys.executable} -I -S {SERVER_SCRIPT})")
+            raise RuntimeError(
+                "sandbox server died (run it by hand to see why: "
+                f"{sys.executable} -I -S {SERVER_SCRIPT})"
+            )
         (n,) = struct.unpack(">I", head)
         header = json.loads(out.read(n))
         raw = out.read(header.get("raw_len", 0)) if "raw_len" in header else b""
@@ -117,8 +136,13 @@ class WarmServer:
 class Pool:
     """`size` warm servers; `evaluate` may be called from that many threads at once."""
 
-    def __init__(self, size: int | None = None, namespaces: bool = True,
-                 landlock: bool = True, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        size: int | None = None,
+        namespaces: bool = True,
+        landlock: bool = True,
+        limits: Limits | None = None,
+    ) -> None:
         size = size or max(1, os.cpu_count() or 1)
         self.servers = [WarmServer(namespaces, landlock) for _ in range(size)]
         self.idle: queue.Queue[WarmServer] = queue.Queue()
@@ -127,8 +151,14 @@ class Pool:
         self.limits = limits or Limits()
         self.layers = self.servers[0].layers
 
-    def evaluate(self, code: str, tests: list[dict], fn_name: str | None = None,
-                 timeout_s: float = 10.0, limits: Limits | None = None) -> Result:
+    def evaluate(
+        self,
+        code: str,
+        tests: list[dict],
+        fn_name: str | None = None,
+        timeout_s: float = 10.0,
+        limits: Limits | None = None,
+    ) -> Result:
         t0 = time.perf_counter()
         total = len(tests)
         if total == 0:
@@ -138,8 +168,13 @@ class Pool:
             inputs = [t["input"] if isinstance(t["input"], str) else "" for t in tests]
         else:
             inputs = [json.dumps(t["input"]) for t in tests]
-        request = {"code": code, "inputs": inputs, "fn_name": fn_name,
-                   "timeout_s": float(timeout_s), "limits": limits.__dict__}
+        request = {
+            "code": code,
+            "inputs": inputs,
+            "fn_name": fn_name,
+            "timeout_s": float(timeout_s),
+            "limits": limits.__dict__,
+        }
         server = self.idle.get()
         try:
             header, raw = server.run(request)
@@ -147,9 +182,14 @@ class Pool:
             self.idle.put(server)
         per_test, errors = judge(raw, tests, fn_name)
         return Result(
-            passed=sum(per_test), total=total, status=header.get("status", "server_error"),
-            layers=header.get("layers", []), per_test=per_test, errors=errors,
-            setup_ms=header.get("setup_ms", 0.0), run_ms=header.get("run_ms", 0.0),
+            passed=sum(per_test),
+            total=total,
+            status=header.get("status", "server_error"),
+            layers=header.get("layers", []),
+            per_test=per_test,
+            errors=errors,
+            setup_ms=header.get("setup_ms", 0.0),
+            run_ms=header.get("run_ms", 0.0),
             total_ms=(time.perf_counter() - t0) * 1e3,
         )
 
@@ -172,8 +212,9 @@ def default_pool() -> Pool:
         return _default
 
 
-def evaluate(code: str, tests: list[dict], fn_name: str | None = None,
-             timeout_s: float = 10.0) -> Result:
+def evaluate(
+    code: str, tests: list[dict], fn_name: str | None = None, timeout_s: float = 10.0
+) -> Result:
     """Runs `code` on `tests` in the sandbox and judges the outputs here, on the host.
 
     Function mode (`fn_name` given): each test is ``{"input": [args], "output": value}``.

@@ -58,7 +58,9 @@ def _frames(raw: bytes, n: int) -> dict[int, tuple[str, str]]:
     return found
 
 
-def judge(raw: bytes, tests: list[dict], fn_name: str | None) -> tuple[list[bool], list[str | None]]:
+def judge(
+    raw: bytes, tests: list[dict], fn_name: str | None
+) -> tuple[list[bool], list[str | None]]:
     """Per-test pass/fail and failure reasons, from the raw frames of one run."""
     frames = _frames(raw, len(tests))
     passed: list[bool] = []
@@ -82,8 +84,11 @@ def _judge_one(kind: str, rest: str, test: dict, fn_name: str | None) -> tuple[b
             return False, str(decode(rest))[:100]
         if kind != "R":
             return False, "bad frame"
-        return (True, "") if same_value(decode(rest), test["output"], test.get("tol")) else (
-            False, "wrong")
+        return (
+            (True, "")
+            if same_value(decode(rest), test["output"], test.get("tol"))
+            else (False, "wrong")
+        )
     if kind != "O":
         return False, "bad frame"
     code, text = rest.split(" ", 1)

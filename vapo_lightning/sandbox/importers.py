@@ -30,15 +30,24 @@ def _literal(node: ast.AST) -> object:
 
 
 def _call_args(node: ast.AST, fn: str) -> list | None:
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == fn
-            and not node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == fn
+        and not node.keywords
+    ):
         return [_literal(a) for a in node.args]
     return None
 
 
 def _is_seq_cast(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in ("tuple", "list") and len(node.args) == 1 and not node.keywords)
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("tuple", "list")
+        and len(node.args) == 1
+        and not node.keywords
+    )
 
 
 def _assert_to_test(expr: ast.AST, fn: str) -> dict | None:
@@ -65,8 +74,11 @@ def _assert_to_test(expr: ast.AST, fn: str) -> dict | None:
     if isinstance(op, (ast.Lt, ast.LtE)) and isinstance(left, ast.Call) and len(left.args) == 1:
         name = ast.unparse(left.func)
         inner = left.args[0]
-        if name in ("abs", "math.fabs") and isinstance(inner, ast.BinOp) and isinstance(
-                inner.op, ast.Sub):
+        if (
+            name in ("abs", "math.fabs")
+            and isinstance(inner, ast.BinOp)
+            and isinstance(inner.op, ast.Sub)
+        ):
             args = _call_args(inner.left, fn)
             if args is not None:
                 want, tol = _literal(inner.right), _literal(right)
@@ -175,5 +187,6 @@ def from_ground_truth(ground_truth: object, fn_name: str | None = None) -> Impor
         return from_asserts(cases, fn_name)
     if cases and "testtype" in cases[0]:
         return from_livecodebench(cases, fn_name)
-    return Imported(tests=[{"input": c["input"], "output": c["output"]} for c in cases],
-                    fn_name=fn_name)
+    return Imported(
+        tests=[{"input": c["input"], "output": c["output"]} for c in cases], fn_name=fn_name
+    )

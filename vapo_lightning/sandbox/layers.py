@@ -18,10 +18,14 @@ IS_LINUX = sys.platform.startswith("linux")
 _libc = ctypes.CDLL(None, use_errno=True) if IS_LINUX else None
 
 # x86_64 and aarch64 share the new-style numbers for Landlock; capset differs.
-_SYS = {
-    "x86_64": {"capset": 126, "ll_create": 444, "ll_add": 445, "ll_restrict": 446},
-    "aarch64": {"capset": 91, "ll_create": 444, "ll_add": 445, "ll_restrict": 446},
-}.get(os.uname().machine, {}) if IS_LINUX else {}
+_SYS = (
+    {
+        "x86_64": {"capset": 126, "ll_create": 444, "ll_add": 445, "ll_restrict": 446},
+        "aarch64": {"capset": 91, "ll_create": 444, "ll_add": 445, "ll_restrict": 446},
+    }.get(os.uname().machine, {})
+    if IS_LINUX
+    else {}
+)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -170,8 +174,10 @@ def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
     fs_all = landlock_fs_all(abi)
     attr = _RulesetAttr(fs_all, LL_NET_ALL if abi >= 4 else 0, LL_SCOPE_ALL if abi >= 6 else 0)
     size = ctypes.sizeof(attr) if abi >= 6 else (16 if abi >= 4 else 8)
-    rs = _check(_libc.syscall(_SYS["ll_create"], ctypes.byref(attr), ctypes.c_size_t(size), 0),
-                "landlock_create_ruleset")
+    rs = _check(
+        _libc.syscall(_SYS["ll_create"], ctypes.byref(attr), ctypes.c_size_t(size), 0),
+        "landlock_create_ruleset",
+    )
     try:
         for fd, allowed in rules:
             if not stat.S_ISDIR(os.fstat(fd).st_mode):

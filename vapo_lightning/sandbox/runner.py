@@ -192,7 +192,9 @@ class DirFdFinder(importlib.abc.MetaPathFinder):
         if exists(pkg_init):
             loader = _FdLoader(fd, pkg_init, f"{root}/{pkg_init}")
             spec = importlib.util.spec_from_file_location(
-                fullname, loader.path, loader=loader,
+                fullname,
+                loader.path,
+                loader=loader,
                 submodule_search_locations=[os.path.normpath(f"{root}/{rel_dir}/{name}")],
             )
             return spec
@@ -204,6 +206,8 @@ class DirFdFinder(importlib.abc.MetaPathFinder):
             rel = os.path.normpath(f"{rel_dir}/{name}{suffix}")
             if exists(rel):
                 ext_fd = os.open(rel, os.O_RDONLY, dir_fd=fd)
-                loader = importlib.machinery.ExtensionFileLoader(fullname, f"/proc/self/fd/{ext_fd}")
+                loader = importlib.machinery.ExtensionFileLoader(
+                    fullname, f"/proc/self/fd/{ext_fd}"
+                )
                 return importlib.util.spec_from_file_location(fullname, loader.path, loader=loader)
         return None

@@ -5,13 +5,14 @@ candidate's inherited memory and /proc/self/environ hold no secrets), before the
 CUDA or threads; fork() from here is cheap and safe. Process tree of one request:
 
     server (real uid, child subreaper)          deadline, byte caps, SIGKILL, reaping
-     └─ C   uid 65534, new user/net/mnt/pid/ipc/uts namespaces; reports P1's pid, waits
-         └─ P1  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; reaps
-             └─ P2  rlimits, no capabilities, Landlock, scrubbed env, then `runner`
-                 └─ P3 ...  stdin mode: one child per test
+     └─ C   uid 65534, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
+         └─ P2  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; rlimits,
+             │  no capabilities, Landlock, scrubbed env, then `runner`
+             └─ P3 ...  stdin mode: one child per test
 
-When P1 exits, the kernel kills everything left in its PID namespace (double-fork daemons
+When P2 exits, the kernel kills everything left in its PID namespace (double-fork daemons
 included); without a PID namespace the server, as subreaper, kills its leftover descendants.
+(As pid 1 the candidate ignores signals it sends itself; that only ever hurts it.)
 Protocol on stdin/stdout: 4-byte big-endian length + JSON request; reply is length + JSON
 header, then ``header["raw_len"]`` raw bytes of the result pipe (the host decodes them).
 """
@@ -38,7 +39,39 @@ else:  # run as a script (`-I` leaves the script's directory off sys.path)
 
     del sys.path[0]
 
-PRELOAD = ["abc", "array", "bisect", "calendar", "cmath", "collections", "collections.abc", "contextlib", "copy", "dataclasses", "datetime", "decimal", "enum", "fractions", "functools", "hashlib", "heapq", "io", "itertools", "math", "numbers", "operator", "queue", "random", "re", "statistics", "string", "struct", "textwrap", "typing", "unicodedata"]
+PRELOAD = [
+    "abc",
+    "array",
+    "bisect",
+    "calendar",
+    "cmath",
+    "collections",
+    "collections.abc",
+    "contextlib",
+    "copy",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "enum",
+    "fractions",
+    "functools",
+    "hashlib",
+    "heapq",
+    "io",
+    "itertools",
+    "math",
+    "numbers",
+    "operator",
+    "queue",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "struct",
+    "textwrap",
+    "typing",
+    "unicodedata",
+]
 
 READ_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
@@ -50,11 +83,16 @@ class Server:
         self.is_root = os.geteuid() == 0
         self.abi = L.landlock_abi() if opts.get("landlock", True) else 0
         self.namespaces = opts.get("namespaces", True)
-        self.read_fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in READ_PATHS if os.path.exists(p)]
+        self.read_fds = [
+            os.open(p, os.O_PATH | os.O_CLOEXEC) for p in READ_PATHS if os.path.exists(p)
+        ]
         self.dev_fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in DEVICES if os.path.exists(p)]
         # The stdlib, opened now: after the uid drop its path may no longer be searchable.
-        self.stdlib = {p: os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                       for p in sys.path if os.path.isdir(p)}
+        self.stdlib = {
+            p: os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            for p in sys.path
+            if os.path.isdir(p)
+        }
         try:
             L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
             self.subreaper = True
@@ -84,47 +122,38 @@ class Server:
                     active += ["userns", "netns", "pidns", "mountns"]
                 except OSError:
                     pass
-            p1 = os.fork()
-            if p1 == 0:
-                self._p1(req, ctl_w, res_w, host_dir, active)
+            p2 = os.fork()
+            if p2 == 0:
+                self._p2(req, ctl_w, res_w, host_dir, active)
             os.close(res_w)
-            os.write(ctl_w, f"P {p1}\n".encode())
-            _, status = os.waitpid(p1, 0)
+            os.write(ctl_w, f"P {p2}\n".encode())
+            _, status = os.waitpid(p2, 0)
             os._exit(0 if status == 0 else 1)
         except BaseException as err:
             os.write(ctl_w, f"X C {type(err).__name__}: {err}\n".encode()[:500])
             os._exit(70)
 
-    def _p1(self, req, ctl_w, res_w, host_dir, active) -> None:
+    def _p2(self, req, ctl_w, res_w, host_dir, active) -> None:
+        """Process P2, pid 1 of the new PID namespace when there is one: never returns."""
         try:
+            lim = req["limits"]
             L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+            workdir = host_dir
             if "mountns" in active:
-                L.private_mounts(int(req["limits"]["tmp_mb"]) << 20)
+                L.private_mounts(int(lim["tmp_mb"]) << 20)
                 active.append("private_tmp")
                 os.mkdir("/tmp/work", 0o700)
                 workdir = "/tmp/work"
-            else:
-                workdir = host_dir
-            p2 = os.fork()
-            if p2 == 0:
-                self._p2(req, ctl_w, res_w, workdir, active)
-            os.close(ctl_w)
-            os.close(res_w)
-            while True:  # pid 1 duty: reap every orphan until the runner is done
-                pid, status = os.waitpid(-1, 0)
-                if pid == p2:
-                    os._exit(0 if status == 0 else 1)
-        except BaseException as err:
-            os.write(ctl_w, f"X P1 {type(err).__name__}: {err}\n".encode()[:500])
-            os._exit(71)
-
-    def _p2(self, req, ctl_w, res_w, workdir, active) -> None:
-        try:
-            lim = req["limits"]
             os.chdir(workdir)
             os.environ.clear()
-            os.environ.update(PATH="/usr/bin:/bin", HOME=workdir, TMPDIR=workdir, LANG="C.UTF-8",
-                              OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+            os.environ.update(
+                PATH="/usr/bin:/bin",
+                HOME=workdir,
+                TMPDIR=workdir,
+                LANG="C.UTF-8",
+                OMP_NUM_THREADS="1",
+                PYTHONIOENCODING="utf-8",
+            )
             active.append("clean_env")
             L.set_limits(
                 cpu_s=int(req["timeout_s"]) + 1,
@@ -146,8 +175,11 @@ class Server:
                 rules += [(work_fd, everything)]
                 if "private_tmp" in active:  # fresh tmpfs of this run only: all of it is ours
                     rules.append((os.open("/proc", os.O_PATH), L.LL_READ))
-                    rules += [(os.open(p, os.O_PATH), everything) for p in ("/tmp", "/dev/shm")
-                              if os.path.isdir(p)]
+                    rules += [
+                        (os.open(p, os.O_PATH), everything)
+                        for p in ("/tmp", "/dev/shm")
+                        if os.path.isdir(p)
+                    ]
                 try:
                     active += L.landlock_restrict(rules, self.abi)
                 except OSError as err:  # reported; the host decides whether it may run
@@ -158,8 +190,9 @@ class Server:
             os.write(ctl_w, ("L " + json.dumps(active) + "\n").encode())
             os.close(ctl_w)
             if req["fn_name"] is None:
-                runner.run_stdin_mode(req["code"], req["inputs"], res_w,
-                                      int(lim["stdout_bytes"]), "pidns" in active)
+                runner.run_stdin_mode(
+                    req["code"], req["inputs"], res_w, int(lim["stdout_bytes"]), "pidns" in active
+                )
             else:
                 runner.run_function_mode(req["code"], req["inputs"], req["fn_name"], res_w)
             os._exit(0)
@@ -189,7 +222,7 @@ class Server:
         os.close(ctl_w)
         os.close(res_w)
         child_fd = os.pidfd_open(pid)
-        p1_fd = None
+        p2_fd = None
         ctl, raw, status, t_ready = b"", bytearray(), None, None
         open_fds = {ctl_r, res_r}
         poller = select.poll()
@@ -210,8 +243,8 @@ class Server:
                     open_fds.discard(fd)
                 elif fd == ctl_r:
                     ctl += chunk[:4096]
-                    if p1_fd is None and ctl.startswith(b"P "):
-                        p1_fd = _pidfd(ctl)
+                    if p2_fd is None and ctl.startswith(b"P "):
+                        p2_fd = _pidfd(ctl)
                     if t_ready is None and b"\nL " in ctl:
                         t_ready = time.perf_counter()
                 else:
@@ -222,12 +255,12 @@ class Server:
             if any(fd == child_fd for fd, _ in events):
                 _drain(res_r, raw, cap)
                 break
-        for fd in (p1_fd, child_fd):
+        for fd in (p2_fd, child_fd):
             if fd is not None:
                 _pidfd_kill(fd)
         _, wait_status = os.waitpid(pid, 0)
-        if p1_fd is not None:
-            os.close(p1_fd)
+        if p2_fd is not None:
+            os.close(p2_fd)
         os.close(child_fd)
         if status is not None or "pidns" not in _parse_ctl(ctl)["layers"]:
             self._reap_leftovers()  # orphans exist only without a PID namespace, or after kills
@@ -240,9 +273,13 @@ class Server:
         if status is None:
             status = "ok" if code == 0 else "crashed"
         header = _parse_ctl(ctl)
-        header.update(status=status, exit_code=code, raw_len=min(len(raw), cap),
-                      setup_ms=((t_ready or t_end) - t0) * 1e3,
-                      run_ms=(t_end - (t_ready or t_end)) * 1e3)
+        header.update(
+            status=status,
+            exit_code=code,
+            raw_len=min(len(raw), cap),
+            setup_ms=((t_ready or t_end) - t0) * 1e3,
+            run_ms=(t_end - (t_ready or t_end)) * 1e3,
+        )
         return header, bytes(raw[:cap])
 
     def _reap_leftovers(self) -> None:
@@ -266,14 +303,27 @@ class Server:
     def probe(self) -> dict:
         """One empty run, to learn which layers this machine grants."""
         self.probe_layers = ["userns"]  # optimistic for the probe itself
-        req = {"code": "", "inputs": [], "fn_name": "f", "timeout_s": 10.0, "limits": DEFAULT_LIMITS}
+        req = {
+            "code": "",
+            "inputs": [],
+            "fn_name": "f",
+            "timeout_s": 10.0,
+            "limits": DEFAULT_LIMITS,
+        }
         header, _ = self.handle(req)
         self.probe_layers = header["layers"]
         return header
 
 
-DEFAULT_LIMITS = {"memory_mb": 2048, "file_mb": 16, "open_files": 128, "processes": 32,
-                  "tmp_mb": 64, "stdout_bytes": 1 << 20, "output_bytes": 8 << 20}
+DEFAULT_LIMITS = {
+    "memory_mb": 2048,
+    "file_mb": 16,
+    "open_files": 128,
+    "processes": 32,
+    "tmp_mb": 64,
+    "stdout_bytes": 1 << 20,
+    "output_bytes": 8 << 20,
+}
 
 
 def _parse_ctl(ctl: bytes) -> dict:
