@@ -48,11 +48,11 @@ ISOLATION_LEVELS = {
 _HOW_TO = {
     "not_root": "candidate code would run as root: the server could not setresuid(65534)",
     "filesystem": "Landlock (Linux >= 5.13 with 'landlock' in /sys/kernel/security/lsm; add "
-                  "lsm=landlock,... to the kernel command line)",
+    "lsm=landlock,... to the kernel command line)",
     "network": "a network namespace, which needs unprivileged user namespaces: on Ubuntu >= "
-               "23.10 `sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "
-               "`sysctl kernel.unprivileged_userns_clone=1`; in Docker use "
-               "`--security-opt seccomp=unconfined` (or run on a VM)",
+    "23.10 `sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "
+    "`sysctl kernel.unprivileged_userns_clone=1`; in Docker use "
+    "`--security-opt seccomp=unconfined` (or run on a VM)",
     "private_tmp": "a mount namespace (same requirement as the network namespace)",
     "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
     "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
@@ -122,8 +122,9 @@ class CodeReward(RewardCallback):
         missing = missing_isolation(self.layers, self.min_isolation, os.geteuid() == 0)
         if missing:
             self.close()
-            how = "\n".join(f"  - {m}: {_HOW_TO.get(m, 'see vapo_lightning/sandbox')}"
-                            for m in missing)
+            how = "\n".join(
+                f"  - {m}: {_HOW_TO.get(m, 'see vapo_lightning/sandbox')}" for m in missing
+            )
             raise RuntimeError(
                 f"CodeReward: this machine's sandbox lacks what min_isolation="
                 f"{self.min_isolation!r} requires.\nActive layers: {', '.join(self.layers)}.\n"
@@ -145,8 +146,12 @@ class CodeReward(RewardCallback):
             return self.no_tests_value
         if not imported.tests:
             return self.no_tests_value
-        result = self.pool.evaluate(extract_code(sample.response), imported.tests,
-                                    imported.fn_name, timeout_s=self.program_timeout_s)
+        result = self.pool.evaluate(
+            extract_code(sample.response),
+            imported.tests,
+            imported.fn_name,
+            timeout_s=self.program_timeout_s,
+        )
         self.last_statuses[result.status] += 1
         if self.all_or_nothing:
             return float(result.passed == result.total)
