@@ -79,6 +79,11 @@ class RewardCallback(L.Callback):
         self.error_value = float(error_value)
         self.timeout_s = timeout_s
 
+    correct_threshold: float | None = None
+    """Verifier rewards (math, code) set this: a score above it means "correct". It decides
+    `rollout/accuracy`, `val/accuracy` and which responses the positive-example NLL uses;
+    with no verifier among the callbacks, a total reward > 0 counts as correct."""
+
     @property
     def name(self) -> str:
         return type(self).__name__

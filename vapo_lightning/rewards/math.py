@@ -406,9 +406,13 @@ class MathReward(RewardCallback):
         max_answer_chars: int = 1000,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("timeout_s", None)  # each check has its own hard limit
         super().__init__(**kwargs)
         self.correct_reward = float(correct_reward)
         self.wrong_reward = float(wrong_reward)
+        if not self.correct_reward > self.wrong_reward:
+            raise ValueError("MathReward: correct_reward must be greater than wrong_reward")
+        self.correct_threshold = (self.correct_reward + self.wrong_reward) / 2
         self.verifier = MathVerifier(num_workers, check_timeout_s, max_answer_chars)
 
     def score(self, samples: Sequence[Sample]) -> list[float | None]:

@@ -1,0 +1,101 @@
+"""Shared builders for trainer tests: an offline tokenizer, tiny data, a tiny module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+
+from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.data import PromptDataModule
+from vapo_lightning.models import ModelSpec
+from vapo_lightning.module import VAPOModule
+from vapo_lightning.rewards.base import RewardCallback
+from vapo_lightning.rollout import GenerationConfig
+from vapo_lightning.tokenization import train_bpe
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
+def make_rows(n: int, offset: int = 0) -> list[dict]:
+    rows = []
+    for i in range(offset, offset + n):
+        a, b = i % 7 + 1, (3 * i) % 5 + 1
+        rows.append(
+            {
+                "prompt": f"What is {a} + {b}?",
+                "answer": str(a + b),
+                "data_source": "add" if i % 2 else "sum",
+            }
+        )
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def build_tokenizer(directory: Path) -> Path:
+    texts = [
+        f"What is {a} + {b}? {a} + {b} = {a + b}. \\boxed{{{a + b}}}"
+        for a in range(10)
+        for b in range(10)
+    ]
+    train_bpe(texts * 3, vocab_size=300).save_pretrained(directory)
+    return directory
+
+
+class LengthReward(RewardCallback):
+    """A cheap verifiable reward: correct when the response has an even number of tokens."""
+
+    correct_threshold = 0.0
+
+    def score(self, samples):
+        return [1.0 if len(s.response_ids) % 2 == 0 else -1.0 for s in samples]
+
+
+def tiny_module(tokenizer: Path, **overrides) -> VAPOModule:
+    kwargs = {
+        "policy": ModelSpec(config=TINY_LLAMA, tokenizer=str(tokenizer)),
+        "algorithm": Algorithm(mini_batch_size=8, micro_batch_size=4),
+        "generation": GenerationConfig(n=4, max_new_tokens=12),
+        "optim": Optim(actor_lr=1e-3, critic_lr=1e-3, warmup_steps=0),
+        "val_generation": GenerationConfig(n=2, temperature=1.0, max_new_tokens=12),
+    }
+    kwargs.update(overrides)
+    return VAPOModule(**kwargs)
+
+
+def tiny_data(tmp: Path, **overrides) -> PromptDataModule:
+    kwargs = {
+        "train": str(write_jsonl(tmp / "train.jsonl", make_rows(32))),
+        "val": str(write_jsonl(tmp / "val.jsonl", make_rows(6, offset=100))),
+        "prompts_per_step": 4,
+        "val_batch_size": 3,
+    }
+    kwargs.update(overrides)
+    return PromptDataModule(**kwargs)
+
+
+def tiny_trainer(tmp: Path, max_steps: int = 2, callbacks=(), **kwargs) -> L.Trainer:
+    return L.Trainer(
+        max_steps=max_steps,
+        default_root_dir=tmp,
+        callbacks=[LengthReward(), *callbacks],
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        **kwargs,
+    )

@@ -1,0 +1,212 @@
+"""End-to-end behaviour of VAPOModule on a tiny randomly initialised Llama, offline."""
+
+import glob
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from tests.helpers import (
+    build_tokenizer,
+    make_rows,
+    tiny_data,
+    tiny_module,
+    tiny_trainer,
+    write_jsonl,
+)
+from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
+from vapo_lightning.config import Algorithm
+from vapo_lightning.data import DataError
+from vapo_lightning.rollout import GenerationConfig
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def changed(before, model):
+    return {
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and not torch.equal(before[n], p.detach())
+    }
+
+
+def scalars(root):
+    (event_file,) = glob.glob(f"{root}/lightning_logs/version_0/events.out.tfevents.*")
+    acc = EventAccumulator(event_file)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
+    L.seed_everything(0)
+    module = tiny_module(tok)
+    module.configure_model()
+    policy0, critic0 = snapshot(module.policy), snapshot(module.critic)
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[EntropyTracker()])
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+
+    assert trainer.global_step == 2  # rollout steps, not optimizer steps
+    assert changed(policy0, module.policy) == set(policy0)
+    assert changed(critic0, module.critic) == set(critic0)
+
+    logged = scalars(tmp_path)
+    expected = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/nll_loss", "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/grad_norm", "critic/lr", "critic/values/mean", "critic/returns/mean", "critic/advantages/mean", "critic/score/mean", "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/time_per_step", "actor/lambda_actor/mean", "warmup/active", "rollout/accuracy", "reward", "seq_len", "entropy", "value_loss", "policy_loss", "reward/errors", "val/accuracy", "val/accuracy/add", "val/accuracy/sum", "rollout/entropy"]
+    missing = [name for name in expected if name not in logged]
+    assert not missing, missing
+    assert [step for step, _ in logged["actor/pg_loss"]] == [0, 1]  # every rollout step
+    assert [v for _, v in logged["rollout_step"]] == [1.0, 2.0]
+    # Length-adaptive lambda of 12-token responses is clamped to 0 (l < 1/alpha = 20).
+    assert all(v == 0.0 for _, v in logged["actor/lambda_actor/mean"])
+    acc = [v for _, v in logged["rollout/accuracy"]]
+    assert all(0.0 <= v <= 1.0 for v in acc)
+
+
+def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
+    L.seed_everything(1)
+    module = tiny_module(tok)
+    module.configure_model()
+    policy0, critic0 = snapshot(module.policy), snapshot(module.critic)
+    warmup = ValuePretraining(steps=2, save_dir=str(tmp_path / "warm_critic"))
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[warmup])
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert changed(policy0, module.policy) == set()  # the policy is fixed during warm-up
+    assert changed(critic0, module.critic) == set(critic0)
+    assert not warmup.active and not module.actor_frozen
+    logged = scalars(tmp_path)
+    assert [v for _, v in logged["warmup/active"]] == [1.0, 1.0]
+    assert "actor/pg_loss" not in logged
+
+    # The saved critic is a drop-in critic for a later run that skips the warm-up.
+    reloaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "warm_critic")
+    for name, p in module.critic.named_parameters():
+        torch.testing.assert_close(reloaded.state_dict()[name], p.detach())
+
+
+def test_resume_continues_at_the_right_rollout_step(tok, tmp_path):
+    L.seed_everything(2)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
+    )
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[ckpt])
+    trainer.fit(tiny_module(tok, val_before_train=False), datamodule=tiny_data(tmp_path))
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 2
+
+    module = tiny_module(tok, val_before_train=False)
+    ckpt2 = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
+    )
+    trainer = tiny_trainer(tmp_path / "resumed", max_steps=3, callbacks=[ckpt2])
+    trainer.fit(module, datamodule=tiny_data(tmp_path), ckpt_path="last")
+    assert trainer.global_step == 3
+    logged = scalars(tmp_path / "resumed")
+    assert [v for _, v in logged["rollout_step"]] == [3.0]
+    for name, p in module.policy.named_parameters():  # restored, then trained one more step
+        assert not torch.equal(state["state_dict"][f"policy.{name}"], p.detach())
+
+
+def test_hf_export_reloads_and_generates(tok, tmp_path):
+    L.seed_everything(3)
+    module = tiny_module(tok, hf_export_dir=str(tmp_path / "export"), val_before_train=False)
+    tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_data(tmp_path))
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "export" / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export" / "policy")
+    for name, p in module.policy.named_parameters():
+        torch.testing.assert_close(policy.state_dict()[name], p.detach())
+    ids = tokenizer(["What is 2 + 3?"], return_tensors="pt")
+    out = policy.generate(
+        **ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "export" / "critic")
+    assert critic.config.num_labels == 1
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        Algorithm(advantage="group", mini_batch_size=8, micro_batch_size=4, nll_coef=0.0),  # GRPO
+        Algorithm(
+            advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=2
+        ),  # DAPO
+        Algorithm(
+            loss_agg="sequence",
+            length_adaptive_gae=False,
+            decoupled_gae=False,
+            clip_high=0.2,
+            mini_batch_size=4,
+            micro_batch_size=2,
+            ppo_epochs=2,
+            kl_coef=0.1,
+            entropy_coef=0.01,
+        ),  # fmt: skip
+    ],
+    ids=["grpo", "dapo", "ppo-with-kl-and-entropy"],
+)
+def test_baselines_run_from_the_same_code(tok, tmp_path, algorithm):
+    L.seed_everything(4)
+    module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
+    module.configure_model()
+    before = snapshot(module.policy)
+    tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_data(tmp_path))
+    assert (module.critic is None) == (algorithm.advantage == "group")
+    assert changed(before, module.policy)
+
+
+def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", make_rows(3))
+    with path.open("a") as f:
+        f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:4: malformed JSON"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
+        )
+
+    write_jsonl(path, [*make_rows(2), {"prompt": "What is 1 + 1?"}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: field 'answer' is missing"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
+        )
+
+    dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
+    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
+    assert dm.skipped["train/bad_rows"] == 1 and len(dm.train_rows) == 2
+
+
+def test_overlong_prompts_error_or_drop(tok, tmp_path):
+    rows = [*make_rows(4), {"prompt": "What is " + " + ".join(["1"] * 50) + "?", "answer": "50"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r"long\.jsonl:5: prompt is \d+ tokens, over data.max_prompt_length=20"
+    ):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path), max_prompt_length=20)
+        )
+    dm = tiny_data(
+        tmp_path, train=str(path), max_prompt_length=20, overlong_prompts="drop", val=None
+    )
+    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
+    assert dm.skipped["train/overlong_prompts"] == 1
+
+
+def test_impossible_settings_fail_at_start_up(tok, tmp_path):
+    with pytest.raises(ValueError, match=r"mini_batch_size=12 must divide the rollout batch"):
+        module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=12, micro_batch_size=4))
+        tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
+    with pytest.raises(ValueError, match=r"needs model.generation.n >= 2"):
+        module = tiny_module(tok, algorithm=Algorithm(advantage="group", mini_batch_size=4, micro_batch_size=4),
+                             generation=GenerationConfig(n=1, max_new_tokens=8))  # fmt: skip
+        tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
+    with pytest.raises(ValueError, match=r"micro_batch_size=3 must divide mini_batch_size=8"):
+        Algorithm(mini_batch_size=8, micro_batch_size=3)

@@ -1,0 +1,151 @@
+"""Built-in callbacks: value pretraining (VAPO §4.1) and entropy tracking.
+
+Callbacks change the module's state and log; they never compute losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from vapo_lightning import core
+
+__all__ = ["EntropyTracker", "ValuePretraining"]
+
+
+class ValuePretraining(L.Callback):
+    """Value pretraining (VAPO §4.1, §5.1): for the first `steps` rollout steps only the
+    critic learns, on lambda = 1 Monte-Carlo targets, from the fixed initial policy.
+
+    Args:
+        steps: rollout steps of warm-up (paper: 50).
+        explained_variance_threshold: end early once the critic's explained variance on a
+            fresh rollout reaches this (None: always run `steps`).
+        save_dir: save the warmed-up critic here (HF format); a later run loads it with
+            `--model.critic.name_or_path=<save_dir>` and leaves this callback out.
+    """
+
+    def __init__(
+        self,
+        steps: int = 50,
+        explained_variance_threshold: float | None = None,
+        save_dir: str | None = None,
+    ) -> None:
+        if steps < 0:
+            raise ValueError("ValuePretraining.steps must be >= 0")
+        self.steps = steps
+        self.threshold = explained_variance_threshold
+        self.save_dir = save_dir
+        self.steps_done = 0
+        self.active = steps > 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not pl_module.algo.uses_critic:
+            raise ValueError(
+                "ValuePretraining needs a critic: remove it for advantage='group' (GRPO/DAPO)"
+            )
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
+        pl_module.actor_frozen = self.active
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if not self.active:
+            return
+        self.steps_done += 1
+        r = pl_module.last_rollout
+        ev = float(core.explained_variance(r.values, r.returns, r.response_mask))
+        reached = self.threshold is not None and ev >= self.threshold
+        if self.steps_done >= self.steps or reached:
+            self.active = False
+            pl_module.actor_frozen = False
+            why = (
+                f"explained variance {ev:.3f} >= {self.threshold}"
+                if reached
+                else f"{self.steps_done} steps"
+            )
+            rank_zero_info(f"value pretraining done after {why}; the actor starts learning")
+            if self.save_dir and trainer.is_global_zero:
+                pl_module.critic.save_pretrained(self.save_dir)
+                pl_module.tokenizer.save_pretrained(self.save_dir)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done, "active": self.active}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps_done, self.active = state["steps_done"], state["active"]
+
+
+class EntropyTracker(L.Callback):
+    """Per-token entropy of the sampled responses: mean, by response-length bucket, and a
+    TensorBoard histogram; warns once on collapse or blow-up.
+
+    Args:
+        length_buckets: upper bounds (tokens) of the response-length buckets.
+        collapse_below: warn when the mean entropy falls below this (nats).
+        blowup_above: warn when it rises above this (nats).
+        histogram_every: log a histogram every this many rollout steps (0: never).
+    """
+
+    def __init__(
+        self,
+        length_buckets: Sequence[int] = (32, 128, 512, 2048),
+        collapse_below: float = 0.02,
+        blowup_above: float = 5.0,
+        histogram_every: int = 1,
+    ) -> None:
+        self.length_buckets = sorted(length_buckets)
+        self.collapse_below, self.blowup_above = collapse_below, blowup_above
+        self.histogram_every = histogram_every
+        self.warned: set[str] = set()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        r = pl_module.last_rollout
+        mask, ent = r.response_mask, r.entropy
+        mean = float(core.masked_mean(ent, mask))
+        metrics = {"rollout/entropy": mean}
+        lengths, lower = r.response_lengths, 0
+        for upper in self.length_buckets:
+            rows = (lengths > lower) & (lengths <= upper)
+            if rows.any():
+                metrics[f"rollout/entropy_by_length/{lower + 1}-{upper}"] = float(
+                    core.masked_mean(ent[rows], mask[rows])
+                )
+            lower = upper
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self._warn(mean, trainer.global_step)
+        step = trainer.global_step
+        if self.histogram_every and step % self.histogram_every == 0:
+            for logger in trainer.loggers:
+                exp = getattr(logger, "experiment", None)
+                if hasattr(exp, "add_histogram"):
+                    exp.add_histogram(
+                        "rollout/entropy_tokens", ent[mask.bool()].float().cpu(), step
+                    )
+
+    def _warn(self, mean: float, step: int) -> None:
+        for kind, bad in [
+            ("collapse", mean < self.collapse_below),
+            ("blow-up", mean > self.blowup_above),
+        ]:
+            if bad and kind not in self.warned:
+                self.warned.add(kind)
+                bound = self.collapse_below if kind == "collapse" else self.blowup_above
+                rank_zero_warn(
+                    f"entropy {kind}: mean token entropy of the sampled responses is {mean:.4f} nats at "
+                    f"rollout step {step} (threshold {bound}). "
+                    + (
+                        "The policy is nearly deterministic: exploration has stopped; consider a larger "
+                        "clip_high, a lower learning rate or an entropy bonus."
+                        if kind == "collapse"
+                        else "Sampling is close to uniform noise: lower the learning rate or check the rewards."
+                    )
+                )

@@ -1,0 +1,119 @@
+"""The algorithm's switches and the optimiser settings, with VAPO's defaults (§5.1).
+
+Every VAPO technique is a switch here (or a callback: value pretraining), so vanilla PPO,
+GRPO, DAPO and each "VAPO without X" ablation are configs of the same trainer
+(configs/*.yaml). Defaults are the paper's; VAPO_SPEC.md lists where each comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Algorithm", "Optim"]
+
+
+@dataclass
+class Algorithm:
+    """VAPO's techniques and PPO's knobs. Attribute docstrings become `--help` text."""
+
+    advantage: Literal["gae", "group"] = "gae"
+    """'gae': value-based advantages from the critic (PPO, VAPO). 'group': critic-free
+    (R - mean_group) / std_group broadcast to every token (GRPO, DAPO)."""
+    gamma: float = 1.0
+    """Discount; 1 throughout the paper."""
+    decoupled_gae: bool = True
+    """Decoupled GAE (§4.1): the critic's targets use lam_critic; off: the actor's lambda."""
+    lam_critic: float = 1.0
+    """Critic lambda (1.0: unbiased Monte-Carlo reward-to-go)."""
+    length_adaptive_gae: bool = True
+    """Length-adaptive GAE (§4.2, Eq. 5): lambda_actor = 1 - 1/(alpha * l) per sequence."""
+    alpha: float = 0.05
+    """Eq. 5's alpha."""
+    lam_actor: float = 0.95
+    """The actor's fixed lambda when length_adaptive_gae is off (VC-PPO: 0.95)."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the valid tokens of the rollout batch (verl's default)."""
+    group_std: bool = True
+    """advantage='group': divide by the group's std (GRPO); off: mean-centred only."""
+    clip_low: float = 0.2
+    """epsilon_low of the clipped ratio (§4.3)."""
+    clip_high: float = 0.28
+    """epsilon_high (Clip-Higher, §4.3, Eq. 8); 0.2 for symmetric PPO clipping."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound for negative advantages (verl's clip_ratio_c; not in the paper)."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """'token': token-level loss (§4.2, Eq. 7); 'sequence': vanilla PPO's sample-level mean."""
+    nll_coef: float = 0.1
+    """mu of the positive-example LM loss (§4.3, Eq. 10); 0 disables it."""
+    value_clip: float | None = 0.2
+    """Value-loss clipping range; None disables it."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (not used by the paper)."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial policy (not used by the paper; keeps a frozen copy if > 0)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 512
+    """Responses per optimiser step (per device); must divide prompts × n."""
+    micro_batch_size: int = 8
+    """Responses per forward/backward (gradient accumulation); must divide mini_batch_size."""
+    dynamic_sampling_rounds: int = 0
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample fresh
+    prompts, at most this many extra rounds; 0 disables it."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive updates with a non-finite loss or gradient."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "gamma": 0 <= self.gamma <= 1,
+            "lam_critic": 0 <= self.lam_critic <= 1,
+            "lam_actor": 0 <= self.lam_actor <= 1,
+            "alpha": self.alpha > 0,
+            "clip_low": 0 < self.clip_low < 1,
+            "clip_high": self.clip_high > 0,
+            "nll_coef": self.nll_coef >= 0,
+            "ppo_epochs": self.ppo_epochs >= 1,
+            "mini_batch_size": self.mini_batch_size >= 1,
+            "micro_batch_size": 1 <= self.micro_batch_size <= self.mini_batch_size,
+            "dynamic_sampling_rounds": self.dynamic_sampling_rounds >= 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(
+                f"model.algorithm: invalid {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
+            )
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"model.algorithm.micro_batch_size={self.micro_batch_size} must divide "
+                f"mini_batch_size={self.mini_batch_size}"
+            )
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError("model.algorithm.clip_ratio_c must be > 1 (verl uses 3.0) or None")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+@dataclass
+class Optim:
+    """AdamW for each model, linear warm-up then constant (§5.1)."""
+
+    actor_lr: float = 1e-6
+    critic_lr: float = 2e-6
+    warmup_steps: int = 10
+    """Rollout steps of linear LR warm-up."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    """Gradient clipping (global norm) for each model."""
+
+    def __post_init__(self) -> None:
+        if (
+            self.actor_lr < 0
+            or self.critic_lr < 0
+            or self.warmup_steps < 0
+            or self.max_grad_norm <= 0
+        ):
+            raise ValueError("model.optim: learning rates and warmup_steps >= 0, max_grad_norm > 0")

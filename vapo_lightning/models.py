@@ -1,0 +1,135 @@
+"""Policy and critic: Hugging Face models in, Hugging Face models out.
+
+The policy is any `AutoModelForCausalLM`; the critic is a separate transformer with a scalar
+value head (`AutoModelForTokenClassification` with one label, as verl and OpenRLHF do), so
+both load from a local path or a hub id and save with `save_pretrained`. A critic is
+initialised from the policy's weights (backbone copied, fresh head) or from its own path
+(e.g. a reward model or a critic saved by value pretraining, VAPO §4.1).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+__all__ = ["ModelSpec", "build_critic", "build_policy", "load_tokenizer"]
+
+
+@dataclass
+class ModelSpec:
+    """Where a model comes from: a path / hub id, or a config to initialise randomly."""
+
+    name_or_path: str | None = None
+    """Local directory or hub id loaded with `from_pretrained`."""
+    config: dict[str, Any] | None = None
+    """Build from this config instead (random init), e.g. {"model_type": "llama", ...}."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id; defaults to `name_or_path`."""
+    gradient_checkpointing: bool = False
+    """Trade compute for activation memory during the updates."""
+
+    def __post_init__(self) -> None:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError("ModelSpec: give exactly one of name_or_path or config")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("ModelSpec.config needs a 'model_type' (e.g. 'llama')")
+
+    def hf_config(self) -> PretrainedConfig:
+        if self.config is not None:
+            cfg = dict(self.config)
+            return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        return AutoConfig.from_pretrained(self.name_or_path)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Loads a tokenizer for generation: left padding, a pad token (EOS if none)."""
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer {path!r} has no EOS token: generation could never stop")
+    return tok
+
+
+def _align_special_tokens(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase) -> None:
+    cfg.pad_token_id, cfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    if tok.bos_token_id is not None:
+        cfg.bos_token_id = tok.bos_token_id
+
+
+def build_policy(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The actor: a causal LM from `spec` (weights, or random init from a config)."""
+    if spec.config is not None:
+        cfg = spec.hf_config()
+        if "vocab_size" not in spec.config:  # a config's default (e.g. Llama's 32000) is not ours
+            cfg.vocab_size = len(tok)
+        _align_special_tokens(cfg, tok)
+        model = AutoModelForCausalLM.from_config(cfg)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec.name_or_path, dtype=torch.float32)
+    if len(tok) > model.get_input_embeddings().num_embeddings:
+        raise ValueError(
+            f"tokenizer has {len(tok)} tokens, model embeds only {model.get_input_embeddings().num_embeddings}"
+        )
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return _finish(model, spec)
+
+
+def build_critic(
+    spec: ModelSpec | None, policy: PreTrainedModel, tok: PreTrainedTokenizerBase
+) -> PreTrainedModel:
+    """The critic: a transformer backbone + scalar value head, output (B, L, 1).
+
+    spec None: the policy's architecture and backbone weights with a fresh head. Otherwise
+    loaded from `spec.name_or_path` (a critic or reward model with the same tokenizer).
+    """
+    if spec is not None and spec.name_or_path is not None:
+        model = AutoModelForTokenClassification.from_pretrained(
+            spec.name_or_path, num_labels=1, dtype=torch.float32
+        )
+    else:
+        cfg = copy.deepcopy(spec.hf_config() if spec is not None else policy.config)
+        cfg.num_labels = 1  # transformers v5: set on the config, not as a from_config kwarg
+        cfg.architectures = None
+        _align_special_tokens(cfg, tok)
+        model = AutoModelForTokenClassification.from_config(cfg)
+        if spec is None:  # initialise the backbone from the policy (VAPO §4.1's open choice)
+            backbone = policy.get_decoder() if hasattr(policy, "get_decoder") else policy.base_model
+            missing = getattr(model, model.base_model_prefix).load_state_dict(backbone.state_dict())
+            assert not missing.missing_keys, missing
+        head = _value_head(model)  # fresh head: small init, values start near 0
+        nn.init.normal_(head.weight, std=1.0 / (model.config.hidden_size + 1))
+        if head.bias is not None:
+            nn.init.zeros_(head.bias)
+    model.config.problem_type = "regression"
+    return _finish(model, spec)
+
+
+def _value_head(model: PreTrainedModel) -> nn.Linear:
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"{type(model).__name__} has no linear score/classifier head to use as value head"
+        )
+    return head
+
+
+def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:
+    if spec is not None and spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.float()

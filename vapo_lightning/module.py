@@ -1,0 +1,561 @@
+"""VAPOModule: the policy and the critic, trained by VAPO with manual optimisation.
+
+One `training_step` is one rollout step of the paper's algorithm box:
+rollout (group sampling) -> reward -> old log-probs and values -> decoupled, length-adaptive
+GAE -> `ppo_epochs` × mini-batches × micro-batches of critic and actor updates with global
+token normalisers. The math lives in `core`; this file only orchestrates.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from vapo_lightning import core
+from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
+from vapo_lightning.rewards.base import RewardCallback, Sample, combine_rewards
+from vapo_lightning.rollout import (
+    GenerationConfig,
+    Rollout,
+    cat_rollouts,
+    critic_values,
+    generate,
+    policy_logits,
+)
+from vapo_lightning.validation import ValidationMixin
+
+__all__ = ["VAPOModule"]
+
+
+class VAPOModule(ValidationMixin, L.LightningModule):
+    """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
+
+    Args:
+        policy: the actor: a path / hub id, or a config for a random init.
+        critic: the critic's own source (e.g. a reward model or a warmed-up critic);
+            None: the policy's backbone with a fresh value head.
+        algorithm: VAPO's techniques and PPO's knobs (see `Algorithm`).
+        generation: how rollouts are sampled (group size n, temperature, lengths).
+        optim: AdamW learning rates, warm-up, gradient clipping.
+        val_generation: how validation samples (k = n samples per prompt, mean@k).
+        val_before_train: score the validation set once before the first update.
+        hf_export_dir: at the end of fit, save policy (with tokenizer) and critic here in
+            Hugging Face format (`<dir>/policy`, `<dir>/critic`).
+    """
+
+    def __init__(
+        self,
+        policy: ModelSpec,
+        critic: ModelSpec | None = None,
+        algorithm: Algorithm | None = None,
+        generation: GenerationConfig | None = None,
+        optim: Optim | None = None,
+        val_generation: GenerationConfig | None = None,
+        val_before_train: bool = True,
+        hf_export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        # Dicts are accepted too (hyper-parameters of a checkpoint, `load_from_checkpoint`).
+        policy, critic, algorithm, generation, optim, val_generation = (
+            cls(**v) if isinstance(v, dict) else v
+            for cls, v in [(ModelSpec, policy), (ModelSpec, critic), (Algorithm, algorithm),
+                           (GenerationConfig, generation), (Optim, optim), (GenerationConfig, val_generation)]
+        )  # fmt: skip
+        self.policy_spec, self.critic_spec = policy, critic
+        self.algo = algorithm or Algorithm()
+        self.gen = generation or GenerationConfig()
+        self.optim = optim or Optim()
+        self.val_gen = val_generation or GenerationConfig(
+            n=1, temperature=0.0, max_new_tokens=self.gen.max_new_tokens
+        )
+        self.val_before_train = val_before_train
+        self.hf_export_dir = hf_export_dir
+        # Plain dicts, so checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters(
+            {k: asdict(v) if is_dataclass(v) else v for k, v in self._init_args().items()}
+        )
+        self.automatic_optimization = False
+        self.tokenizer = load_tokenizer(policy.tokenizer or policy.name_or_path)
+        self.policy = self.critic = self.ref_policy = None
+        self.actor_frozen = False  # set by ValuePretraining: only the critic learns
+        self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
+        self.bad_updates = 0  # consecutive non-finite updates
+        self._init_validation()
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_args(self) -> dict[str, Any]:
+        names = [
+            "policy_spec",
+            "critic_spec",
+            "algo",
+            "gen",
+            "optim",
+            "val_gen",
+            "val_before_train",
+            "hf_export_dir",
+        ]
+        keys = [
+            "policy",
+            "critic",
+            "algorithm",
+            "generation",
+            "optim",
+            "val_generation",
+            "val_before_train",
+            "hf_export_dir",
+        ]
+        return {k: getattr(self, n) for k, n in zip(keys, names)}
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        self.policy = build_policy(self.policy_spec, self.tokenizer)
+        if self.algo.uses_critic:
+            self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer)
+        if self.algo.kl_coef > 0:
+            self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval()
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim
+        models = [(self.policy, o.actor_lr)] + ([(self.critic, o.critic_lr)] if self.critic else [])
+        optimizers = [
+            torch.optim.AdamW(m.parameters(), lr=lr, betas=o.betas, weight_decay=o.weight_decay)
+            for m, lr in models
+        ]
+        warmup = lambda step: min(1.0, (step + 1) / (o.warmup_steps + 1))  # noqa: E731
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in optimizers]
+        return optimizers, schedulers
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        per_step = getattr(dm, "prompts_per_step", None)
+        if stage == "fit" and per_step is not None:
+            batch = per_step * self.gen.n
+            if batch % self.algo.mini_batch_size:
+                raise ValueError(
+                    f"model.algorithm.mini_batch_size={self.algo.mini_batch_size} must divide the rollout "
+                    f"batch data.prompts_per_step × model.generation.n = {per_step} × {self.gen.n} = {batch}"
+                )
+        if self.algo.advantage == "group" and self.gen.n < 2:
+            raise ValueError(
+                "model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2"
+            )
+
+    @property
+    def reward_callbacks(self) -> list[RewardCallback]:
+        return [cb for cb in self.trainer.callbacks if isinstance(cb, RewardCallback)]
+
+    # ------------------------------------------------------------------ the algorithm box
+
+    def training_step(self, batch: list[dict], batch_idx: int) -> None:
+        timer = PhaseTimer()
+        with timer("step"):
+            r = self.rollout_and_score(batch, timer)  # group sampling + rewards
+            with timer("old_log_prob"):
+                self.compute_old_logprobs(r)  # log pi_old, entropy (no grad)
+            with timer("values"):
+                self.compute_values(r)  # V(s_t) (no grad)
+            with timer("adv"):
+                self.compute_advantages(r)  # decoupled, length-adaptive GAE
+            stats = self.update(r, timer)  # critic, then actor unless warming up
+        self.last_rollout = r
+        self.log_step(r, stats, timer)
+        self._count_rollout_as_one_step()
+
+    def rollout_and_score(self, batch: list[dict], timer: PhaseTimer) -> Rollout:
+        """Samples n responses per prompt and scores them. DAPO's dynamic sampling keeps only
+        groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
+        kept, rows, want = [], batch, len(batch)
+        for round_ in range(self.algo.dynamic_sampling_rounds + 1):
+            with timer("gen"):
+                r = self.sample(rows)
+            with timer("reward"):
+                self.score(r)
+            if not self.algo.dynamic_sampling_rounds:
+                return r
+            r = r.select(informative_groups(r.scores, r.group_ids))
+            kept.append(r)
+            have = sum(len(x) for x in kept) // self.gen.n
+            if have >= want or round_ == self.algo.dynamic_sampling_rounds:
+                break
+            rows = self.trainer.datamodule.sample_prompts(want - have)
+        r = cat_rollouts(kept)
+        if len(r) == 0:  # every group uniform after all rounds: fall back to the last batch
+            raise RuntimeError(
+                "dynamic sampling found no group with differing rewards; raise dynamic_sampling_rounds"
+            )
+        return r.select(torch.arange(min(len(r), want * self.gen.n)))
+
+    def sample(self, rows: list[dict], gen: GenerationConfig | None = None) -> Rollout:
+        gen = gen or self.gen
+        self.policy.eval()
+        tok = self.tokenizer
+        r = generate(
+            self.policy,
+            [row["prompt_ids"] for row in rows],
+            gen,
+            tok.pad_token_id,
+            tok.eos_token_id,
+        )
+        texts = tok.batch_decode(r.responses, skip_special_tokens=True)
+        r.samples = [
+            Sample(
+                prompt=rows[g]["prompt_text"],
+                response=text,
+                response_ids=ids[:n].tolist(),
+                truncated=bool(trunc),
+                ground_truth=rows[g].get("ground_truth"),
+                data_source=rows[g].get("data_source", "default"),
+                extra_info=rows[g].get("extra_info", {}),
+            )
+            for g, text, ids, n, trunc in zip(
+                r.group_ids.tolist(),
+                texts,
+                r.responses.cpu(),
+                r.response_lengths.tolist(),
+                r.truncated.tolist(),
+            )
+        ]
+        return r
+
+    def score(self, r: Rollout) -> None:
+        """Reward callbacks -> R per response (placed on the last token in `compute_advantages`)."""
+        callbacks = self.reward_callbacks
+        outcome = combine_rewards(callbacks, r.samples)
+        r.scores = torch.tensor(outcome.rewards, dtype=torch.float32, device=self.device)
+        verifiers = [cb for cb in callbacks if cb.correct_threshold is not None]
+        if verifiers:
+            correct = [
+                all(outcome.per_callback[cb.name][i] > cb.correct_threshold for cb in verifiers)
+                for i in range(len(r))
+            ]
+            r.correct = torch.tensor(correct, device=self.device)
+        else:
+            r.correct = r.scores > 0
+        self.reward_errors = outcome.errors
+
+    @torch.no_grad()
+    def compute_old_logprobs(self, r: Rollout) -> None:
+        self.policy.eval()
+        lps, ents, refs = [], [], []
+        for micro in self.micro_batches(r):
+            logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
+            pad = r.response_mask.shape[1] - logits.shape[1]
+            lps.append(
+                torch.nn.functional.pad(
+                    core.logprobs_from_logits(logits, micro.responses), (0, pad)
+                )
+            )
+            ents.append(torch.nn.functional.pad(core.entropy_from_logits(logits), (0, pad)))
+            if self.ref_policy is not None:
+                ref_logits = policy_logits(self.ref_policy, micro, self.gen.temperature or 1.0)
+                refs.append(
+                    torch.nn.functional.pad(
+                        core.logprobs_from_logits(ref_logits, micro.responses), (0, pad)
+                    )
+                )
+        r.old_logprobs, r.entropy = torch.cat(lps), torch.cat(ents)
+        r.ref_logprobs = torch.cat(refs) if refs else None
+
+    @torch.no_grad()
+    def compute_values(self, r: Rollout) -> None:
+        if self.critic is None:
+            return
+        self.critic.eval()
+        T = r.response_mask.shape[1]
+        parts = []
+        for micro in self.micro_batches(r):
+            v = critic_values(self.critic, micro)
+            parts.append(torch.nn.functional.pad(v, (0, T - v.shape[1])))
+        r.values = torch.cat(parts)
+
+    @torch.no_grad()
+    def compute_advantages(self, r: Rollout) -> None:
+        a, mask = self.algo, r.response_mask
+        rewards = core.sparse_rewards(r.scores, mask)
+        if a.advantage == "gae":
+            lengths = r.response_lengths
+            r.lam_actor = (
+                core.length_adaptive_lam(lengths, a.alpha).to(rewards)
+                if a.length_adaptive_gae
+                else torch.full_like(r.scores, a.lam_actor)
+            )
+            adv, _ = core.gae(rewards, r.values, mask, a.gamma, r.lam_actor)
+            # Decoupled GAE (§4.1): the critic learns from lam_critic (1: Monte-Carlo), and
+            # always from Monte-Carlo targets while value pretraining (§4.1, §5.1).
+            lam_c = 1.0 if self.actor_frozen else (a.lam_critic if a.decoupled_gae else r.lam_actor)
+            _, r.returns = core.gae(rewards, r.values, mask, a.gamma, lam_c)
+        else:  # GRPO / DAPO: group-normalised outcome advantage on every token
+            adv = (
+                core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
+            )
+        r.advantages = self.whiten(adv, mask) if a.whiten_advantages else adv
+
+    def whiten(self, x: Tensor, mask: Tensor) -> Tensor:
+        """`core.masked_whiten` with statistics over the valid tokens of all ranks."""
+        n, s, ss = self.global_sum(
+            torch.stack([mask.sum().to(x), core.masked_sum(x, mask), core.masked_sum(x * x, mask)])
+        )
+        mean = s / n
+        var = (ss - n * mean * mean) / (n - 1).clamp(min=1)
+        return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), torch.zeros_like(x))
+
+    # ------------------------------------------------------------------ updates
+
+    def update(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
+        stats: dict[str, list[float]] = defaultdict(list)
+        actor_opt, *critic_opt = as_list(self.optimizers())
+        actor_sched, *critic_sched = as_list(self.lr_schedulers())
+        for _ in range(self.algo.ppo_epochs):
+            for idx in torch.randperm(len(r)).split(self.algo.mini_batch_size):
+                mb = r.select(idx)
+                if self.critic is not None:
+                    with timer("update_critic"):
+                        self.critic_update(mb, critic_opt[0], stats)
+                if not self.actor_frozen:
+                    with timer("update_actor"):
+                        self.actor_update(mb, actor_opt, stats)
+        if self.critic is not None:
+            critic_sched[0].step()
+        if not self.actor_frozen:
+            actor_sched.step()
+        return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def critic_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
+        self.critic.train()
+        n_tokens = self.global_sum(mb.response_mask.sum())
+        loss_sum = clip_sum = 0.0
+        micros = list(self.micro_batches(mb))
+        for micro in micros:
+            values = critic_values(self.critic, micro)
+            loss, clipfrac = core.value_loss(
+                values,
+                micro.values,
+                micro.returns,
+                micro.response_mask,
+                n_tokens,
+                self.algo.value_clip,
+            )
+            self.manual_backward(loss * self.trainer.world_size)  # DDP / FSDP average gradients
+            loss_sum += loss.detach() * self.trainer.world_size
+            clip_sum += clipfrac / len(micros)
+        stats["critic/vf_loss"].append(float(loss_sum))
+        stats["critic/vf_clipfrac"].append(float(clip_sum))
+        stats["critic/grad_norm"].append(self.optimizer_step(opt, self.critic))
+
+    def actor_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
+        a = self.algo
+        self.policy.train()
+        mask = mb.response_mask
+        n_tokens = self.global_sum(mask.sum())
+        normalizer = (
+            n_tokens
+            if a.loss_agg == "token"
+            else self.global_sum(torch.tensor(len(mb), device=mask.device))
+        )
+        n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
+        micros = list(self.micro_batches(mb))
+        acc: dict[str, Tensor | float] = defaultdict(float)
+        for micro in micros:
+            m = micro.response_mask
+            logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
+            logprobs = core.logprobs_from_logits(logits, micro.responses)
+            pg, st = core.policy_loss(
+                logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
+                a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg,
+            )  # fmt: skip
+            loss = pg
+            if a.nll_coef > 0:  # positive-example LM loss (§4.3, Eq. 10)
+                nll = core.nll_loss(logprobs, m, micro.correct, n_correct)
+                loss = loss + a.nll_coef * nll
+                acc["actor/nll_loss"] += nll.detach()
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * core.aggregate(
+                    core.entropy_from_logits(logits), m, a.loss_agg, normalizer
+                )
+            if a.kl_coef > 0:
+                kl = core.aggregate(
+                    core.kl_penalty(logprobs, micro.ref_logprobs), m, a.loss_agg, normalizer
+                )
+                loss = loss + a.kl_coef * kl
+                acc["actor/kl_loss"] += kl.detach()
+            self.manual_backward(loss * self.trainer.world_size)
+            with torch.no_grad():
+                acc["actor/pg_loss"] += pg.detach()
+                acc["actor/entropy"] += (
+                    core.masked_sum(core.entropy_from_logits(logits), m) / n_tokens
+                )
+                for name, key in [
+                    ("pg_clipfrac_high", "clipfrac_high"),
+                    ("pg_clipfrac_lower", "clipfrac_low"),
+                ]:
+                    acc[f"actor/{name}"] += st[key] / len(micros)
+                acc["actor/ppo_kl"] += st["approx_kl"] / len(micros)
+        world = self.trainer.world_size
+        for k, v in acc.items():  # losses are this rank's share of the global sum
+            scale = world if k.endswith(("_loss", "entropy")) else 1
+            stats[k].append(float(v) * scale)
+        stats["actor/pg_clipfrac"].append(
+            stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
+        )
+        stats["actor/grad_norm"].append(self.optimizer_step(opt, self.policy))
+
+    def optimizer_step(self, opt: Any, model: torch.nn.Module) -> float:
+        """Clips, then steps unless the gradient is non-finite (then skipped and counted)."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not torch.isfinite(torch.tensor(norm)):
+            opt.zero_grad(set_to_none=True)
+            self.bad_updates += 1
+            if self.bad_updates >= self.algo.max_bad_steps:
+                raise FloatingPointError(
+                    f"{self.bad_updates} consecutive updates had a non-finite gradient; stopping. "
+                    "Lower the learning rates or check the rewards and inputs; resume from the last checkpoint."
+                )
+            return norm
+        self.bad_updates = 0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm
+
+    def micro_batches(self, r: Rollout) -> Iterator[Rollout]:
+        for idx in torch.arange(len(r)).split(self.algo.micro_batch_size):
+            yield r.select(idx).trimmed()
+
+    def global_sum(self, x: Tensor) -> Tensor:
+        """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""
+        x = x.float()
+        return (
+            self.trainer.strategy.reduce(x, reduce_op="sum") if self.trainer.world_size > 1 else x
+        )
+
+    def _count_rollout_as_one_step(self) -> None:
+        """Under manual optimisation Lightning counts every `optimizer.step()` as a global
+        step; users count rollout steps (max_steps, checkpoint and logging intervals), so one
+        rollout advances `trainer.global_step` by exactly one."""
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        target = self._rollout_steps_before + 1
+        progress.total.ready = progress.total.completed = target
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._rollout_steps_before = self.trainer.global_step
+
+    # ------------------------------------------------------------------ logging and export
+
+    def log_step(self, r: Rollout, stats: dict[str, float], timer: PhaseTimer) -> None:
+        mask, lengths = r.response_mask, r.response_lengths.float()
+        m: dict[str, float] = dict(stats)
+        m.update(
+            {
+                "critic/score/mean": r.scores.mean(),
+                "rollout/accuracy": r.correct.float().mean(),
+                "reward/errors": float(self.reward_errors),
+                "response_length/mean": lengths.mean(),
+                "response_length/max": lengths.max(),
+                "response_length/min": lengths.min(),
+                "response_length/clip_ratio": r.truncated.float().mean(),
+                "prompt_length/mean": r.attention_mask[:, : r.prompt_length].sum(-1).float().mean(),
+                "critic/advantages/mean": core.masked_mean(r.advantages, mask),
+                "warmup/active": float(self.actor_frozen),
+                "actor/lr": as_list(self.optimizers())[0].param_groups[0]["lr"],
+            }
+        )
+        if r.values is not None:
+            m["critic/values/mean"] = core.masked_mean(r.values, mask)
+            m["critic/returns/mean"] = core.masked_mean(r.returns, mask)
+            m["critic/vf_explained_var"] = core.explained_variance(r.values, r.returns, mask)
+            m["critic/lr"] = as_list(self.optimizers())[1].param_groups[0]["lr"]
+        if r.lam_actor is not None:
+            m["actor/lambda_actor/mean"] = r.lam_actor.mean()
+        m.update({f"timing_s/{k}": v for k, v in timer.totals.items()})
+        tokens = float(r.attention_mask.sum())
+        m["perf/time_per_step"] = timer.totals["step"]
+        m["perf/throughput"] = tokens / max(timer.totals["step"], 1e-9)
+        # The seed document's short names, as aliases of the verl names.
+        aliases = {"reward": "critic/score/mean", "seq_len": "response_length/mean", "entropy": "actor/entropy",
+                   "value_loss": "critic/vf_loss", "policy_loss": "actor/pg_loss"}  # fmt: skip
+        m.update({alias: m[name] for alias, name in aliases.items() if name in m})
+        m["rollout_step"] = float(self._rollout_steps_before + 1)
+        m = self.reduce_metrics(m)
+        shown = {"reward", "rollout/accuracy", "rollout_step"}  # also on the progress bar
+        self.log_dict(
+            {k: v for k, v in m.items() if k not in shown},
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
+        self.log_dict(
+            {k: m[k] for k in shown}, on_step=True, on_epoch=False, batch_size=1, prog_bar=True
+        )
+
+    def reduce_metrics(self, m: dict[str, Any]) -> dict[str, float]:
+        """One all-gather for all metrics: max / min for the extremes, mean for the rest."""
+        names = sorted(m)
+        local = torch.tensor([float(m[k]) for k in names], device=self.device)
+        if self.trainer.world_size == 1:
+            return dict(zip(names, local.tolist()))
+        every = self.all_gather(local)  # (world, K)
+        ops = {"/max": torch.amax, "/min": torch.amin}
+        reduced = {
+            k: ops.get(k[k.rfind("/") :], torch.mean)(every[:, i]) for i, k in enumerate(names)
+        }
+        return {k: float(v) for k, v in reduced.items()}
+
+    def on_train_end(self) -> None:
+        if self.hf_export_dir:
+            self.export_hf(self.hf_export_dir)
+
+    def export_hf(self, directory: str | Path) -> None:
+        """Saves policy (with tokenizer) and critic with `save_pretrained` (safetensors)."""
+        directory = Path(directory)
+        if self.trainer.is_global_zero:
+            self.policy.save_pretrained(directory / "policy")
+            self.tokenizer.save_pretrained(directory / "policy")
+            if self.critic is not None:
+                self.critic.save_pretrained(directory / "critic")
+                self.tokenizer.save_pretrained(directory / "critic")
+
+
+def as_list(x: Any) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def informative_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """Indices of responses whose group has differing rewards (DAPO dynamic sampling)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    hi = torch.full((int(inverse.max()) + 1,), -torch.inf, device=scores.device).scatter_reduce(
+        0, inverse, scores, "amax"
+    )
+    lo = torch.full_like(hi, torch.inf).scatter_reduce(0, inverse, scores, "amin")
+    return torch.nonzero(hi[inverse] > lo[inverse]).squeeze(-1).cpu()
+
+
+class PhaseTimer:
+    """Wall time per phase (`timing_s/*`), synchronising CUDA so the numbers are real."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.totals[name] += time.perf_counter() - start

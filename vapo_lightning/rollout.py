@@ -1,0 +1,226 @@
+"""Rollouts: group sampling with `generate`, and the experience buffer the updates read.
+
+A `Rollout` holds one rollout step's experience: n responses per prompt (group sampling,
+VAPO §4.3), prompts left-padded and responses right-padded in one (B, P + T) tensor so a
+single forward gives the log-probs and values of every response token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from vapo_lightning.rewards.base import Sample
+
+__all__ = [
+    "GenerationConfig",
+    "Rollout",
+    "cat_rollouts",
+    "critic_values",
+    "generate",
+    "policy_logits",
+]
+
+
+@dataclass
+class GenerationConfig:
+    """How responses are sampled (§5.1: temperature 1.0; eval top-p 0.7)."""
+
+    n: int = 16
+    """Group sampling: responses per prompt (§4.3; paper 16)."""
+    max_new_tokens: int = 512
+    """Responses stop here and are flagged truncated (still terminal: no bootstrap)."""
+    min_new_tokens: int = 0
+    """Force at least this many tokens (equal to max_new_tokens for fixed-length benchmarks)."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probs of the update use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError("generation.n and generation.max_new_tokens must be >= 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("generation.temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass
+class Rollout:
+    """One rollout step's experience. B = prompts × n responses; tensors are (B, ...)."""
+
+    input_ids: Tensor  # (B, P + T) left-padded prompt, right-padded response
+    attention_mask: Tensor  # (B, P + T)
+    response_mask: Tensor  # (B, T) bool, true on generated tokens up to and incl. EOS
+    group_ids: Tensor  # (B,) the prompt each response answers
+    truncated: Tensor  # (B,) bool, hit max_new_tokens without EOS
+    samples: list[Sample] = field(default_factory=list)
+    # Filled in by the trainer, in the order of the algorithm box:
+    scores: Tensor | None = None  # (B,) sequence reward R
+    correct: Tensor | None = None  # (B,) bool, verifier says correct
+    old_logprobs: Tensor | None = None  # (B, T) log pi_old(a_t | s_t)
+    entropy: Tensor | None = None  # (B, T) entropy of pi_old at each response position
+    values: Tensor | None = None  # (B, T) V(s_t)
+    advantages: Tensor | None = None  # (B, T)
+    returns: Tensor | None = None  # (B, T) critic targets
+    lam_actor: Tensor | None = None  # (B,)
+    ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def responses(self) -> Tensor:  # (B, T)
+        return self.input_ids[:, self.prompt_length :]
+
+    @property
+    def response_lengths(self) -> Tensor:  # (B,)
+        return self.response_mask.sum(-1)
+
+    @property
+    def position_ids(self) -> Tensor:  # (B, P + T), counting from the first real token
+        return (self.attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    def select(self, index: Tensor | list[int]) -> Rollout:
+        """The responses at `index` (tensors and samples), e.g. one mini-batch."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                out[f.name] = value[index.to(value.device)]
+            elif f.name == "samples" and value:
+                out[f.name] = [value[i] for i in index.tolist()]
+        return replace(self, **out)
+
+    def trimmed(self) -> Rollout:
+        """Drops columns that are padding in every row (leading prompt pads, trailing
+        response pads), so micro-batch forwards do no wasted work."""
+        P = self.prompt_length
+        first = int((self.attention_mask[:, :P].sum(0) > 0).long().argmax()) if P else 0
+        T = int(self.response_lengths.max())
+        out = {
+            "input_ids": self.input_ids[:, first : P + T],
+            "attention_mask": self.attention_mask[:, first : P + T],
+        }
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor) and value.ndim == 2 and f.name not in out:
+                out[f.name] = value[:, :T]
+        return replace(self, **out)
+
+
+@torch.no_grad()
+def generate(
+    policy: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    cfg: GenerationConfig,
+    pad_token_id: int,
+    eos_token_id: int,
+    n: int | None = None,
+) -> Rollout:
+    """Samples `n` responses for each prompt with the KV cache; stops at EOS.
+
+    temperature 0 means greedy. Tokens after the first EOS become padding.
+    """
+    n = cfg.n if n is None else n
+    device = next(policy.parameters()).device
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):  # left padding
+        ids[i, P - len(p) :] = torch.tensor(p)
+        attn[i, P - len(p) :] = 1
+    ids, attn = ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
+    sampling = cfg.temperature > 0
+    out = policy.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        do_sample=sampling,
+        temperature=cfg.temperature if sampling else None,
+        top_p=cfg.top_p if sampling else None,
+        top_k=0 if sampling else None,
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens or None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    response = out[:, P:]  # (B, T)
+    is_eos = response == eos_token_id
+    has_eos = is_eos.any(-1)
+    first_eos = torch.where(has_eos, is_eos.float().argmax(-1), response.shape[1])
+    positions = torch.arange(response.shape[1], device=device)[None]
+    response_mask = positions <= first_eos[:, None]
+    response = torch.where(response_mask, response, torch.full_like(response, pad_token_id))
+    groups = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
+    return Rollout(
+        input_ids=torch.cat([ids, response], 1),
+        attention_mask=torch.cat([attn, response_mask.long()], 1),
+        response_mask=response_mask,
+        group_ids=groups,
+        truncated=~has_eos,
+    )
+
+
+def policy_logits(policy: PreTrainedModel, r: Rollout, temperature: float = 1.0) -> Tensor:
+    """Logits over each response token, (B, T, V), scaled by the sampling temperature."""
+    T = r.response_mask.shape[1]
+    out = policy(
+        input_ids=r.input_ids,
+        attention_mask=r.attention_mask,
+        position_ids=r.position_ids,
+        logits_to_keep=T + 1,  # positions P-1 .. P+T-1; the last one predicts past the end
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1]
+    return logits / temperature if temperature not in (0.0, 1.0) else logits
+
+
+def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
+    """V(s_t) for each response token: the critic's output one position before it, (B, T)."""
+    T = r.response_mask.shape[1]
+    out = critic(
+        input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids
+    )
+    return out.logits[:, -T - 1 : -1, 0].float()
+
+
+def cat_rollouts(parts: list[Rollout]) -> Rollout:
+    """Concatenates rollouts of different prompt / response lengths (dynamic sampling)."""
+    P = max(r.prompt_length for r in parts)
+    T = max(r.response_mask.shape[1] for r in parts)
+
+    def pad(x: Tensor, left: int, right: int) -> Tensor:  # masked positions: any valid id
+        return torch.nn.functional.pad(x, (left, right))
+
+    out: dict[str, Any] = {"samples": [s for r in parts for s in r.samples]}
+    ids, attn, offset, groups = [], [], 0, []
+    for r in parts:
+        dp, dt = P - r.prompt_length, T - r.response_mask.shape[1]
+        prompt, response = r.input_ids[:, : r.prompt_length], r.responses
+        ids.append(torch.cat([pad(prompt, dp, 0), pad(response, 0, dt)], 1))
+        a = r.attention_mask
+        attn.append(
+            torch.cat([pad(a[:, : r.prompt_length], dp, 0), pad(a[:, r.prompt_length :], 0, dt)], 1)
+        )
+        groups.append(r.group_ids + offset)
+        offset += int(r.group_ids.max()) + 1 if len(r) else 0
+    out.update(
+        input_ids=torch.cat(ids), attention_mask=torch.cat(attn), group_ids=torch.cat(groups)
+    )
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in parts]
+        if f.name in out or not all(isinstance(v, Tensor) for v in values):
+            continue
+        out[f.name] = torch.cat([pad(v, 0, T - v.shape[1]) if v.ndim == 2 else v for v in values])
+    return Rollout(**out)

@@ -1,0 +1,69 @@
+"""Validation: mean@k accuracy of sampled (or greedy) answers, overall and per data source.
+
+Scored with the same reward callbacks as training (a verifier's `correct_threshold`
+decides "correct"), accumulated with torchmetrics, logged as `val/accuracy` and
+`val/accuracy/<data_source>`. Sampling uses a fixed seed per batch in a forked RNG, so
+validation is reproducible and never perturbs the training random stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+__all__ = ["ValidationMixin"]
+
+
+class ValidationMixin:
+    """Mixed into VAPOModule; needs `sample`, `score`, `val_gen` and `val_before_train`."""
+
+    val_seed: int = 1234
+
+    def _init_validation(self) -> None:
+        self.val_accuracy = MeanMetric()
+        self.val_accuracy_by_source = torch.nn.ModuleDict()
+
+    @torch.no_grad()
+    def validation_step(self, batch: list[dict], batch_idx: int) -> None:
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.val_seed + batch_idx)
+            r = self.sample(batch, self.val_gen)
+        self.score(r)
+        correct = r.correct.float()
+        self.val_accuracy.update(correct)
+        for source in sorted({s.data_source for s in r.samples}):
+            if source not in self.val_accuracy_by_source:
+                self.val_accuracy_by_source[source] = MeanMetric().to(self.device)
+            pick = torch.tensor([s.data_source == source for s in r.samples], device=correct.device)
+            self.val_accuracy_by_source[source].update(correct[pick])
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self._compute_val_metrics()
+        if not self.trainer.sanity_checking:
+            self.log_dict(metrics, batch_size=1)
+            self.log("val/acc", metrics["val/accuracy"], prog_bar=True, logger=False, batch_size=1)
+
+    def _compute_val_metrics(self) -> dict[str, Any]:
+        metrics = {"val/accuracy": self.val_accuracy.compute()}
+        self.val_accuracy.reset()
+        for source, metric in self.val_accuracy_by_source.items():
+            metrics[f"val/accuracy/{source}"] = metric.compute()
+            metric.reset()
+        return metrics
+
+    def on_train_start(self) -> None:
+        """Scores the validation set once before any update (logged at step 0)."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if not self.val_before_train or dm is None or not getattr(dm, "has_val", False):
+            return
+        for i, batch in enumerate(dm.val_dataloader()):
+            self.validation_step(batch, i)
+        metrics = {k: float(v) for k, v in self._compute_val_metrics().items()}
+        for logger in self.trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+        if self.trainer.is_global_zero:
+            self.print(f"val/accuracy before training: {metrics['val/accuracy']:.3f}")
+        self.initial_val_accuracy = metrics["val/accuracy"]
