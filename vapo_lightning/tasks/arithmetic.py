@@ -120,8 +120,13 @@ def generate(
     seed: int,
     difficulties: Iterable[int] = range(1, MAX_DIFFICULTY + 1),
     exclude: Iterable[str] = (),
+    distinct: bool = True,
 ) -> list[dict]:
-    """`n` distinct problems, difficulties cycled evenly, none whose prompt is in `exclude`."""
+    """`n` problems, difficulties cycled evenly, none whose prompt is in `exclude`.
+
+    With `distinct`, no prompt repeats (difficulty 1 has only ~2,500 distinct problems); with
+    ``distinct=False`` repeats are allowed (large SFT sets), exclusions still hold.
+    """
     rng = random.Random(seed)
     levels = list(difficulties)
     seen = set(exclude)
@@ -133,7 +138,8 @@ def generate(
             raise RuntimeError(f"could not draw {n} distinct problems from difficulties {levels}")
         row = make_problem(rng, levels[len(rows) % len(levels)])
         if row["prompt"] not in seen:
-            seen.add(row["prompt"])
+            if distinct:
+                seen.add(row["prompt"])
             rows.append(row)
     return rows
 
