@@ -150,7 +150,7 @@ def test_hf_export_reloads_and_generates(tok, tmp_path):
             ppo_epochs=2,
             kl_coef=0.1,
             entropy_coef=0.01,
-        ),  # fmt: skip
+        ),
     ],
     ids=["grpo", "dapo", "ppo-with-kl-and-entropy"],
 )

@@ -26,6 +26,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "group_normalized_advantages",
+    "informative_groups",
     "kl_penalty",
     "length_adaptive_lam",
     "logprobs_from_logits",
@@ -180,6 +181,18 @@ def group_normalized_advantages(
     sq = torch.zeros_like(total).index_add(0, inverse, centred**2)
     std = (sq / (n - 1).clamp(min=1)).sqrt()
     return centred / (std[inverse] + eps)
+
+
+def informative_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """DAPO's dynamic sampling filter: indices of the responses whose group's rewards are
+    not all equal (a uniform group has zero group-normalised advantage). (B,) -> (K,)."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n = int(inverse.max()) + 1 if len(inverse) else 0
+    hi = torch.full((n,), -torch.inf, dtype=scores.dtype, device=scores.device).scatter_reduce(
+        0, inverse, scores, "amax"
+    )
+    lo = torch.full_like(hi, torch.inf).scatter_reduce(0, inverse, scores, "amin")
+    return torch.nonzero(hi[inverse] > lo[inverse]).squeeze(-1)
 
 
 def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> Tensor:

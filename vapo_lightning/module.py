@@ -9,10 +9,6 @@ token normalisers. The math lives in `core`; this file only orchestrates.
 from __future__ import annotations
 
 import copy
-import time
-from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,7 @@ from torch import Tensor
 
 from vapo_lightning import core
 from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.metrics import ALIASES, PhaseTimer, rollout_metrics
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
 from vapo_lightning.rewards.base import RewardCallback, Sample, combine_rewards
 from vapo_lightning.rollout import (
@@ -33,12 +30,13 @@ from vapo_lightning.rollout import (
     generate,
     policy_logits,
 )
+from vapo_lightning.updates import PPOUpdates, as_list
 from vapo_lightning.validation import ValidationMixin
 
 __all__ = ["VAPOModule"]
 
 
-class VAPOModule(ValidationMixin, L.LightningModule):
+class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
     """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
 
     Args:
@@ -81,9 +79,12 @@ class VAPOModule(ValidationMixin, L.LightningModule):
         )
         self.val_before_train = val_before_train
         self.hf_export_dir = hf_export_dir
+        hparams = {"policy": policy, "critic": critic, "algorithm": self.algo, "generation": self.gen,
+                   "optim": self.optim, "val_generation": self.val_gen, "val_before_train": val_before_train,
+                   "hf_export_dir": hf_export_dir}  # fmt: skip
         # Plain dicts, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(
-            {k: asdict(v) if is_dataclass(v) else v for k, v in self._init_args().items()}
+            {k: asdict(v) if is_dataclass(v) else v for k, v in hparams.items()}
         )
         self.automatic_optimization = False
         self.tokenizer = load_tokenizer(policy.tokenizer or policy.name_or_path)
@@ -94,29 +95,6 @@ class VAPOModule(ValidationMixin, L.LightningModule):
         self._init_validation()
 
     # ------------------------------------------------------------------ setup
-
-    def _init_args(self) -> dict[str, Any]:
-        names = [
-            "policy_spec",
-            "critic_spec",
-            "algo",
-            "gen",
-            "optim",
-            "val_gen",
-            "val_before_train",
-            "hf_export_dir",
-        ]
-        keys = [
-            "policy",
-            "critic",
-            "algorithm",
-            "generation",
-            "optim",
-            "val_generation",
-            "val_before_train",
-            "hf_export_dir",
-        ]
-        return {k: getattr(self, n) for k, n in zip(keys, names)}
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -185,7 +163,7 @@ class VAPOModule(ValidationMixin, L.LightningModule):
                 self.score(r)
             if not self.algo.dynamic_sampling_rounds:
                 return r
-            r = r.select(informative_groups(r.scores, r.group_ids))
+            r = r.select(core.informative_groups(r.scores, r.group_ids))
             kept.append(r)
             have = sum(len(x) for x in kept) // self.gen.n
             if have >= want or round_ == self.algo.dynamic_sampling_rounds:
@@ -312,135 +290,6 @@ class VAPOModule(ValidationMixin, L.LightningModule):
         var = (ss - n * mean * mean) / (n - 1).clamp(min=1)
         return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), torch.zeros_like(x))
 
-    # ------------------------------------------------------------------ updates
-
-    def update(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
-        stats: dict[str, list[float]] = defaultdict(list)
-        actor_opt, *critic_opt = as_list(self.optimizers())
-        actor_sched, *critic_sched = as_list(self.lr_schedulers())
-        for _ in range(self.algo.ppo_epochs):
-            for idx in torch.randperm(len(r)).split(self.algo.mini_batch_size):
-                mb = r.select(idx)
-                if self.critic is not None:
-                    with timer("update_critic"):
-                        self.critic_update(mb, critic_opt[0], stats)
-                if not self.actor_frozen:
-                    with timer("update_actor"):
-                        self.actor_update(mb, actor_opt, stats)
-        if self.critic is not None:
-            critic_sched[0].step()
-        if not self.actor_frozen:
-            actor_sched.step()
-        return {k: sum(v) / len(v) for k, v in stats.items()}
-
-    def critic_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
-        self.critic.train()
-        n_tokens = self.global_sum(mb.response_mask.sum())
-        loss_sum = clip_sum = 0.0
-        micros = list(self.micro_batches(mb))
-        for micro in micros:
-            values = critic_values(self.critic, micro)
-            loss, clipfrac = core.value_loss(
-                values,
-                micro.values,
-                micro.returns,
-                micro.response_mask,
-                n_tokens,
-                self.algo.value_clip,
-            )
-            self.manual_backward(loss * self.trainer.world_size)  # DDP / FSDP average gradients
-            loss_sum += loss.detach() * self.trainer.world_size
-            clip_sum += clipfrac / len(micros)
-        stats["critic/vf_loss"].append(float(loss_sum))
-        stats["critic/vf_clipfrac"].append(float(clip_sum))
-        stats["critic/grad_norm"].append(self.optimizer_step(opt, self.critic))
-
-    def actor_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
-        a = self.algo
-        self.policy.train()
-        mask = mb.response_mask
-        n_tokens = self.global_sum(mask.sum())
-        normalizer = (
-            n_tokens
-            if a.loss_agg == "token"
-            else self.global_sum(torch.tensor(len(mb), device=mask.device))
-        )
-        n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
-        micros = list(self.micro_batches(mb))
-        acc: dict[str, Tensor | float] = defaultdict(float)
-        for micro in micros:
-            m = micro.response_mask
-            logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
-            logprobs = core.logprobs_from_logits(logits, micro.responses)
-            pg, st = core.policy_loss(
-                logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
-                a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg,
-            )  # fmt: skip
-            loss = pg
-            if a.nll_coef > 0:  # positive-example LM loss (§4.3, Eq. 10)
-                nll = core.nll_loss(logprobs, m, micro.correct, n_correct)
-                loss = loss + a.nll_coef * nll
-                acc["actor/nll_loss"] += nll.detach()
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * core.aggregate(
-                    core.entropy_from_logits(logits), m, a.loss_agg, normalizer
-                )
-            if a.kl_coef > 0:
-                kl = core.aggregate(
-                    core.kl_penalty(logprobs, micro.ref_logprobs), m, a.loss_agg, normalizer
-                )
-                loss = loss + a.kl_coef * kl
-                acc["actor/kl_loss"] += kl.detach()
-            self.manual_backward(loss * self.trainer.world_size)
-            with torch.no_grad():
-                acc["actor/pg_loss"] += pg.detach()
-                acc["actor/entropy"] += (
-                    core.masked_sum(core.entropy_from_logits(logits), m) / n_tokens
-                )
-                for name, key in [
-                    ("pg_clipfrac_high", "clipfrac_high"),
-                    ("pg_clipfrac_lower", "clipfrac_low"),
-                ]:
-                    acc[f"actor/{name}"] += st[key] / len(micros)
-                acc["actor/ppo_kl"] += st["approx_kl"] / len(micros)
-        world = self.trainer.world_size
-        for k, v in acc.items():  # losses are this rank's share of the global sum
-            scale = world if k.endswith(("_loss", "entropy")) else 1
-            stats[k].append(float(v) * scale)
-        stats["actor/pg_clipfrac"].append(
-            stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
-        )
-        stats["actor/grad_norm"].append(self.optimizer_step(opt, self.policy))
-
-    def optimizer_step(self, opt: Any, model: torch.nn.Module) -> float:
-        """Clips, then steps unless the gradient is non-finite (then skipped and counted)."""
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim.max_grad_norm)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if not torch.isfinite(torch.tensor(norm)):
-            opt.zero_grad(set_to_none=True)
-            self.bad_updates += 1
-            if self.bad_updates >= self.algo.max_bad_steps:
-                raise FloatingPointError(
-                    f"{self.bad_updates} consecutive updates had a non-finite gradient; stopping. "
-                    "Lower the learning rates or check the rewards and inputs; resume from the last checkpoint."
-                )
-            return norm
-        self.bad_updates = 0
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return norm
-
-    def micro_batches(self, r: Rollout) -> Iterator[Rollout]:
-        for idx in torch.arange(len(r)).split(self.algo.micro_batch_size):
-            yield r.select(idx).trimmed()
-
-    def global_sum(self, x: Tensor) -> Tensor:
-        """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""
-        x = x.float()
-        return (
-            self.trainer.strategy.reduce(x, reduce_op="sum") if self.trainer.world_size > 1 else x
-        )
-
     def _count_rollout_as_one_step(self) -> None:
         """Under manual optimisation Lightning counts every `optimizer.step()` as a global
         step; users count rollout steps (max_steps, checkpoint and logging intervals), so one
@@ -455,38 +304,18 @@ class VAPOModule(ValidationMixin, L.LightningModule):
     # ------------------------------------------------------------------ logging and export
 
     def log_step(self, r: Rollout, stats: dict[str, float], timer: PhaseTimer) -> None:
-        mask, lengths = r.response_mask, r.response_lengths.float()
-        m: dict[str, float] = dict(stats)
+        m = {**stats, **rollout_metrics(r, timer)}
+        lrs = [opt.param_groups[0]["lr"] for opt in as_list(self.optimizers())]
         m.update(
             {
-                "critic/score/mean": r.scores.mean(),
-                "rollout/accuracy": r.correct.float().mean(),
-                "reward/errors": float(self.reward_errors),
-                "response_length/mean": lengths.mean(),
-                "response_length/max": lengths.max(),
-                "response_length/min": lengths.min(),
-                "response_length/clip_ratio": r.truncated.float().mean(),
-                "prompt_length/mean": r.attention_mask[:, : r.prompt_length].sum(-1).float().mean(),
-                "critic/advantages/mean": core.masked_mean(r.advantages, mask),
+                "actor/lr": lrs[0],
                 "warmup/active": float(self.actor_frozen),
-                "actor/lr": as_list(self.optimizers())[0].param_groups[0]["lr"],
+                "reward/errors": self.reward_errors,
             }
         )
-        if r.values is not None:
-            m["critic/values/mean"] = core.masked_mean(r.values, mask)
-            m["critic/returns/mean"] = core.masked_mean(r.returns, mask)
-            m["critic/vf_explained_var"] = core.explained_variance(r.values, r.returns, mask)
-            m["critic/lr"] = as_list(self.optimizers())[1].param_groups[0]["lr"]
-        if r.lam_actor is not None:
-            m["actor/lambda_actor/mean"] = r.lam_actor.mean()
-        m.update({f"timing_s/{k}": v for k, v in timer.totals.items()})
-        tokens = float(r.attention_mask.sum())
-        m["perf/time_per_step"] = timer.totals["step"]
-        m["perf/throughput"] = tokens / max(timer.totals["step"], 1e-9)
-        # The seed document's short names, as aliases of the verl names.
-        aliases = {"reward": "critic/score/mean", "seq_len": "response_length/mean", "entropy": "actor/entropy",
-                   "value_loss": "critic/vf_loss", "policy_loss": "actor/pg_loss"}  # fmt: skip
-        m.update({alias: m[name] for alias, name in aliases.items() if name in m})
+        if len(lrs) > 1:
+            m["critic/lr"] = lrs[1]
+        m.update({alias: m[name] for alias, name in ALIASES.items() if name in m})
         m["rollout_step"] = float(self._rollout_steps_before + 1)
         m = self.reduce_metrics(m)
         shown = {"reward", "rollout/accuracy", "rollout_step"}  # also on the progress bar
@@ -526,36 +355,3 @@ class VAPOModule(ValidationMixin, L.LightningModule):
             if self.critic is not None:
                 self.critic.save_pretrained(directory / "critic")
                 self.tokenizer.save_pretrained(directory / "critic")
-
-
-def as_list(x: Any) -> list:
-    return x if isinstance(x, list) else [x]
-
-
-def informative_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
-    """Indices of responses whose group has differing rewards (DAPO dynamic sampling)."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    hi = torch.full((int(inverse.max()) + 1,), -torch.inf, device=scores.device).scatter_reduce(
-        0, inverse, scores, "amax"
-    )
-    lo = torch.full_like(hi, torch.inf).scatter_reduce(0, inverse, scores, "amin")
-    return torch.nonzero(hi[inverse] > lo[inverse]).squeeze(-1).cpu()
-
-
-class PhaseTimer:
-    """Wall time per phase (`timing_s/*`), synchronising CUDA so the numbers are real."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.totals[name] += time.perf_counter() - start

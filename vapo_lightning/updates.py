@@ -1,0 +1,155 @@
+"""The updates of one rollout step: `ppo_epochs` × mini-batches × micro-batches of critic
+and actor steps (VAPO §4), with global token normalisers so the loss and its gradient do not
+depend on how a mini-batch is split into micro-batches or data-parallel ranks (§4.2).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vapo_lightning import core
+from vapo_lightning.metrics import PhaseTimer
+from vapo_lightning.rollout import Rollout, critic_values, policy_logits
+
+__all__ = ["PPOUpdates", "as_list"]
+
+
+def as_list(x: Any) -> list:
+    """`LightningModule.optimizers()` returns a bare optimizer when there is only one."""
+    return x if isinstance(x, list) else [x]
+
+
+class PPOUpdates:
+    """Mixed into VAPOModule: needs `policy`, `critic`, `algo`, `gen`, `optim`, `actor_frozen`."""
+
+    def update(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
+        stats: dict[str, list[float]] = defaultdict(list)
+        actor_opt, *critic_opt = as_list(self.optimizers())
+        actor_sched, *critic_sched = as_list(self.lr_schedulers())
+        for _ in range(self.algo.ppo_epochs):
+            for idx in torch.randperm(len(r)).split(self.algo.mini_batch_size):
+                mb = r.select(idx)
+                if self.critic is not None:
+                    with timer("update_critic"):
+                        self.critic_update(mb, critic_opt[0], stats)
+                if not self.actor_frozen:
+                    with timer("update_actor"):
+                        self.actor_update(mb, actor_opt, stats)
+        if self.critic is not None:
+            critic_sched[0].step()
+        if not self.actor_frozen:
+            actor_sched.step()
+        return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def critic_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
+        self.critic.train()
+        n_tokens = self.global_sum(mb.response_mask.sum())
+        loss_sum = clip_sum = 0.0
+        micros = list(self.micro_batches(mb))
+        for micro in micros:
+            values = critic_values(self.critic, micro)
+            loss, clipfrac = core.value_loss(
+                values,
+                micro.values,
+                micro.returns,
+                micro.response_mask,
+                n_tokens,
+                self.algo.value_clip,
+            )
+            self.manual_backward(loss * self.trainer.world_size)  # DDP / FSDP average gradients
+            loss_sum += loss.detach() * self.trainer.world_size
+            clip_sum += clipfrac / len(micros)
+        stats["critic/vf_loss"].append(float(loss_sum))
+        stats["critic/vf_clipfrac"].append(float(clip_sum))
+        stats["critic/grad_norm"].append(self.optimizer_step(opt, self.critic))
+
+    def actor_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
+        a = self.algo
+        self.policy.train()
+        mask = mb.response_mask
+        n_tokens = self.global_sum(mask.sum())
+        normalizer = (
+            n_tokens
+            if a.loss_agg == "token"
+            else self.global_sum(torch.tensor(len(mb), device=mask.device))
+        )
+        n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
+        micros = list(self.micro_batches(mb))
+        acc: dict[str, Tensor | float] = defaultdict(float)
+        for micro in micros:
+            m = micro.response_mask
+            logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
+            logprobs = core.logprobs_from_logits(logits, micro.responses)
+            pg, st = core.policy_loss(
+                logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
+                a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg,
+            )  # fmt: skip
+            loss = pg
+            if a.nll_coef > 0:  # positive-example LM loss (§4.3, Eq. 10)
+                nll = core.nll_loss(logprobs, m, micro.correct, n_correct)
+                loss = loss + a.nll_coef * nll
+                acc["actor/nll_loss"] += nll.detach()
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * core.aggregate(
+                    core.entropy_from_logits(logits), m, a.loss_agg, normalizer
+                )
+            if a.kl_coef > 0:
+                kl = core.aggregate(
+                    core.kl_penalty(logprobs, micro.ref_logprobs), m, a.loss_agg, normalizer
+                )
+                loss = loss + a.kl_coef * kl
+                acc["actor/kl_loss"] += kl.detach()
+            self.manual_backward(loss * self.trainer.world_size)
+            with torch.no_grad():
+                acc["actor/pg_loss"] += pg.detach()
+                acc["actor/entropy"] += (
+                    core.masked_sum(core.entropy_from_logits(logits), m) / n_tokens
+                )
+                for name, key in [
+                    ("pg_clipfrac_high", "clipfrac_high"),
+                    ("pg_clipfrac_lower", "clipfrac_low"),
+                ]:
+                    acc[f"actor/{name}"] += st[key] / len(micros)
+                acc["actor/ppo_kl"] += st["approx_kl"] / len(micros)
+        world = self.trainer.world_size
+        for k, v in acc.items():  # losses are this rank's share of the global sum
+            scale = world if k.endswith(("_loss", "entropy")) else 1
+            stats[k].append(float(v) * scale)
+        stats["actor/pg_clipfrac"].append(
+            stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
+        )
+        stats["actor/grad_norm"].append(self.optimizer_step(opt, self.policy))
+
+    def optimizer_step(self, opt: Any, model: torch.nn.Module) -> float:
+        """Clips, then steps unless the gradient is non-finite (then skipped and counted)."""
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim.max_grad_norm)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not torch.isfinite(torch.tensor(norm)):
+            opt.zero_grad(set_to_none=True)
+            self.bad_updates += 1
+            if self.bad_updates >= self.algo.max_bad_steps:
+                raise FloatingPointError(
+                    f"{self.bad_updates} consecutive updates had a non-finite gradient; stopping. "
+                    "Lower the learning rates or check the rewards and inputs; resume from the last checkpoint."
+                )
+            return norm
+        self.bad_updates = 0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm
+
+    def micro_batches(self, r: Rollout) -> Iterator[Rollout]:
+        for idx in torch.arange(len(r)).split(self.algo.micro_batch_size):
+            yield r.select(idx).trimmed()
+
+    def global_sum(self, x: Tensor) -> Tensor:
+        """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""
+        x = x.float()
+        return (
+            self.trainer.strategy.reduce(x, reduce_op="sum") if self.trainer.world_size > 1 else x
+        )
