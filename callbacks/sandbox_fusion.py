@@ -1,0 +1,109 @@
+"""A client for a SandboxFusion-compatible HTTP code sandbox (`POST /run_code`).
+
+Use it when code runs on a sandbox service rather than on the training machine:
+
+    --trainer.callbacks+=callbacks.sandbox_fusion.SandboxFusionReward
+    --trainer.callbacks.url=http://sandbox.internal:8080
+
+Each test {"input": stdin, "output": expected stdout} is one request; the expected output
+never leaves this process, and the verdict is decided here by comparing whole outputs
+(trailing whitespace per line ignored). Reward: the fraction of tests passed, or 1/0 with
+`all_or_nothing`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vapo_lightning.rewards import RewardCallback, Sample
+
+FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+
+
+def extract_code(response: str) -> str:
+    """The last fenced code block, else the whole response."""
+    blocks = FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def normalise(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+
+
+class SandboxFusionReward(RewardCallback):
+    """Scores code responses on a SandboxFusion-compatible server.
+
+    Args:
+        url: the server's base URL.
+        language: SandboxFusion's language name.
+        run_timeout_s: per-test limit sent to the server.
+        max_concurrency: requests in flight.
+        all_or_nothing: 1 only when every test passes (else the pass fraction).
+    """
+
+    correct_threshold = 0.999
+
+    def __init__(
+        self,
+        url: str,
+        language: str = "python",
+        run_timeout_s: float = 10.0,
+        max_concurrency: int = 8,
+        all_or_nothing: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.url = url.rstrip("/") + "/run_code"
+        self.language, self.run_timeout_s, self.all_or_nothing = (
+            language,
+            run_timeout_s,
+            all_or_nothing,
+        )
+        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sandbox-fusion")
+
+    def run(self, code: str, stdin: str) -> str | None:
+        """stdout of one run, or None when the run did not finish normally."""
+        body = json.dumps(
+            {
+                "code": code,
+                "language": self.language,
+                "stdin": stdin,
+                "run_timeout": self.run_timeout_s,
+            }
+        )
+        request = urllib.request.Request(
+            self.url, body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=self.run_timeout_s + 30) as response:
+            result = json.loads(response.read())
+        run = result.get("run_result") or {}
+        if (
+            result.get("status") != "Success"
+            or run.get("status") != "Finished"
+            or run.get("return_code") != 0
+        ):
+            return None
+        return run.get("stdout", "")
+
+    def score_one(self, sample: Sample) -> float | None:
+        tests = sample.ground_truth
+        if not isinstance(tests, list) or not tests:
+            return None  # counted as a reward error by the trainer
+        code = extract_code(sample.response)
+        outputs = self.pool.map(lambda t: self.run(code, t["input"]), tests)
+        passed = sum(
+            out is not None and normalise(out) == normalise(t["output"])
+            for out, t in zip(outputs, tests)
+        )
+        return float(passed == len(tests)) if self.all_or_nothing else passed / len(tests)
+
+    def score(self, samples: Sequence[Sample]) -> list[float | None]:
+        return [self.score_one(s) for s in samples]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

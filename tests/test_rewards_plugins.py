@@ -1,0 +1,156 @@
+"""The reward plug-in API: error policies, weights, the verl adapter and callbacks/ plug-ins."""
+
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+from callbacks.format_reward import FormatReward
+from callbacks.overlong import OverlongPenalty
+from callbacks.sandbox_fusion import SandboxFusionReward
+from vapo_lightning.rewards import RewardCallback, RewardError, Sample, combine_rewards
+from vapo_lightning.rewards.verl import VerlReward
+
+
+def sample(response="x", ids=(1, 2), truncated=False, truth=None, source="s", **extra):
+    return Sample("p", response, list(ids), truncated, truth, source, extra)
+
+
+class Fixed(RewardCallback):
+    def __init__(self, values, **kwargs):
+        super().__init__(**kwargs)
+        self.values = values
+
+    def score(self, samples):
+        if isinstance(self.values, Exception):
+            raise self.values
+        if self.values == "hang":
+            time.sleep(5)
+        return self.values
+
+
+SAMPLES = [sample(), sample(), sample()]
+
+
+def test_weighted_sum_of_callbacks():
+    out = combine_rewards([Fixed([1, 0, -1]), Fixed([0.5, 0.5, 0.5], weight=2.0)], SAMPLES)
+    assert out.rewards == [2.0, 1.0, 0.0] and out.errors == 0
+
+
+@pytest.mark.parametrize(
+    "values,errors",
+    [
+        (ValueError("boom"), 3),
+        ([1.0, float("nan"), 1.0], 1),
+        ([1.0, None, "x"], 2),
+        ([1.0], 3),
+        ("hang", 3),
+    ],
+    ids=["raises", "nan", "none-and-junk", "wrong-length", "hangs"],
+)
+def test_failing_rewards_get_the_defined_value_and_are_counted(values, errors):
+    cb = Fixed(values, error_value=-0.5, timeout_s=0.5)
+    out = combine_rewards([cb], SAMPLES)
+    assert out.errors == errors
+    assert sum(r == -0.5 for r in out.rewards) == errors
+    assert all(math.isfinite(r) for r in out.rewards)
+
+
+@pytest.mark.parametrize("values", [ValueError("boom"), [1.0, float("nan"), 1.0], [1.0]])
+def test_failing_rewards_abort_when_configured(values):
+    with pytest.raises(RewardError, match="reward callback Fixed"):
+        combine_rewards([Fixed(values, on_error="abort")], SAMPLES)
+
+
+def test_no_reward_callback_is_an_error():
+    with pytest.raises(RewardError, match="no reward callback"):
+        combine_rewards([], SAMPLES)
+
+
+def test_verl_adapter_calls_user_files_unchanged(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if data_source == 'dict':\n"
+        "        return {'score': 0.25, 'acc': True}\n"
+        "    return float(solution_str.strip() == ground_truth) + extra_info.get('bonus', 0)\n"
+    )
+    cb = VerlReward(str(path))
+    got = cb.score(
+        [sample("42", truth="42"), sample("41", truth="42", bonus=0.5), sample("1", source="dict")]
+    )
+    assert got == [1.0, 0.5, 0.25]
+    with pytest.raises(AttributeError, match="has no function 'nope'"):
+        VerlReward(str(path), function="nope")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        VerlReward(str(tmp_path / "missing.py"))
+
+
+def test_format_reward():
+    cb = FormatReward(good=1.0, bad=-1.0)
+    responses = [
+        ("2 + 3 = 5. \\boxed{5}", False, 1.0),
+        ("\\boxed{\\frac{1}{2}}.", False, 1.0),
+        ("\\boxed{5} so maybe \\boxed{6}", False, -1.0),
+        ("the answer is 5", False, -1.0),
+        ("\\boxed{5} and more text", False, -1.0),
+        ("2 + 3 = 5. \\boxed{5}", True, -1.0),
+    ]
+    assert cb.score([sample(r, truncated=t) for r, t, _ in responses]) == [v for *_, v in responses]
+
+
+def test_overlong_penalty_plugin():
+    cb = OverlongPenalty(max_length=20, cache_length=8)
+    got = cb.score([sample(ids=range(n)) for n in (5, 12, 16, 20, 25)])
+    assert got == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
+    with pytest.raises(ValueError):
+        OverlongPenalty(max_length=10, cache_length=20)
+
+
+class FakeSandboxFusion(BaseHTTPRequestHandler):
+    """A SandboxFusion-shaped /run_code endpoint running trusted test code with python."""
+
+    requests: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeSandboxFusion.requests.append(body)
+        proc = subprocess.run([sys.executable, "-c", body["code"]], input=body["stdin"], capture_output=True,
+                              text=True, timeout=body["run_timeout"])  # fmt: skip
+        result = {"status": "Success", "run_result": {"status": "Finished", "return_code": proc.returncode,
+                                                      "stdout": proc.stdout, "stderr": proc.stderr}}  # fmt: skip
+        data = json.dumps(result).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_sandbox_fusion_client_scores_on_the_host():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeSandboxFusion)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cb = SandboxFusionReward(f"http://127.0.0.1:{server.server_port}", max_concurrency=2)
+        tests = [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]
+        good = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+        half = "a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)"
+        crash = "import sys; print(5); sys.exit(1)"
+        prefix = "a, b = map(int, input().split())\nprint(a + b)\nprint('extra')"
+        got = cb.score(
+            [sample(r, truth=tests) for r in (good, half, crash, prefix)]
+            + [sample(good, truth=None)]
+        )
+        assert got == [1.0, 0.5, 0.0, 0.0, None]
+        assert all("output" not in r and "5\n" not in r["code"] for r in FakeSandboxFusion.requests)
+        cb.close()
+    finally:
+        server.shutdown()
