@@ -31,12 +31,16 @@ CANARIES = [
     f"/root/vapo-pwned-{TOKEN}",
     f"/work/vapo-pwned-{TOKEN}",
 ]
-REPO_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "pyproject.toml")
+REPO_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"
+)
 
 
-def _sandbox_processes() -> list[int]:
-    """Live (non-zombie) processes whose real uid is the sandbox uid 65534."""
+def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
+    """Live (non-zombie) processes whose real uid is the sandbox uid 65534.
+
+    Processes in `spare_sessions` are the pool's idle sandboxes, forked ahead for the next
+    runs (each in its own session, started by the server after the previous run ended)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -48,7 +52,12 @@ def _sandbox_processes() -> list[int]:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if fields["Uid"].split()[0] == "65534" and not fields["State"].strip().startswith("Z"):
-            found.append(int(entry))
+            try:
+                sid = os.getsid(int(entry))
+            except OSError:
+                continue  # gone meanwhile
+            if sid not in spare_sessions:
+                found.append(int(entry))
     return found
 
 
@@ -93,8 +102,13 @@ def host(tmp_path_factory):
     holder = subprocess.Popen(["sleep", "600"], env={"VAPO_TEST_SECRET": SECRET})
     listener = Listener()
     pool = Pool(size=2)
-    yield {"pool": pool, "home": str(home), "secret_file": secret_file,
-           "listener": listener, "holder": holder.pid}
+    yield {
+        "pool": pool,
+        "home": str(home),
+        "secret_file": secret_file,
+        "listener": listener,
+        "holder": holder.pid,
+    }
     pool.close()
     listener.stop = True
     holder.kill()
@@ -103,7 +117,7 @@ def host(tmp_path_factory):
 
 
 def _assert_host_intact(host) -> None:
-    assert _sandbox_processes() == []
+    assert _sandbox_processes(host["pool"].spare_sessions()) == []
     for path in CANARIES:
         assert not os.path.exists(path), path
     assert host["secret_file"].read_text() == SECRET
@@ -113,8 +127,9 @@ def _assert_host_intact(host) -> None:
     assert os.environ["VAPO_TEST_SECRET"] == SECRET
     # The servers survived and still judge honest code correctly.
     for _ in range(2):
-        ok = host["pool"].evaluate("def f(x):\n    return x + 1\n",
-                                   [{"input": [1], "output": 2}], "f")
+        ok = host["pool"].evaluate(
+            "def f(x):\n    return x + 1\n", [{"input": [1], "output": 2}], "f"
+        )
         assert (ok.passed, ok.total) == (1, 1), ok
 
 
@@ -136,134 +151,369 @@ PROGRAMS = [
     # liveness
     ("busy_loop", "def f():\n    while True: pass", "f", WANT, 1.0),
     ("sleep", "import time\ndef f():\n    time.sleep(100)", "f", WANT, 1.0),
-    ("regex_c_loop", "import re\ndef f():\n    return re.match(r'(a+)+$', 'a'*64 + 'b')",
-     "f", WANT, 1.0),
+    (
+        "regex_c_loop",
+        "import re\ndef f():\n    return re.match(r'(a+)+$', 'a'*64 + 'b')",
+        "f",
+        WANT,
+        1.0,
+    ),
     ("bigint_c_loop", "def f():\n    return 7 ** (10 ** 9) % 10", "f", WANT, 1.0),
-    ("ignored_signals", "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM,"
-     " signal.SIGXCPU, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
-     "def f():\n    while True: pass", "f", WANT, 1.0),
-    ("swallowed_timeouts", "import time\ndef f():\n    while True:\n        try:\n"
-     "            time.sleep(10)\n        except BaseException:\n            pass", "f", WANT, 1.0),
-    ("sigstop_self", "import os, signal\ndef f():\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
-     "    return 0", "f", WANT, 1.0),
+    (
+        "ignored_signals",
+        "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM,"
+        " signal.SIGXCPU, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
+        "def f():\n    while True: pass",
+        "f",
+        WANT,
+        1.0,
+    ),
+    (
+        "swallowed_timeouts",
+        "import time\ndef f():\n    while True:\n        try:\n"
+        "            time.sleep(10)\n        except BaseException:\n            pass",
+        "f",
+        WANT,
+        1.0,
+    ),
+    (
+        "sigstop_self",
+        "import os, signal\ndef f():\n    os.kill(os.getpid(), signal.SIGSTOP)\n    return 0",
+        "f",
+        WANT,
+        1.0,
+    ),
     ("stdin_mode_loop", "while True:\n    pass", None, STDIN_WANT, 1.0),
     # memory
     ("huge_alloc", "def f():\n    x = bytearray(10 ** 11)\n    return len(x)", "f", WANT, 5.0),
-    ("growing_list", "def f():\n    l = []\n    while True:\n        l.append(' ' * 10 ** 7)",
-     "f", WANT, 5.0),
-    ("mmap_bomb", "import mmap\ndef f():\n    m = mmap.mmap(-1, 1 << 36)\n    return len(m)",
-     "f", WANT, 5.0),
+    (
+        "growing_list",
+        "def f():\n    l = []\n    while True:\n        l.append(' ' * 10 ** 7)",
+        "f",
+        WANT,
+        5.0,
+    ),
+    (
+        "mmap_bomb",
+        "import mmap\ndef f():\n    m = mmap.mmap(-1, 1 << 36)\n    return len(m)",
+        "f",
+        WANT,
+        5.0,
+    ),
     # processes
-    ("fork_bomb", "import os\ndef f():\n    while True:\n        try: os.fork()\n"
-     "        except OSError: pass", "f", WANT, 1.0),
-    ("many_children", "import subprocess\ndef f():\n    ps = [subprocess.Popen(['sleep', '60'])"
-     " for _ in range(100)]\n    return len(ps)", "f", WANT, 2.0),
-    ("double_fork_daemon", "import os, time\nHOME = @HOME@\ndef f():\n    if os.fork() == 0:\n"
-     "        os.setsid()\n        if os.fork() == 0:\n            time.sleep(0.5)\n"
-     + _writes_everywhere("daemon", " " * 12) + "            time.sleep(600)\n"
-     "        os._exit(0)\n    return 0", "f", WANT, 2.0),
-    ("escaped_session", "import subprocess\ndef f():\n"
-     "    subprocess.Popen(['sleep', '600'], start_new_session=True)\n    return 0", "f", WANT, 2.0),
+    (
+        "fork_bomb",
+        "import os\ndef f():\n    while True:\n        try: os.fork()\n"
+        "        except OSError: pass",
+        "f",
+        WANT,
+        1.0,
+    ),
+    (
+        "many_children",
+        "import subprocess\ndef f():\n    ps = [subprocess.Popen(['sleep', '60'])"
+        " for _ in range(100)]\n    return len(ps)",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "double_fork_daemon",
+        "import os, time\nHOME = @HOME@\ndef f():\n    if os.fork() == 0:\n"
+        "        os.setsid()\n        if os.fork() == 0:\n            time.sleep(0.5)\n"
+        + _writes_everywhere("daemon", " " * 12)
+        + "            time.sleep(600)\n"
+        "        os._exit(0)\n    return 0",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "escaped_session",
+        "import subprocess\ndef f():\n"
+        "    subprocess.Popen(['sleep', '600'], start_new_session=True)\n    return 0",
+        "f",
+        WANT,
+        2.0,
+    ),
     # output floods and garbage
     ("stdout_flood", "def f():\n    while True: print('x' * 10 ** 6)", "f", WANT, 1.0),
-    ("stderr_flood", "import sys\ndef f():\n    while True: sys.stderr.write('x' * 10 ** 6)",
-     "f", WANT, 1.0),
-    ("result_pipe_flood", "import os\ndef f():\n    while True:\n        for fd in range(3, 30):\n"
-     "            try: os.write(fd, b'0 R 1\\n' * 10 ** 5)\n            except OSError: pass",
-     "f", WANT, 2.0),
-    ("stdin_mode_flood", "import sys\nwhile True: sys.stdout.write('y' * 10 ** 6)",
-     None, STDIN_WANT, 2.0),
-    ("binary_garbage", "import os, sys\nsys.stdout.buffer.write(os.urandom(1 << 16))",
-     None, STDIN_WANT, 2.0),
+    (
+        "stderr_flood",
+        "import sys\ndef f():\n    while True: sys.stderr.write('x' * 10 ** 6)",
+        "f",
+        WANT,
+        1.0,
+    ),
+    (
+        "result_pipe_flood",
+        "import os\ndef f():\n    while True:\n        for fd in range(3, 30):\n"
+        "            try: os.write(fd, b'0 R 1\\n' * 10 ** 5)\n            except OSError: pass",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "stdin_mode_flood",
+        "import sys\nwhile True: sys.stdout.write('y' * 10 ** 6)",
+        None,
+        STDIN_WANT,
+        2.0,
+    ),
+    (
+        "binary_garbage",
+        "import os, sys\nsys.stdout.buffer.write(os.urandom(1 << 16))",
+        None,
+        STDIN_WANT,
+        2.0,
+    ),
     ("returns_bytes", "def f():\n    return b'\\xff\\x00' * 100", "f", WANT, 2.0),
     # disk and file descriptors
-    ("disk_fill", "def f():\n    i = 0\n    while True:\n        with open(f'fill{i}', 'wb') as fh:\n"
-     "            fh.write(b'0' * (15 << 20))\n        i += 1", "f", WANT, 3.0),
-    ("big_file", "def f():\n    with open('big', 'wb') as fh:\n        while True:\n"
-     "            fh.write(b'0' * (1 << 20))", "f", WANT, 3.0),
-    ("fd_exhaustion", "def f():\n    fs = []\n    while True: fs.append(open('/dev/null'))",
-     "f", WANT, 2.0),
-    ("inode_exhaustion", "def f():\n    i = 0\n    while True:\n        open(f'n{i}', 'w').close()\n"
-     "        i += 1", "f", WANT, 2.0),
+    (
+        "disk_fill",
+        "def f():\n    i = 0\n    while True:\n        with open(f'fill{i}', 'wb') as fh:\n"
+        "            fh.write(b'0' * (15 << 20))\n        i += 1",
+        "f",
+        WANT,
+        3.0,
+    ),
+    (
+        "big_file",
+        "def f():\n    with open('big', 'wb') as fh:\n        while True:\n"
+        "            fh.write(b'0' * (1 << 20))",
+        "f",
+        WANT,
+        3.0,
+    ),
+    (
+        "fd_exhaustion",
+        "def f():\n    fs = []\n    while True: fs.append(open('/dev/null'))",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "inode_exhaustion",
+        "def f():\n    i = 0\n    while True:\n        open(f'n{i}', 'w').close()\n        i += 1",
+        "f",
+        WANT,
+        2.0,
+    ),
     # crashes
     ("segfault", "import ctypes\ndef f():\n    return ctypes.string_at(0)", "f", WANT, 2.0),
     ("abort", "import os\ndef f():\n    os.abort()", "f", WANT, 2.0),
-    ("infinite_recursion", "import sys\nsys.setrecursionlimit(10 ** 9)\n"
-     "def f(n=0):\n    return f(n + 1)", "f", WANT, 3.0),
+    (
+        "infinite_recursion",
+        "import sys\nsys.setrecursionlimit(10 ** 9)\ndef f(n=0):\n    return f(n + 1)",
+        "f",
+        WANT,
+        3.0,
+    ),
     ("deep_parser", "def f():\n    return eval('(' * 10 ** 6 + ')' * 10 ** 6)", "f", WANT, 2.0),
     # files outside the temp dir
-    ("write_everywhere", "HOME = @HOME@\n" + _writes_everywhere("pwned")
-     + "def f():\n    return 0", "f", WANT, 2.0),
-    ("read_repo_file", f"def f():\n    return open({REPO_FILE!r}).read()", "f",
-     [{"input": [], "output": Path(REPO_FILE).read_text()}], 2.0),
-    ("read_shadow", "def f():\n    return open('/etc/shadow').read()", "f",
-     [{"input": [], "output": Path("/etc/shadow").read_text() if os.access("/etc/shadow", os.R_OK)
-       else SECRET}], 2.0),
+    (
+        "write_everywhere",
+        "HOME = @HOME@\n" + _writes_everywhere("pwned") + "def f():\n    return 0",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "read_repo_file",
+        f"def f():\n    return open({REPO_FILE!r}).read()",
+        "f",
+        [{"input": [], "output": Path(REPO_FILE).read_text()}],
+        2.0,
+    ),
+    (
+        "read_shadow",
+        "def f():\n    return open('/etc/shadow').read()",
+        "f",
+        [
+            {
+                "input": [],
+                "output": Path("/etc/shadow").read_text()
+                if os.access("/etc/shadow", os.R_OK)
+                else SECRET,
+            }
+        ],
+        2.0,
+    ),
     # secrets
-    ("env_secret", "import os\ndef f():\n    return os.environ.get('VAPO_TEST_SECRET', 'none')",
-     "f", WANT, 2.0),
-    ("proc_environ", "import os\ndef f():\n    for p in os.listdir('/proc'):\n        try:\n"
-     "            for kv in open(f'/proc/{p}/environ', 'rb').read().split(b'\\0'):\n"
-     "                if kv.startswith(b'VAPO_TEST_SECRET='): return kv[17:].decode()\n"
-     "        except Exception: pass\n    return 'none'", "f", WANT, 2.0),
-    ("ppid_environ", "import os\ndef f():\n    d = open(f'/proc/{os.getppid()}/environ', 'rb')"
-     ".read()\n    return d.decode()", "f", WANT, 2.0),
+    (
+        "env_secret",
+        "import os\ndef f():\n    return os.environ.get('VAPO_TEST_SECRET', 'none')",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "proc_environ",
+        "import os\ndef f():\n    for p in os.listdir('/proc'):\n        try:\n"
+        "            for kv in open(f'/proc/{p}/environ', 'rb').read().split(b'\\0'):\n"
+        "                if kv.startswith(b'VAPO_TEST_SECRET='): return kv[17:].decode()\n"
+        "        except Exception: pass\n    return 'none'",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "ppid_environ",
+        "import os\ndef f():\n    d = open(f'/proc/{os.getppid()}/environ', 'rb')"
+        ".read()\n    return d.decode()",
+        "f",
+        WANT,
+        2.0,
+    ),
     ("home_secret_file", "def f():\n    return open(@HOME@ + '/.secret').read()", "f", WANT, 2.0),
-    ("self_memory_scan", "def f():\n    import gc\n    for o in gc.get_objects():\n"
-     "        if isinstance(o, str) and o.startswith('s3cret-'): return o\n"
-     "    return open('/proc/self/environ', 'rb').read().decode()", "f", WANT, 2.0),
+    (
+        "self_memory_scan",
+        "def f():\n    import gc\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, str) and o.startswith('s3cret-'): return o\n"
+        "    return open('/proc/self/environ', 'rb').read().decode()",
+        "f",
+        WANT,
+        2.0,
+    ),
     # network
-    ("tcp_loopback", "import socket\ndef f():\n    s = socket.create_connection(('127.0.0.1', @TCP@),"
-     " timeout=1)\n    s.sendall(b'x')\n    return 'connected'", "f", WANT, 3.0),
-    ("udp_loopback", "import socket\ndef f():\n    s = socket.socket(socket.AF_INET, "
-     "socket.SOCK_DGRAM)\n    s.sendto(b'x', ('127.0.0.1', @UDP@))\n    return 'sent'",
-     "f", WANT, 3.0),
-    ("abstract_unix_socket", "import socket\ndef f():\n    s = socket.socket(socket.AF_UNIX)\n"
-     "    s.connect('\\0vapo-test-@TOKEN@')\n    return 'connected'", "f", WANT, 3.0),
+    (
+        "tcp_loopback",
+        "import socket\ndef f():\n    s = socket.create_connection(('127.0.0.1', @TCP@),"
+        " timeout=1)\n    s.sendall(b'x')\n    return 'connected'",
+        "f",
+        WANT,
+        3.0,
+    ),
+    (
+        "udp_loopback",
+        "import socket\ndef f():\n    s = socket.socket(socket.AF_INET, "
+        "socket.SOCK_DGRAM)\n    s.sendto(b'x', ('127.0.0.1', @UDP@))\n    return 'sent'",
+        "f",
+        WANT,
+        3.0,
+    ),
+    (
+        "abstract_unix_socket",
+        "import socket\ndef f():\n    s = socket.socket(socket.AF_UNIX)\n"
+        "    s.connect('\\0vapo-test-@TOKEN@')\n    return 'connected'",
+        "f",
+        WANT,
+        3.0,
+    ),
     # attacks on the parent
-    ("kill_parent", "import os\ndef f():\n    os.kill(os.getppid(), 9)\n    return 0",
-     "f", WANT, 2.0),
-    ("stop_parent", "import os\ndef f():\n    os.kill(os.getppid(), 19)\n    return 0",
-     "f", WANT, 2.0),
-    ("killpg_and_kill_all", "import os\ndef f():\n    try: os.kill(-1, 9)\n"
-     "    except OSError: pass\n    os.killpg(0, 9)", "f", WANT, 2.0),
-    ("stop_every_process", "import os\ndef f():\n    for p in os.listdir('/proc'):\n"
-     "        if p.isdigit() and int(p) != os.getpid():\n"
-     "            try: os.kill(int(p), 19)\n            except OSError: pass\n    return 0",
-     "f", WANT, 2.0),
+    (
+        "kill_parent",
+        "import os\ndef f():\n    os.kill(os.getppid(), 9)\n    return 0",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "stop_parent",
+        "import os\ndef f():\n    os.kill(os.getppid(), 19)\n    return 0",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "killpg_and_kill_all",
+        "import os\ndef f():\n    try: os.kill(-1, 9)\n"
+        "    except OSError: pass\n    os.killpg(0, 9)",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "stop_every_process",
+        "import os\ndef f():\n    for p in os.listdir('/proc'):\n"
+        "        if p.isdigit() and int(p) != os.getpid():\n"
+        "            try: os.kill(int(p), 19)\n            except OSError: pass\n    return 0",
+        "f",
+        WANT,
+        2.0,
+    ),
     # verdict tampering (the expected output is a secret the program cannot know)
     ("exit_zero_early", "import sys\nsys.exit(0)\ndef f():\n    return 0", "f", WANT, 2.0),
     ("os_exit_zero", "import os\ndef f():\n    os._exit(0)", "f", WANT, 2.0),
-    ("atexit_exit", "import atexit, os\natexit.register(lambda: os._exit(0))\n"
-     "def f():\n    raise SystemExit(0)", "f", WANT, 2.0),
-    ("excepthook_exit", "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\n"
-     "def f():\n    raise ValueError", "f", WANT, 2.0),
-    ("fake_markers", "def f():\n    print('0 R \"ok\"')\n    print('PASSED all tests')\n"
-     "    return 'ok'", "f", WANT, 2.0),
-    ("always_equal", "class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o):"
-     " return False\ndef f():\n    return A()", "f", WANT, 2.0),
-    ("str_subclass", "class S(str):\n    def __eq__(self, o): return True\n"
-     "def f():\n    return S('x')", "f", WANT, 2.0),
-    ("patched_builtins", "import builtins, json\nbuiltins.type = lambda *a: str\n"
-     "json.dumps = lambda *a, **k: '\"yes\"'\ndef f():\n    return 'no'", "f", WANT, 2.0),
-    ("frame_walk", "import sys\ndef f():\n    fr = sys._getframe()\n    while fr:\n"
-     "        for v in list(fr.f_locals.values()) + list(fr.f_globals.values()):\n"
-     "            if isinstance(v, str) and 's3cret' in v: return v\n        fr = fr.f_back\n"
-     "    return 'x'", "f", WANT, 2.0),
+    (
+        "atexit_exit",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\n"
+        "def f():\n    raise SystemExit(0)",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "excepthook_exit",
+        "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\ndef f():\n    raise ValueError",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "fake_markers",
+        "def f():\n    print('0 R \"ok\"')\n    print('PASSED all tests')\n    return 'ok'",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "always_equal",
+        "class A:\n    def __eq__(self, o): return True\n    def __ne__(self, o):"
+        " return False\ndef f():\n    return A()",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "str_subclass",
+        "class S(str):\n    def __eq__(self, o): return True\ndef f():\n    return S('x')",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "patched_builtins",
+        "import builtins, json\nbuiltins.type = lambda *a: str\n"
+        "json.dumps = lambda *a, **k: '\"yes\"'\ndef f():\n    return 'no'",
+        "f",
+        WANT,
+        2.0,
+    ),
+    (
+        "frame_walk",
+        "import sys\ndef f():\n    fr = sys._getframe()\n    while fr:\n"
+        "        for v in list(fr.f_locals.values()) + list(fr.f_globals.values()):\n"
+        "            if isinstance(v, str) and 's3cret' in v: return v\n        fr = fr.f_back\n"
+        "    return 'x'",
+        "f",
+        WANT,
+        2.0,
+    ),
     ("stdin_fake_exit", "import os\nos.write(1, b'PASS\\n')\nos._exit(0)", None, STDIN_WANT, 2.0),
     ("true_for_one", "def f():\n    return True", "f", [{"input": [], "output": 1}], 2.0),
-    ("nan_for_anything", "def f():\n    return float('nan')", "f",
-     [{"input": [], "output": 1.5}], 2.0),
+    (
+        "nan_for_anything",
+        "def f():\n    return float('nan')",
+        "f",
+        [{"input": [], "output": 1.5}],
+        2.0,
+    ),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,code,fn_name,tests,timeout_s", PROGRAMS,
-                         ids=[p[0] for p in PROGRAMS])
+@pytest.mark.parametrize(
+    "name,code,fn_name,tests,timeout_s", PROGRAMS, ids=[p[0] for p in PROGRAMS]
+)
 def test_hostile_program_scores_zero(host, name, code, fn_name, tests, timeout_s):
     lst = host["listener"]
-    for key, value in (("@HOME@", repr(host["home"])), ("@TCP@", str(lst.tcp.getsockname()[1])),
-                       ("@UDP@", str(lst.udp.getsockname()[1])), ("@TOKEN@", TOKEN)):
+    for key, value in (
+        ("@HOME@", repr(host["home"])),
+        ("@TCP@", str(lst.tcp.getsockname()[1])),
+        ("@UDP@", str(lst.udp.getsockname()[1])),
+        ("@TOKEN@", TOKEN),
+    ):
         code = code.replace(key, value)
     result = host["pool"].evaluate(code, tests, fn_name, timeout_s=timeout_s)
     assert result.total == len(tests)
@@ -278,8 +528,10 @@ def test_there_are_at_least_40_hostile_programs():
 
 
 def test_escaped_pipe_holder_does_not_hold_up_the_run(host):
-    code = ("import os, time\ndef f():\n    if os.fork() == 0:\n        os.setsid()\n"
-            "        time.sleep(600)\n    return 1\n")
+    code = (
+        "import os, time\ndef f():\n    if os.fork() == 0:\n        os.setsid()\n"
+        "        time.sleep(600)\n    return 1\n"
+    )
     result = host["pool"].evaluate(code, [{"input": [], "output": 1}], "f", timeout_s=20)
     assert (result.passed, result.status) == (1, "ok"), result
     _assert_host_intact(host)
@@ -287,12 +539,16 @@ def test_escaped_pipe_holder_does_not_hold_up_the_run(host):
 
 def test_no_cross_run_leakage(host):
     pool = host["pool"]
-    writer = ("def f():\n    open('/tmp/leak', 'w').write('L')\n"
-              "    open('/dev/shm/leak', 'w').write('L')\n    open('leak', 'w').write('L')\n"
-              "    return 'written'\n")
+    writer = (
+        "def f():\n    open('/tmp/leak', 'w').write('L')\n"
+        "    open('/dev/shm/leak', 'w').write('L')\n    open('leak', 'w').write('L')\n"
+        "    return 'written'\n"
+    )
     assert pool.evaluate(writer, [{"input": [], "output": "written"}], "f").passed == 1
-    reader = ("import os\ndef f():\n    for p in ('/tmp/leak', '/dev/shm/leak', 'leak'):\n"
-              "        if os.path.exists(p): return 'L'\n    return 'clean'\n")
+    reader = (
+        "import os\ndef f():\n    for p in ('/tmp/leak', '/dev/shm/leak', 'leak'):\n"
+        "        if os.path.exists(p): return 'L'\n    return 'clean'\n"
+    )
     for _ in range(3):  # whichever server of the pool runs it
         result = pool.evaluate(reader, [{"input": [], "output": "clean"}], "f")
         assert result.passed == 1, result

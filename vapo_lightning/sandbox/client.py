@@ -82,8 +82,8 @@ class Result:
 class WarmServer:
     """One fork-server process. Start it before CUDA or threads exist in the host."""
 
-    def __init__(self, namespaces: bool = True, landlock: bool = True) -> None:
-        opts = json.dumps({"namespaces": namespaces, "landlock": landlock})
+    def __init__(self, namespaces: bool = True, landlock: bool = True, spares: int = 2) -> None:
+        opts = json.dumps({"namespaces": namespaces, "landlock": landlock, "spares": spares})
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing secret to inherit
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-B", SERVER_SCRIPT, opts],
@@ -100,6 +100,8 @@ class WarmServer:
         self.probe = hello["probe"]
         self.extra_layers = ["subreaper"] if hello.get("subreaper") else []
         self.layers: list[str] = list(self.probe.get("layers", [])) + self.extra_layers
+        self.spare_sids: list[int] = list(self.probe.get("spare_sids", []))
+        """Session ids of the sandboxes forked ahead for the next runs (idle, uid 65534)."""
 
     def _recv(self) -> tuple[dict, bytes]:
         out = self.proc.stdout
@@ -120,6 +122,7 @@ class WarmServer:
             self.proc.stdin.write(struct.pack(">I", len(blob)) + blob)
             self.proc.stdin.flush()
             header, raw = self._recv()
+            self.spare_sids = list(header.get("spare_sids", []))
         header["layers"] = list(header.get("layers", [])) + self.extra_layers
         return header, raw
 
@@ -134,7 +137,13 @@ class WarmServer:
 
 
 class Pool:
-    """`size` warm servers; `evaluate` may be called from that many threads at once."""
+    """`size` warm servers; `evaluate` may be called from that many threads at once.
+
+    Each server keeps `spares` sandboxes forked ahead with every layer set up, waiting for
+    their request, so that the namespace and Landlock set-up is off the request path.
+    `namespaces=False` / `landlock=False` switch those layers off (for machines or tests that
+    need the reduced paths); the result's `layers` always says what was active.
+    """
 
     def __init__(
         self,
@@ -142,9 +151,10 @@ class Pool:
         namespaces: bool = True,
         landlock: bool = True,
         limits: Limits | None = None,
+        spares: int = 2,
     ) -> None:
         size = size or max(1, os.cpu_count() or 1)
-        self.servers = [WarmServer(namespaces, landlock) for _ in range(size)]
+        self.servers = [WarmServer(namespaces, landlock, spares) for _ in range(size)]
         self.idle: queue.Queue[WarmServer] = queue.Queue()
         for s in self.servers:
             self.idle.put(s)
@@ -192,6 +202,10 @@ class Pool:
             run_ms=header.get("run_ms", 0.0),
             total_ms=(time.perf_counter() - t0) * 1e3,
         )
+
+    def spare_sessions(self) -> set[int]:
+        """Session ids of the idle sandboxes forked ahead (not leftovers of any run)."""
+        return {sid for s in self.servers for sid in s.spare_sids}
 
     def close(self) -> None:
         for s in self.servers:

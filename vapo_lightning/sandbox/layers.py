@@ -164,12 +164,12 @@ def landlock_fs_all(abi: int) -> int:
     return _LL_FS_ALL_BY_ABI.get(abi, (1 << 16) - 1)
 
 
-def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
-    """Confine this process (and its future children) with Landlock.
+def landlock_ruleset(rules: list[tuple[int, int]], abi: int) -> int:
+    """A Landlock ruleset fd: `rules` are (O_PATH fd, allowed access bits).
 
-    `rules` are (O_PATH fd, allowed access bits); everything else on the file system is denied.
-    TCP bind/connect are denied (ABI >= 4); signals to and abstract Unix sockets of processes
-    outside the domain are denied (ABI >= 6). Returns the parts that took effect.
+    Everything else on the file system is denied; TCP bind/connect are denied (ABI >= 4);
+    signals to and abstract Unix sockets of processes outside the domain are denied (ABI >= 6).
+    Built ahead of time; `landlock_enforce` applies it to the calling process.
     """
     fs_all = landlock_fs_all(abi)
     attr = _RulesetAttr(fs_all, LL_NET_ALL if abi >= 4 else 0, LL_SCOPE_ALL if abi >= 6 else 0)
@@ -184,14 +184,34 @@ def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
                 allowed &= LL_FILE_RIGHTS  # directory rights on a file: EINVAL
             rule = _PathBeneath(allowed & fs_all, fd)
             _check(_libc.syscall(_SYS["ll_add"], rs, 1, ctypes.byref(rule), 0), "landlock_add_rule")
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
-        _check(_libc.syscall(_SYS["ll_restrict"], rs, 0), "landlock_restrict_self")
-    finally:
+    except BaseException:
         os.close(rs)
+        raise
+    return rs
+
+
+def landlock_parts(abi: int) -> list[str]:
+    """The layer names a ruleset of this ABI provides."""
     done = ["landlock_fs"]
     done += ["landlock_tcp"] if abi >= 4 else []
     done += ["landlock_scope"] if abi >= 6 else []
     return done
+
+
+def landlock_enforce(ruleset_fd: int, abi: int) -> list[str]:
+    """Confines this process (and its future children) with the ruleset; closes nothing."""
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _check(_libc.syscall(_SYS["ll_restrict"], ruleset_fd, 0), "landlock_restrict_self")
+    return landlock_parts(abi)
+
+
+def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
+    """`landlock_ruleset` + `landlock_enforce` in one go. Returns the parts that took effect."""
+    rs = landlock_ruleset(rules, abi)
+    try:
+        return landlock_enforce(rs, abi)
+    finally:
+        os.close(rs)
 
 
 def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, nproc: int) -> None:

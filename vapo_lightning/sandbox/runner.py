@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -103,10 +104,66 @@ def _run_program(code: str, stdin_path: str, stdout_path: str) -> None:
     os._exit(status & 0xFF)
 
 
+def children_of(pid: int) -> list[int]:
+    """Live and zombie children of `pid` (single-threaded), from /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:  # kernel without CONFIG_PROC_CHILDREN: scan every process
+        pass
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def kill_descendants() -> None:
+    """SIGKILLs and reaps every descendant of this process, which must be a child subreaper.
+
+    Orphans (double-fork daemons, escaped sessions) are re-parented to us, so killing our
+    children until none is left reaches every descendant.
+    """
+    me = os.getpid()
+    for _ in range(100000):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pid = 0
+            if pid == 0:
+                break
+        kids = children_of(me)
+        if not kids:
+            return
+        for kid in kids:
+            with contextlib.suppress(OSError):
+                os.kill(kid, 9)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(-1, 0)
+
+
 def run_stdin_mode(
-    code: str, inputs: list[str], res_fd: int, max_stdout: int, own_pid_namespace: bool
+    code: str,
+    inputs: list[str],
+    res_fd: int,
+    max_stdout: int,
+    own_pid_namespace: bool,
+    confine: Callable[[], None] | None = None,
 ) -> None:
-    """Runs the program once per test in a fresh child; reports its exit status and stdout."""
+    """Runs the program once per test in a fresh child; reports its exit status and stdout.
+
+    Whatever one test leaves running is killed before the next test starts: with our own PID
+    namespace by ``kill(-1)``, otherwise through `kill_descendants` (the caller must have made
+    this process a child subreaper). `confine` runs in each child before the program (e.g.
+    Landlock, applied there so that this process may still read /proc).
+    """
     for i, text in enumerate(inputs):
         stdin_path, stdout_path = f"stdin-{i}", f"stdout-{i}"
         with open(stdin_path, "w", encoding="utf-8") as f:
@@ -114,12 +171,19 @@ def run_stdin_mode(
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
-            os.close(res_fd)
+            try:
+                os.close(res_fd)
+                if confine is not None:
+                    confine()
+            except BaseException:
+                os._exit(126)  # could not confine: the program does not run
             _run_program(code, stdin_path, stdout_path)
         _, status = os.waitpid(pid, 0)
         if own_pid_namespace:  # kill what test i left behind (daemons); spares us and pid 1
             with contextlib.suppress(OSError):
                 os.kill(-1, 9)
+        else:
+            kill_descendants()
         exit_code = os.waitstatus_to_exitcode(status)
         try:
             with open(stdout_path, "rb") as f:

@@ -20,6 +20,8 @@ header, then ``header["raw_len"]`` raw bytes of the result pipe (the host decode
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import gc
 import json
 import os
 import select
@@ -77,6 +79,18 @@ READ_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
 
+class Spare:
+    """A sandbox forked ahead of its request: every layer set up, P2 blocked reading `req_w`."""
+
+    def __init__(self, c_pid, ctl_r, res_r, req_w, host_dir, tmp_mb) -> None:
+        self.c_pid, self.ctl_r, self.res_r, self.req_w = c_pid, ctl_r, res_r, req_w
+        self.host_dir, self.tmp_mb = host_dir, tmp_mb
+        self.ctl = b""
+        self.p2_pid: int | None = None
+        self.p2_fd: int | None = None
+        self.c_reaped = False
+
+
 class Server:
     def __init__(self, opts: dict) -> None:
         self.opts = opts
@@ -98,10 +112,16 @@ class Server:
             self.subreaper = True
         except OSError:
             self.subreaper = False
+        self.probe_layers: list[str] = ["userns"]  # optimistic until the probe ran
+        # Sandboxes forked ahead, oldest first: with two, one is always ready even when
+        # requests come back to back (setting one up takes longer than a short run).
+        self.depth = max(1, int(opts.get("spares", 2)))
+        self.spares: list[Spare] = []
 
     # --- inside the sandbox ------------------------------------------------------------------
-    def _child(self, req: dict, ctl_w: int, res_w: int, host_dir: str | None) -> None:
-        """Process C: never returns."""
+    def _child(self, ctl_w: int, res_w: int, req_r: int, host_dir: str | None, tmp_mb: int):
+        """Process C: never returns. Exits right after forking P2 when we are a subreaper
+        (P2 is then re-parented to the server), else waits for it."""
         active: list[str] = []
         try:
             os.setsid()
@@ -124,23 +144,27 @@ class Server:
                     pass
             p2 = os.fork()
             if p2 == 0:
-                self._p2(req, ctl_w, res_w, host_dir, active)
-            os.close(res_w)
+                self._p2(ctl_w, res_w, req_r, host_dir, tmp_mb, active)
             os.write(ctl_w, f"P {p2}\n".encode())
+            if self.subreaper:
+                os._exit(0)
+            os.close(res_w)
             _, status = os.waitpid(p2, 0)
             os._exit(0 if status == 0 else 1)
         except BaseException as err:
             os.write(ctl_w, f"X C {type(err).__name__}: {err}\n".encode()[:500])
             os._exit(70)
 
-    def _p2(self, req, ctl_w, res_w, host_dir, active) -> None:
-        """Process P2, pid 1 of the new PID namespace when there is one: never returns."""
+    def _p2(self, ctl_w, res_w, req_r, host_dir, tmp_mb, active) -> None:
+        """Process P2, pid 1 of the new PID namespace when there is one: never returns.
+
+        Sets up everything that does not depend on the request, then blocks reading it."""
         try:
-            lim = req["limits"]
-            L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+            if not self.subreaper:
+                L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
             workdir = host_dir
             if "mountns" in active:
-                L.private_mounts(int(lim["tmp_mb"]) << 20)
+                L.private_mounts(int(tmp_mb) << 20)
                 active.append("private_tmp")
                 os.mkdir("/tmp/work", 0o700)
                 workdir = "/tmp/work"
@@ -155,17 +179,9 @@ class Server:
                 PYTHONIOENCODING="utf-8",
             )
             active.append("clean_env")
-            L.set_limits(
-                cpu_s=int(req["timeout_s"]) + 1,
-                address_space=int(lim["memory_mb"]) << 20,
-                file_size=int(lim["file_mb"]) << 20,
-                open_files=int(lim["open_files"]),
-                nproc=int(lim["processes"]),
-            )
-            active.append("rlimits")
             if "userns" in active:
                 L.drop_capabilities()
-                active.append("no_caps")
+            ruleset = None
             if self.abi:
                 work_fd = os.open(workdir, os.O_PATH)
                 everything = L.landlock_fs_all(self.abi)
@@ -181,17 +197,58 @@ class Server:
                         if os.path.isdir(p)
                     ]
                 try:
-                    active += L.landlock_restrict(rules, self.abi)
+                    ruleset = L.landlock_ruleset(rules, self.abi)
                 except OSError as err:  # reported; the host decides whether it may run
                     os.write(ctl_w, f"X P2 Landlock: {err}\n".encode()[:500])
-            keep = {ctl_w, res_w, *self.stdlib.values()}
+            keep = {ctl_w, res_w, req_r, *self.stdlib.values()}
+            if ruleset is not None:
+                keep.add(ruleset)
             _close_fds_except(keep)
             sys.meta_path.append(runner.DirFdFinder(self.stdlib))
+            # --- ready: wait for the request (EOF: the server is gone or discards us) ---
+            (n,) = struct.unpack(">I", _read_exact(req_r, 4))
+            req = json.loads(_read_exact(req_r, n))
+            os.close(req_r)
+            if self.subreaper:  # our parent is the server now (C has exited)
+                L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+            lim = req["limits"]
+            L.set_limits(
+                cpu_s=int(req["timeout_s"]) + 1,
+                address_space=int(lim["memory_mb"]) << 20,
+                file_size=int(lim["file_mb"]) << 20,
+                open_files=int(lim["open_files"]),
+                nproc=int(lim["processes"]),
+            )
+            active.append("rlimits")
+            if "userns" in active:
+                active.append("no_caps")
+            stdin_mode = req["fn_name"] is None
+            own_pidns = "pidns" in active
+            confine = None
+            if ruleset is not None:
+                if stdin_mode and not own_pidns:
+                    # Landlock in each test's child, so that we can still find (in /proc)
+                    # and kill what a test leaves running before the next one starts.
+                    L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
+                    active += L.landlock_parts(self.abi)
+
+                    def confine() -> None:
+                        L.landlock_enforce(ruleset, self.abi)
+                        os.close(ruleset)
+                else:
+                    try:
+                        active += L.landlock_enforce(ruleset, self.abi)
+                    except OSError as err:
+                        os.write(ctl_w, f"X P2 Landlock: {err}\n".encode()[:500])
+                    os.close(ruleset)
+            elif stdin_mode and not own_pidns:
+                L.prctl(L.PR_SET_CHILD_SUBREAPER, 1)
+            # Also our check that the server is alive (else EPIPE): see PDEATHSIG above.
             os.write(ctl_w, ("L " + json.dumps(active) + "\n").encode())
             os.close(ctl_w)
-            if req["fn_name"] is None:
+            if stdin_mode:
                 runner.run_stdin_mode(
-                    req["code"], req["inputs"], res_w, int(lim["stdout_bytes"]), "pidns" in active
+                    req["code"], req["inputs"], res_w, int(lim["stdout_bytes"]), own_pidns, confine
                 )
             else:
                 runner.run_function_mode(req["code"], req["inputs"], req["fn_name"], res_w)
@@ -201,11 +258,8 @@ class Server:
                 os.write(ctl_w, f"X P2 {type(err).__name__}: {err}\n".encode()[:500])
             os._exit(72)
 
-    # --- outside: one request ----------------------------------------------------------------
-    def handle(self, req: dict) -> tuple[dict, bytes]:
-        t0 = time.perf_counter()
-        deadline = t0 + float(req["timeout_s"])
-        cap = int(req["limits"]["output_bytes"])
+    # --- outside: spares ---------------------------------------------------------------------
+    def _fork_spare(self, tmp_mb: int) -> Spare:
         host_dir = None
         if not self.namespaces or "userns" not in self.probe_layers:
             host_dir = tempfile.mkdtemp(prefix="vapo-sandbox-")
@@ -213,65 +267,161 @@ class Server:
                 os.chown(host_dir, L.NOBODY, L.NOBODY)
         ctl_r, ctl_w = os.pipe()
         res_r, res_w = os.pipe()
+        req_r, req_w = os.pipe()
+        with contextlib.suppress(OSError):  # most requests then fit in one write
+            fcntl.fcntl(req_w, fcntl.F_SETPIPE_SZ, 1 << 20)
         sys.stdout.flush()
+        gc.freeze()  # the sandbox's collections skip (and so do not copy) the server's objects
         pid = os.fork()
         if pid == 0:
             os.close(ctl_r)
             os.close(res_r)
-            self._child(req, ctl_w, res_w, host_dir)
-        os.close(ctl_w)
-        os.close(res_w)
-        child_fd = os.pidfd_open(pid)
-        p2_fd = None
-        ctl, raw, status, t_ready = b"", bytearray(), None, None
-        open_fds = {ctl_r, res_r}
+            os.close(req_w)
+            self._child(ctl_w, res_w, req_r, host_dir, tmp_mb)
+        for fd in (ctl_w, res_w, req_r):
+            os.close(fd)
+        return Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb)
+
+    def _settle(self, sp: Spare, deadline: float) -> None:
+        """Learns P2's pid from C and, when we are a subreaper, reaps C (P2 is then ours)."""
+        while sp.p2_pid is None and _pid_line(sp.ctl) is None and time.perf_counter() < deadline:
+            r, _, _ = select.select([sp.ctl_r], [], [], max(0.0, deadline - time.perf_counter()))
+            if not r:
+                break
+            chunk = os.read(sp.ctl_r, 4096)
+            if not chunk:
+                break
+            sp.ctl += chunk
+        line = _pid_line(sp.ctl)
+        if sp.p2_pid is None and line is not None and line.startswith(b"P "):
+            try:
+                sp.p2_pid = int(line[2:])
+                sp.p2_fd = os.pidfd_open(sp.p2_pid)
+            except (ValueError, OSError):
+                sp.p2_pid = sp.p2_fd = None
+        if self.subreaper and not sp.c_reaped:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(sp.c_pid, 0)  # C exits right after forking P2 (or after an error)
+            sp.c_reaped = True
+
+    def _discard(self, sp: Spare) -> None:
+        self._settle(sp, time.perf_counter() + 5.0)
+        if sp.p2_fd is not None:
+            _pidfd_kill(sp.p2_fd)
+        for fd in (sp.req_w, sp.ctl_r, sp.res_r):
+            os.close(fd)
+        if not sp.c_reaped:  # (a reaped pid may belong to someone else by now)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sp.c_pid, signal.SIGKILL)
+            os.waitpid(sp.c_pid, 0)
+        if sp.p2_fd is not None:
+            if self.subreaper:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(sp.p2_pid, 0)
+            os.close(sp.p2_fd)
+        if sp.host_dir is not None:
+            _remove_tree(sp.host_dir)
+
+    def _take_spare(self, tmp_mb: int, deadline: float) -> Spare:
+        while self.spares:
+            sp = self.spares.pop(0)
+            self._settle(sp, deadline)
+            alive = sp.p2_fd is not None and not select.select([sp.p2_fd], [], [], 0)[0]
+            if sp.tmp_mb == tmp_mb and alive:
+                return sp
+            self._discard(sp)  # killed by someone (reduced isolation) or other tmpfs size
+        sp = self._fork_spare(tmp_mb)
+        self._settle(sp, deadline)
+        return sp
+
+    def _refill(self, tmp_mb: int) -> list[int]:
+        """Forks spares up to the depth; returns their session ids (C's pids)."""
+        while len(self.spares) < self.depth:
+            self.spares.append(self._fork_spare(tmp_mb))
+        return [sp.c_pid for sp in self.spares]
+
+    # --- outside: one request ----------------------------------------------------------------
+    def handle(self, req: dict) -> tuple[dict, bytes]:
+        t0 = time.perf_counter()
+        deadline = t0 + float(req["timeout_s"])
+        cap = int(req["limits"]["output_bytes"])
+        sp = self._take_spare(int(req["limits"]["tmp_mb"]), deadline)
+        if sp.p2_fd is None and self.subreaper:  # C failed (its error is in sp.ctl)
+            self._discard(sp)
+            header = _parse_ctl(sp.ctl)
+            header.update(status="crashed", exit_code=70, raw_len=0)
+            header["spare_sids"] = self._refill(sp.tmp_mb)
+            return header, b""
+        blob = json.dumps(req).encode()
+        pending = memoryview(struct.pack(">I", len(blob)) + blob)
+        os.set_blocking(sp.req_w, False)
+        # With a subreaper, P2 is our child and its exit ends the run; otherwise C's does.
+        watch_pid = sp.p2_pid if self.subreaper and sp.p2_pid is not None else sp.c_pid
+        watch_fd = sp.p2_fd if watch_pid == sp.p2_pid else os.pidfd_open(sp.c_pid)
+        ctl, raw, status, t_ready = sp.ctl, bytearray(), None, None
         poller = select.poll()
-        for fd in (ctl_r, res_r, child_fd):
+        for fd in (sp.ctl_r, sp.res_r, watch_fd):
             poller.register(fd, select.POLLIN)
-        while True:
+        if pending:
+            poller.register(sp.req_w, select.POLLOUT)
+        done = False
+        while not done:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 status = "timeout"
                 break
             events = poller.poll(remaining * 1000)
             for fd, _ in events:
-                if fd == child_fd:
-                    continue
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    poller.unregister(fd)
-                    open_fds.discard(fd)
-                elif fd == ctl_r:
-                    ctl += chunk[:4096]
-                    if p2_fd is None and ctl.startswith(b"P "):
-                        p2_fd = _pidfd(ctl)
-                    if t_ready is None and b"\nL " in ctl:
-                        t_ready = time.perf_counter()
+                if fd == watch_fd:
+                    done = True
+                elif fd == sp.req_w:
+                    try:
+                        pending = pending[os.write(fd, pending) :]
+                    except OSError:  # P2 died before reading it all
+                        pending = memoryview(b"")
+                    if not pending:
+                        poller.unregister(fd)
                 else:
-                    raw += chunk
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        poller.unregister(fd)
+                    elif fd == sp.ctl_r:
+                        ctl += chunk[:4096]
+                        if t_ready is None and b"\nL " in ctl:
+                            t_ready = time.perf_counter()
+                    else:
+                        raw += chunk
             if len(raw) > cap:
                 status = "output_limit"
                 break
-            if any(fd == child_fd for fd, _ in events):
-                _drain(res_r, raw, cap)
-                break
-        for fd in (p2_fd, child_fd):
+            if done:
+                _drain(sp.res_r, raw, cap)
+        for fd in (sp.p2_fd, watch_fd):
             if fd is not None:
                 _pidfd_kill(fd)
-        _, wait_status = os.waitpid(pid, 0)
-        if p2_fd is not None:
-            os.close(p2_fd)
-        os.close(child_fd)
-        if status is not None or "pidns" not in _parse_ctl(ctl)["layers"]:
+        if not sp.c_reaped:  # C is waiting on P2 (no subreaper)
+            with contextlib.suppress(OSError):
+                os.kill(sp.c_pid, signal.SIGKILL)
+        _, wait_status = os.waitpid(watch_pid, 0)
+        if not sp.c_reaped and watch_pid != sp.c_pid:
+            os.waitpid(sp.c_pid, 0)
+        if watch_fd != sp.p2_fd:
+            os.close(watch_fd)
+        if sp.p2_fd is not None:
+            os.close(sp.p2_fd)
+        layers = _parse_ctl(ctl)["layers"]
+        if status is not None or "pidns" not in layers:
             self._reap_leftovers()  # orphans exist only without a PID namespace, or after kills
-        for fd in (ctl_r, res_r):
+        for fd in (sp.ctl_r, sp.res_r, sp.req_w):
             os.close(fd)
-        if host_dir is not None:
-            _remove_tree(host_dir)
+        if sp.host_dir is not None:
+            _remove_tree(sp.host_dir)
         t_end = time.perf_counter()
         code = os.waitstatus_to_exitcode(wait_status)
         if status is None:
             status = "ok" if code == 0 else "crashed"
+        # The next runs' sandboxes, set up while the host judges this one.
+        spare_sids = self._refill(sp.tmp_mb)
         header = _parse_ctl(ctl)
         header.update(
             status=status,
@@ -279,13 +429,19 @@ class Server:
             raw_len=min(len(raw), cap),
             setup_ms=((t_ready or t_end) - t0) * 1e3,
             run_ms=(t_end - (t_ready or t_end)) * 1e3,
+            spare_sids=spare_sids,
         )
         return header, bytes(raw[:cap])
 
     def _reap_leftovers(self) -> None:
-        """Subreaper duty: SIGKILL and reap every remaining descendant (escaped daemons)."""
+        """Subreaper duty: SIGKILL and reap every remaining descendant (escaped daemons),
+        sparing the spares."""
+        keep = set()
+        for sp in self.spares:
+            self._settle(sp, time.perf_counter() + 5.0)
+            keep.update((sp.c_pid, sp.p2_pid))
         for _ in range(1000):
-            kids = _children(os.getpid())
+            kids = [k for k in runner.children_of(os.getpid()) if k not in keep]
             while True:
                 try:
                     pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -312,6 +468,11 @@ class Server:
         }
         header, _ = self.handle(req)
         self.probe_layers = header["layers"]
+        if "userns" not in self.probe_layers:
+            for sp in self.spares:  # they expected namespaces: set up again with a host dir
+                self._discard(sp)
+            self.spares = []
+            header["spare_sids"] = self._refill(DEFAULT_LIMITS["tmp_mb"])
         return header
 
 
@@ -336,11 +497,12 @@ def _parse_ctl(ctl: bytes) -> dict:
     return {"layers": layers, "setup_errors": errors}
 
 
-def _pidfd(ctl: bytes) -> int | None:
-    try:
-        return os.pidfd_open(int(ctl.split(b"\n", 1)[0][2:]))
-    except (ValueError, OSError):
-        return None
+def _pid_line(ctl: bytes) -> bytes | None:
+    """C's report: ``P <pid of P2>`` or ``X <error>``, once a whole line of it arrived."""
+    for line in ctl.split(b"\n")[:-1]:
+        if line.startswith((b"P ", b"X C ")):
+            return line
+    return None
 
 
 def _pidfd_kill(fd: int) -> None:
@@ -361,20 +523,6 @@ def _drain(fd: int, raw: bytearray, cap: int) -> None:
         return
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def _close_fds_except(keep: set[int]) -> None:
     low = 3
     for fd in sorted(keep):
@@ -389,10 +537,10 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _read_exact(n: int) -> bytes:
+def _read_exact(fd: int, n: int) -> bytes:
     buf = b""
     while len(buf) < n:
-        chunk = os.read(0, n - len(buf))
+        chunk = os.read(fd, n - len(buf))
         if not chunk:
             raise EOFError
         buf += chunk
@@ -415,8 +563,8 @@ def main() -> None:
     send({"ready": True, "probe": probe, "subreaper": server.subreaper, "pid": os.getpid()})
     while True:
         try:
-            (n,) = struct.unpack(">I", _read_exact(4))
-            req = json.loads(_read_exact(n))
+            (n,) = struct.unpack(">I", _read_exact(0, 4))
+            req = json.loads(_read_exact(0, n))
         except EOFError:
             return
         try:
