@@ -55,13 +55,14 @@ def build_tokenizer(directory: Path) -> Path:
     return directory
 
 
-class LengthReward(RewardCallback):
-    """A cheap verifiable reward: correct when the response has an even number of tokens."""
+class ParityReward(RewardCallback):
+    """A cheap verifiable reward that varies within groups: correct when the response's
+    token ids sum to an even number."""
 
     correct_threshold = 0.0
 
     def score(self, samples):
-        return [1.0 if len(s.response_ids) % 2 == 0 else -1.0 for s in samples]
+        return [1.0 if sum(s.response_ids) % 2 == 0 else -1.0 for s in samples]
 
 
 def tiny_module(tokenizer: Path, **overrides) -> VAPOModule:
@@ -91,7 +92,7 @@ def tiny_trainer(tmp: Path, max_steps: int = 2, callbacks=(), **kwargs) -> L.Tra
     return L.Trainer(
         max_steps=max_steps,
         default_root_dir=tmp,
-        callbacks=[LengthReward(), *callbacks],
+        callbacks=[ParityReward(), *callbacks],
         log_every_n_steps=1,
         num_sanity_val_steps=0,
         enable_progress_bar=False,

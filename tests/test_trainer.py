@@ -18,7 +18,7 @@ from tests.helpers import (
     write_jsonl,
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
-from vapo_lightning.config import Algorithm
+from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.data import DataError
 from vapo_lightning.rollout import GenerationConfig
 
@@ -60,7 +60,53 @@ def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
     assert changed(critic0, module.critic) == set(critic0)
 
     logged = scalars(tmp_path)
-    expected = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/nll_loss", "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/grad_norm", "critic/lr", "critic/values/mean", "critic/returns/mean", "critic/advantages/mean", "critic/score/mean", "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/values", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/time_per_step", "actor/lambda_actor/mean", "warmup/active", "rollout/accuracy", "reward", "seq_len", "entropy", "value_loss", "policy_loss", "reward/errors", "val/accuracy", "val/accuracy/add", "val/accuracy/sum", "rollout/entropy"]
+    expected = [
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "actor/nll_loss",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vf_explained_var",
+        "critic/grad_norm",
+        "critic/lr",
+        "critic/values/mean",
+        "critic/returns/mean",
+        "critic/advantages/mean",
+        "critic/score/mean",
+        "response_length/mean",
+        "response_length/max",
+        "response_length/min",
+        "response_length/clip_ratio",
+        "prompt_length/mean",
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/old_log_prob",
+        "timing_s/values",
+        "timing_s/adv",
+        "timing_s/update_critic",
+        "timing_s/update_actor",
+        "timing_s/step",
+        "perf/throughput",
+        "perf/time_per_step",
+        "actor/lambda_actor/mean",
+        "warmup/active",
+        "rollout/accuracy",
+        "reward",
+        "seq_len",
+        "entropy",
+        "value_loss",
+        "policy_loss",
+        "reward/errors",
+        "val/accuracy",
+        "val/accuracy/add",
+        "val/accuracy/sum",
+        "rollout/entropy",
+    ]
     missing = [name for name in expected if name not in logged]
     assert not missing, missing
     assert [step for step, _ in logged["actor/pg_loss"]] == [0, 1]  # every rollout step
@@ -210,3 +256,33 @@ def test_impossible_settings_fail_at_start_up(tok, tmp_path):
         tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
     with pytest.raises(ValueError, match=r"micro_batch_size=3 must divide mini_batch_size=8"):
         Algorithm(mini_batch_size=8, micro_batch_size=3)
+
+
+def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
+    """Same data order, RNG streams, optimiser/scheduler and warm-up state after a resume."""
+
+    def run(root, max_steps, ckpt_path=None):
+        L.seed_everything(5)
+        ckpt = ModelCheckpoint(
+            dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
+        )
+        callbacks = [ckpt, ValuePretraining(steps=1)]
+        trainer = tiny_trainer(root, max_steps=max_steps, callbacks=callbacks)
+        module = tiny_module(tok, optim=Optim(actor_lr=1e-3, critic_lr=1e-3, warmup_steps=2))
+        trainer.fit(module, datamodule=tiny_data(tmp_path), ckpt_path=ckpt_path)
+        return module, scalars(root)
+
+    full_module, full = run(tmp_path / "full", 4)
+    run(tmp_path / "part", 2)
+    (tmp_path / "part2").mkdir()
+    (tmp_path / "part2" / "ckpt").symlink_to(tmp_path / "part" / "ckpt")
+    resumed_module, resumed = run(tmp_path / "part2", 4, ckpt_path="last")
+    for name, values in resumed.items():
+        if name.startswith(("timing_s/", "perf/")) or name in ("epoch", "hp_metric"):
+            continue
+        expected = [v for step, v in full[name] if step >= 2]
+        assert [v for _, v in values] == expected, name  # exactly: same samples, same arithmetic
+    for (name, p), q in zip(
+        full_module.policy.named_parameters(), resumed_module.policy.parameters()
+    ):
+        assert torch.equal(p, q), name

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["DataError", "PromptDataModule", "read_rows"]
+__all__ = ["DataError", "PromptDataModule", "ResumableDataLoader", "ResumableSampler", "read_rows"]
 
 
 class DataError(ValueError):
@@ -69,6 +69,47 @@ def read_rows(source: str) -> Iterable[tuple[str, dict[str, Any]]]:
                 ) from err
         for i, row in enumerate(ds):
             yield f"{source}:row {i}", row
+
+
+class ResumableSampler(DistributedSampler):
+    """The epoch's order is a function of (seed, epoch) alone, sharded over ranks
+    (indices rank, rank + world, ...), and can start mid-epoch after a resume. A
+    `DistributedSampler`, so Lightning neither replaces it nor forgets `set_epoch`."""
+
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(
+            range(size),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
+        )
+        self.skip = 0  # indices of this rank's shard already consumed (set on resume)
+
+    def __iter__(self):
+        order = torch.randperm(
+            len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
+        mine = order[self.rank : self.total_size : self.num_replicas].tolist()
+        start, self.skip = self.skip, 0
+        return iter(mine[start:])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position in the epoch is saved in checkpoints (Lightning restores
+    stateful loaders), so `--ckpt_path last` continues with the same data order."""
+
+    def __init__(self, *args: Any, batches_done: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches": int(self.batches_done())}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.set_epoch(state["epoch"])
+        self.sampler.skip = state["batches"] * self.batch_size
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -216,13 +257,21 @@ class PromptDataModule(L.LightningDataModule):
         }
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.hparams.seed + self.trainer.current_epoch)
-        return DataLoader(
+        sampler = ResumableSampler(
+            len(self.train_rows),
+            self.hparams.seed,
+            self.trainer.world_size,
+            self.trainer.global_rank,
+        )
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        return ResumableDataLoader(
             self.train_rows,
             batch_size=self.prompts_per_step,
-            sampler=torch.utils.data.RandomSampler(self.train_rows, generator=g),
+            sampler=sampler,
             collate_fn=list,
-            drop_last=len(self.train_rows) >= self.prompts_per_step,
+            drop_last=len(self.train_rows) >= self.prompts_per_step * self.trainer.world_size,
+            batches_done=lambda: progress.current.processed,
+            generator=torch.Generator(),  # its base-seed draw must not touch the global RNG
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -59,6 +59,8 @@ class ValidationMixin:
         dm = getattr(self.trainer, "datamodule", None)
         if not self.val_before_train or dm is None or not getattr(dm, "has_val", False):
             return
+        if self.trainer.global_step > 0:  # resumed: the run already scored its start
+            return
         for i, batch in enumerate(dm.val_dataloader()):
             self.validation_step(batch, i)
         metrics = {k: float(v) for k, v in self._compute_val_metrics().items()}
