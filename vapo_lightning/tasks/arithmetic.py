@@ -41,8 +41,8 @@ __all__ = [
 DATA_SOURCE = "arithmetic"
 MAX_DIFFICULTY = 6
 PROMPT_PREFIX = "Evaluate left to right: "
-MAX_VALUE = 999  # every intermediate value stays in [0, MAX_VALUE]
-MAX_MUL_BASE = 99  # only numbers up to two digits are multiplied (tens-and-units step)
+MAX_VALUE = 250  # every intermediate value stays in [0, MAX_VALUE]
+MAX_MUL_BASE = 40  # only numbers up to 40 are multiplied (tens-and-units step)
 
 Op = tuple[str, int]  # ("+" | "-" | "*", operand)
 
@@ -86,11 +86,11 @@ def _random_op(rng: random.Random, x: int) -> Op:
     while True:
         op = rng.choice(choices)
         if op == "+":
-            b = rng.randint(2, 60)
+            b = rng.randint(1, 20)
         elif op == "-":
-            b = rng.randint(1, min(x, 60))
+            b = rng.randint(1, min(x, 20))
         else:
-            b = rng.randint(2, 9)
+            b = rng.randint(2, 5)
         if 0 <= evaluate(x, [(op, b)]) <= MAX_VALUE:
             return op, b
 
@@ -179,7 +179,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_splits(out: str | Path, n_train: int = 4096, n_val: int = 200, seed: int = 0) -> None:
+def write_splits(out: str | Path, n_train: int = 2048, n_val: int = 200, seed: int = 0) -> None:
     """Writes ``out/train.jsonl`` and ``out/val.jsonl`` (see `make_splits`)."""
     train, val = make_splits(n_train, n_val, seed)
     write_jsonl(train, Path(out) / "train.jsonl")
@@ -189,7 +189,7 @@ def write_splits(out: str | Path, n_train: int = 4096, n_val: int = 200, seed: i
 def main(args: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder for train.jsonl and val.jsonl")
-    parser.add_argument("--n-train", type=int, default=4096)
+    parser.add_argument("--n-train", type=int, default=2048)
     parser.add_argument("--n-val", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(args)
