@@ -286,3 +286,41 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
         full_module.policy.named_parameters(), resumed_module.policy.parameters()
     ):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    "row,match",
+    [
+        ({"prompt": "   ", "answer": "1"}, r"bad\.jsonl:3: field 'prompt' is empty"),
+        ({"prompt": 17, "answer": "1"}, r"bad\.jsonl:3: field 'prompt' must be a non-empty string"),
+        (
+            {"prompt": "What is 1 + 1?", "answer": ""},
+            r"bad\.jsonl:3: field 'answer' is missing or empty",
+        ),
+        (
+            {"prompt": "What is 1 + 1?", "answer": "2", "data_source": 3},
+            r"bad\.jsonl:3: field 'data_source' must be a string",
+        ),
+        (["not", "an", "object"], r"bad\.jsonl:3: expected a JSON object"),
+    ],
+    ids=["empty-prompt", "mistyped-prompt", "empty-answer", "mistyped-source", "not-an-object"],
+)
+def test_bad_rows_name_file_line_and_field(tok, tmp_path, row, match):
+    path = write_jsonl(tmp_path / "bad.jsonl", [*make_rows(2), row])
+    with pytest.raises(DataError, match=match):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
+        )
+
+
+def test_empty_or_missing_dataset_is_an_error_before_training(tok, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match=r"data.train: no usable rows"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(empty))
+        )
+    with pytest.raises(DataError, match=r"data.train: file .*nope.jsonl does not exist"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl"))
+        )
