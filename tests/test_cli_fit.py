@@ -1,0 +1,37 @@
+"""`vapo fit -c configs/tiny_cpu.yaml` end to end through the real CLI, with a plug-in reward."""
+
+import glob
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.test_configs import CONFIGS
+from vapo_lightning.cli import main
+
+
+@pytest.mark.slow
+def test_tiny_cpu_fit_with_every_callback_and_a_plugin(tmp_path):
+    main(["fit", "-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
+          "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+          "--trainer.callbacks+=callbacks.format_reward.FormatReward", "--trainer.callbacks.weight=0.1",
+          f"--model.hf_export_dir={tmp_path / 'hf'}"])  # fmt: skip
+    (event_file,) = glob.glob(f"{tmp_path}/lightning_logs/version_0/events.out.tfevents.*")
+    acc = EventAccumulator(event_file, size_guidance={"histograms": 0})
+    acc.Reload()
+    scalars = {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    assert scalars["warmup/active"] == [1.0, 1.0, 0.0]  # ValuePretraining(steps=2)
+    assert (
+        "actor/pg_loss" in scalars and len(scalars["actor/pg_loss"]) == 1
+    )  # actor only after warm-up
+    for name in [
+        "critic/vf_loss",
+        "critic/vf_explained_var",
+        "rollout/entropy",
+        "reward/errors",
+        "val/accuracy",
+    ]:
+        assert name in scalars, name
+    assert scalars["reward/errors"] == [0.0, 0.0, 0.0]
+    assert "rollout/entropy_tokens" in acc.Tags()["histograms"]
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "hf" / "policy" / "model.safetensors").exists()
