@@ -324,3 +324,59 @@ def test_empty_or_missing_dataset_is_an_error_before_training(tok, tmp_path):
         tiny_trainer(tmp_path).fit(
             tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl"))
         )
+
+
+def poison_actor_logits(monkeypatch, steps):
+    """Makes the actor update's logits NaN on the given rollout steps (0-based)."""
+    import vapo_lightning.updates as updates
+
+    real = updates.policy_logits
+
+    def logits(policy, r, temperature=1.0):
+        out = real(policy, r, temperature)
+        return out * float("nan") if poison_actor_logits.step in steps else out
+
+    poison_actor_logits.step = 0
+    monkeypatch.setattr(updates, "policy_logits", logits)
+
+
+class StepCounter(L.Callback):
+    def on_train_batch_end(self, *args):
+        poison_actor_logits.step += 1
+
+
+def test_non_finite_updates_are_skipped_and_counted(tok, tmp_path, monkeypatch):
+    poison_actor_logits(monkeypatch, steps={0})
+    L.seed_everything(6)
+    module = tiny_module(tok, val_before_train=False)
+    module.configure_model()
+    before = snapshot(module.policy)
+    tiny_trainer(tmp_path, max_steps=1, callbacks=[StepCounter()]).fit(
+        module, datamodule=tiny_data(tmp_path)
+    )
+    assert changed(before, module.policy) == set()  # the NaN update was not applied
+    trainer = tiny_trainer(tmp_path / "2", max_steps=2, callbacks=[StepCounter()])
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert changed(before, module.policy) == set(before)  # training went on
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+    logged = scalars(tmp_path)
+    assert [v for _, v in logged["actor/update_skipped"]] == [1.0]
+    assert [v for _, v in logged["critic/update_skipped"]] == [0.0]
+
+
+def test_consecutive_non_finite_updates_stop_with_a_good_checkpoint(tok, tmp_path, monkeypatch):
+    poison_actor_logits(monkeypatch, steps=set(range(100)))
+    L.seed_everything(7)
+    algorithm = Algorithm(mini_batch_size=8, micro_batch_size=4, max_bad_steps=3)
+    module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
+    module.configure_model()
+    before = snapshot(module.policy)
+    with pytest.raises(
+        FloatingPointError, match=r"3 consecutive actor updates had a non-finite gradient"
+    ):
+        tiny_trainer(tmp_path, max_steps=5, callbacks=[StepCounter()]).fit(
+            module, datamodule=tiny_data(tmp_path)
+        )
+    state = torch.load(tmp_path / "checkpoints" / "last_good.ckpt", weights_only=True)["state_dict"]
+    for name, p in before.items():
+        assert torch.equal(state[f"policy.{name}"], p), name

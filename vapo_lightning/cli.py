@@ -2,24 +2,47 @@
 
 A LightningCLI over `VAPOModule` and `PromptDataModule`: every constructor argument is a
 flag and a YAML key (`--print_config` shows them all); unknown keys are jsonargparse errors.
+`--trainer.strategy=ddp|fsdp` selects VAPO's data parallelism (`vapo_lightning.distributed`),
+which replicates or shards the policy and the critic each on its own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from vapo_lightning.data import PromptDataModule
+from vapo_lightning.distributed import resolve_strategy
 from vapo_lightning.module import VAPOModule
 
-__all__ = ["main"]
+__all__ = ["VAPOCLI", "main"]
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,  # metrics every rollout step
     "num_sanity_val_steps": 0,  # VAPOModule scores validation before training instead
     "default_root_dir": "runs",
 }
+
+
+class VAPOCLI(LightningCLI):
+    """LightningCLI whose `ddp` / `fsdp` strategy names mean `VAPOStrategy` (Lightning's own
+    would wrap the whole LightningModule: DDP then trips on the critic's backward, and its
+    FSDP refuses CPUs)."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        strategy = self._get(self.config_init, "trainer", default={}).get("strategy", "auto")
+        return super().instantiate_trainer(**{"strategy": resolve_strategy(strategy), **kwargs})
+
+    def before_fit(self) -> None:
+        """Checkpoints without a `dirpath` go to `<default_root_dir>/checkpoints`, not to a
+        logger version folder, so `--ckpt_path last` finds them when a killed run restarts."""
+        for cb in self.trainer.checkpoint_callbacks:
+            if cb.dirpath is None:
+                cb.dirpath = os.path.join(self.trainer.default_root_dir, "checkpoints")
 
 
 def main(args: list[str] | None = None) -> None:
@@ -29,7 +52,7 @@ def main(args: list[str] | None = None) -> None:
 
         sft_main(["fit", *argv[1:]])
         return
-    LightningCLI(
+    VAPOCLI(
         VAPOModule,
         PromptDataModule,
         trainer_defaults=TRAINER_DEFAULTS,

@@ -9,16 +9,19 @@ token normalisers. The math lives in `core`; this file only orchestrates.
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vapo_lightning import core
 from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.distributed import parallelize, save_pretrained
 from vapo_lightning.metrics import ALIASES, PhaseTimer, rollout_metrics
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
 from vapo_lightning.rewards.base import RewardCallback, Sample, combine_rewards
@@ -91,19 +94,19 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         self.policy = self.critic = self.ref_policy = None
         self.actor_frozen = False  # set by ValuePretraining: only the critic learns
         self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
-        self.bad_updates = 0  # consecutive non-finite updates
+        self.bad_updates = {"actor": 0, "critic": 0}  # consecutive non-finite updates
         self._init_validation()
 
     # ------------------------------------------------------------------ setup
 
     def configure_model(self) -> None:
-        if self.policy is not None:
-            return
-        self.policy = build_policy(self.policy_spec, self.tokenizer)
-        if self.algo.uses_critic:
-            self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer)
-        if self.algo.kl_coef > 0:
-            self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        if self.policy is None:
+            self.policy = build_policy(self.policy_spec, self.tokenizer)
+            if self.algo.uses_critic:
+                self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer)
+            if self.algo.kl_coef > 0:
+                self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        parallelize(self)  # --trainer.strategy=ddp|fsdp: replicate / shard each model
 
     def configure_optimizers(self) -> Any:
         o = self.optim
@@ -155,26 +158,29 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
     def rollout_and_score(self, batch: list[dict], timer: PhaseTimer) -> Rollout:
         """Samples n responses per prompt and scores them. DAPO's dynamic sampling keeps only
         groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
-        kept, rows, want = [], batch, len(batch)
-        for round_ in range(self.algo.dynamic_sampling_rounds + 1):
+        rounds, n = self.algo.dynamic_sampling_rounds, self.gen.n
+        kept, rows, want, errors = [], batch, len(batch) * n, 0
+        for round_ in range(rounds + 1):
             with timer("gen"):
                 r = self.sample(rows)
             with timer("reward"):
                 self.score(r)
-            if not self.algo.dynamic_sampling_rounds:
+            errors += self.reward_errors
+            if not rounds:
                 return r
-            r = r.select(core.informative_groups(r.scores, r.group_ids))
-            kept.append(r)
-            have = sum(len(x) for x in kept) // self.gen.n
-            if have >= want or round_ == self.algo.dynamic_sampling_rounds:
+            informative = r.select(core.informative_groups(r.scores, r.group_ids))
+            if len(informative):
+                kept.append(informative)
+            have = sum(len(x) for x in kept)
+            if have >= want or round_ == rounds:
                 break
-            rows = self.trainer.datamodule.sample_prompts(want - have)
+            rows = self.trainer.datamodule.sample_prompts(-(-(want - have) // n))
+        self.reward_errors = errors
+        if not kept:  # every group uniform in every round: zero advantages, nothing to select
+            rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
+            return r
         r = cat_rollouts(kept)
-        if len(r) == 0:  # every group uniform after all rounds: fall back to the last batch
-            raise RuntimeError(
-                "dynamic sampling found no group with differing rewards; raise dynamic_sampling_rounds"
-            )
-        return r.select(torch.arange(min(len(r), want * self.gen.n)))
+        return r.select(torch.arange(min(len(r), want)))
 
     def sample(self, rows: list[dict], gen: GenerationConfig | None = None) -> Rollout:
         gen = gen or self.gen
@@ -298,6 +304,17 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         target = self._rollout_steps_before + 1
         progress.total.ready = progress.total.completed = target
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Random streams and counters, so a resumed run samples exactly what the
+        uninterrupted run would have (data order: `ResumableDataLoader`)."""
+        checkpoint["vapo"] = {"rng": rng_state(), "bad_updates": self.bad_updates}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("vapo")
+        if state is not None:
+            set_rng_state(state["rng"])
+            self.bad_updates = state["bad_updates"]
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._rollout_steps_before = self.trainer.global_step
 
@@ -347,11 +364,23 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
             self.export_hf(self.hf_export_dir)
 
     def export_hf(self, directory: str | Path) -> None:
-        """Saves policy (with tokenizer) and critic with `save_pretrained` (safetensors)."""
-        directory = Path(directory)
-        if self.trainer.is_global_zero:
-            self.policy.save_pretrained(directory / "policy")
-            self.tokenizer.save_pretrained(directory / "policy")
-            if self.critic is not None:
-                self.critic.save_pretrained(directory / "critic")
-                self.tokenizer.save_pretrained(directory / "critic")
+        """Saves policy (with tokenizer) and critic with `save_pretrained` (safetensors).
+        Sharded weights are gathered to full tensors and written by rank 0; every rank calls."""
+        directory, zero = Path(directory), self.trainer.is_global_zero
+        save_pretrained(self.policy, self.tokenizer, directory / "policy", zero)
+        if self.critic is not None:
+            save_pretrained(self.critic, self.tokenizer, directory / "critic", zero)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

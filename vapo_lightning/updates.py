@@ -5,6 +5,8 @@ depend on how a mini-batch is split into micro-batches or data-parallel ranks (Â
 
 from __future__ import annotations
 
+import math
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -66,7 +68,7 @@ class PPOUpdates:
             clip_sum += clipfrac / len(micros)
         stats["critic/vf_loss"].append(float(loss_sum))
         stats["critic/vf_clipfrac"].append(float(clip_sum))
-        stats["critic/grad_norm"].append(self.optimizer_step(opt, self.critic))
+        self.optimizer_step(opt, self.critic, "critic", stats)
 
     def actor_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
         a = self.algo
@@ -123,25 +125,34 @@ class PPOUpdates:
         stats["actor/pg_clipfrac"].append(
             stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
         )
-        stats["actor/grad_norm"].append(self.optimizer_step(opt, self.policy))
+        self.optimizer_step(opt, self.policy, "actor", stats)
 
-    def optimizer_step(self, opt: Any, model: torch.nn.Module) -> float:
-        """Clips, then steps unless the gradient is non-finite (then skipped and counted)."""
+    def optimizer_step(
+        self, opt: Any, model: torch.nn.Module, name: str, stats: dict[str, list[float]]
+    ) -> None:
+        """Clips and steps; a non-finite gradient norm skips the step (counted in
+        `<name>/update_skipped`). After `max_bad_steps` in a row the run stops, leaving a
+        checkpoint of the last good state (no bad update was ever applied)."""
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.optim.max_grad_norm)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if not torch.isfinite(torch.tensor(norm)):
+        stats[f"{name}/update_skipped"].append(float(not math.isfinite(norm)))
+        if math.isfinite(norm):
+            self.bad_updates[name] = 0
+            stats[f"{name}/grad_norm"].append(norm)
+            opt.step()
             opt.zero_grad(set_to_none=True)
-            self.bad_updates += 1
-            if self.bad_updates >= self.algo.max_bad_steps:
-                raise FloatingPointError(
-                    f"{self.bad_updates} consecutive updates had a non-finite gradient; stopping. "
-                    "Lower the learning rates or check the rewards and inputs; resume from the last checkpoint."
-                )
-            return norm
-        self.bad_updates = 0
-        opt.step()
+            return
         opt.zero_grad(set_to_none=True)
-        return norm
+        self.bad_updates[name] += 1
+        if self.bad_updates[name] >= self.algo.max_bad_steps:
+            path = os.path.join(self.trainer.default_root_dir, "checkpoints", "last_good.ckpt")
+            self.trainer.save_checkpoint(path)
+            raise FloatingPointError(
+                f"{self.bad_updates[name]} consecutive {name} updates had a non-finite gradient (NaN/inf in "
+                f"logits, losses or gradients); stopped. The last good state is in {path}: lower "
+                "model.optim learning rates or model.optim.max_grad_norm, check rewards and data, then "
+                f"resume with --ckpt_path {path}."
+            )
 
     def micro_batches(self, r: Rollout) -> Iterator[Rollout]:
         for idx in torch.arange(len(r)).split(self.algo.micro_batch_size):

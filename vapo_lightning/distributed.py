@@ -1,0 +1,186 @@
+"""Data-parallel training of the policy and the critic: `--trainer.strategy=ddp|fsdp`.
+
+Both names resolve to `VAPOStrategy`, Lightning's `ModelParallelStrategy` over one
+data-parallel mesh of every rank (all nodes × devices; gloo on CPU, NCCL on GPUs). The
+strategy only sets up processes, the mesh and DCP checkpoints; `parallelize`, called at the
+end of `VAPOModule.configure_model`, applies PyTorch's own engines to each model separately:
+
+- fsdp: FSDP2 `fully_shard` on every decoder layer, then on the root, of the policy, the
+  critic and the frozen reference policy. bf16 (`--trainer.precision=bf16-mixed`) becomes
+  FSDP2's `MixedPrecisionPolicy` (bf16 compute, fp32 gradient reduction, fp32 master weights).
+- ddp: composable `replicate` (DistributedDataParallel) on the policy and on the critic, each
+  on its own, so the critic's backward never waits for policy gradients: no
+  `find_unused_parameters`. The frozen reference policy is broadcast from rank 0.
+
+Gradients are averaged over ranks by both engines; the updates multiply each loss by the
+world size because their normalisers are already global token counts (VAPO §4.2), so the
+gradient equals the single-process gradient of the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+
+__all__ = [
+    "VAPOStrategy",
+    "full_state_dict",
+    "parallelize",
+    "resolve_strategy",
+    "save_pretrained",
+]
+
+MODES = ("ddp", "fsdp")
+
+
+class VAPOStrategy(ModelParallelStrategy):
+    """Data parallelism for VAPO: `ddp` replicates, `fsdp` fully shards (FSDP2) each model.
+
+    Args:
+        mode: "ddp" (replicate each model) or "fsdp" (shard each model's parameters,
+            gradients and optimiser states over all ranks).
+        activation_checkpointing: recompute each decoder layer's activations in the
+            backward pass (policy and critic), for long responses on GPUs.
+        reshard_after_forward: fsdp: free the gathered parameters after each layer's
+            forward (less memory; gathered again in backward and in every decoding step).
+        save_distributed_checkpoint: each rank writes its shard into a DCP folder (resume
+            with `--ckpt_path last`); False: one full file assembled on rank 0.
+    """
+
+    def __init__(
+        self,
+        mode: Literal["ddp", "fsdp"] = "fsdp",
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"VAPOStrategy.mode must be one of {MODES}, got {mode!r}")
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.mode = mode
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup_environment(self) -> None:
+        # One data-parallel dimension over every rank of every node; no tensor parallelism.
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @property
+    def dp_mesh(self) -> Any:
+        return self.device_mesh["data_parallel"]
+
+
+StrategyRegistry.register("vapo_ddp", VAPOStrategy, "VAPO: replicate each model", mode="ddp")
+StrategyRegistry.register("vapo_fsdp", VAPOStrategy, "VAPO: FSDP2 on each model", mode="fsdp")
+
+
+def resolve_strategy(strategy: Any) -> Any:
+    """The CLI's `--trainer.strategy=ddp|fsdp` -> `VAPOStrategy`; anything else unchanged."""
+    if isinstance(strategy, str) and strategy in MODES:
+        return VAPOStrategy(mode=strategy)
+    return strategy
+
+
+def parallelize(module: Any) -> None:
+    """Applies the strategy's engine to `module.policy`, `.critic` and `.ref_policy`.
+
+    Called at the end of `configure_model`; a no-op without a `VAPOStrategy` and when already
+    applied (configure_model runs again on every fit / validate).
+    """
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    if not isinstance(strategy, VAPOStrategy) or getattr(module, "_parallelized", False):
+        return
+    trainable = [m for m in (module.policy, module.critic) if m is not None]
+    if strategy.activation_checkpointing:
+        for m in trainable:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if strategy.mode == "fsdp":
+        mp = _mixed_precision(str(trainer.precision))
+        for m in [*trainable, module.ref_policy]:
+            if m is not None:
+                shard(m, strategy.dp_mesh, mp, strategy.reshard_after_forward)
+    else:
+        from torch.distributed._composable import replicate
+
+        device = strategy.root_device
+        for m in trainable:
+            replicate(m, **({"device_id": device} if device.type == "cuda" else {}))
+        if module.ref_policy is not None:  # frozen: no gradients to reduce, same weights
+            module.ref_policy.to(device)
+            for t in [*module.ref_policy.parameters(), *module.ref_policy.buffers()]:
+                dist.broadcast(t.data, src=0)
+    module._parallelized = True
+
+
+def _mixed_precision(precision: str) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision.startswith("bf16"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision.startswith("16"):
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face model (its `_no_split_modules` classes)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise TypeError(
+            f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={names})"
+        )
+    return layers
+
+
+def shard(model: nn.Module, mesh: Any, mp: Any, reshard_after_forward: bool = True) -> None:
+    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head).
+
+    Marks the model FSDP-managed for Hugging Face `generate`, which then keeps every rank
+    decoding (`synced_gpus`) until all ranks have finished, as each step gathers weights.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    model._is_fsdp_managed_module = True
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights on CPU, on rank 0; an empty dict on other ranks.
+    Collective under fsdp: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def save_pretrained(
+    model: Any, tokenizer: Any, directory: str | Path, is_global_zero: bool
+) -> None:
+    """`save_pretrained` of a possibly sharded / replicated model, written by rank 0.
+    Every rank must call it (the weights are gathered collectively)."""
+    state = full_state_dict(model)
+    if not is_global_zero:
+        return
+    directory = Path(directory)
+    model.save_pretrained(directory, state_dict=state)
+    tokenizer.save_pretrained(directory)
+    # `replicate` renames the class DDP<Name>; transformers strips only an FSDP prefix.
+    config = directory / "config.json"
+    cfg = json.loads(config.read_text())
+    cfg["architectures"] = [a.removeprefix("DDP") for a in cfg.get("architectures") or []]
+    config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
