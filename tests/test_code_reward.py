@@ -12,8 +12,14 @@ from vapo_lightning.sandbox import ALL_LAYERS
 
 
 def _sample(response, ground_truth, **extra):
-    return Sample(prompt="p", response=response, response_ids=[1], truncated=False,
-                  ground_truth=ground_truth, extra_info=extra)
+    return Sample(
+        prompt="p",
+        response=response,
+        response_ids=[1],
+        truncated=False,
+        ground_truth=ground_truth,
+        extra_info=extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,12 @@ def test_all_or_nothing():
     cb = CodeReward(num_workers=1, all_or_nothing=True)
     try:
         tests = [{"input": [1], "output": 1}, {"input": [2], "output": 3}]
-        scores = cb.score([_sample("def f(x):\n    return x", tests, fn_name="f"),
-                           _sample("def f(x):\n    return 2 * x - 1", tests, fn_name="f")])
+        scores = cb.score(
+            [
+                _sample("def f(x):\n    return x", tests, fn_name="f"),
+                _sample("def f(x):\n    return 2 * x - 1", tests, fn_name="f"),
+            ]
+        )
         assert scores == [0.0, 1.0]
     finally:
         cb.close()
@@ -70,8 +80,9 @@ def test_hostile_response_scores_zero_through_the_callback(reward):
 
 def test_isolation_gate_names_what_is_missing():
     assert missing_isolation(list(ALL_LAYERS), "full", is_root=True) == []
-    assert missing_isolation(["rlimits", "clean_env", "session", "subreaper"], "strong",
-                             is_root=False) == ["filesystem", "network"]
+    assert missing_isolation(
+        ["rlimits", "clean_env", "session", "subreaper"], "strong", is_root=False
+    ) == ["filesystem", "network"]
     assert "not_root" in missing_isolation(["rlimits"], "basic", is_root=True)
     with pytest.raises(ValueError):
         missing_isolation([], "paranoid", is_root=False)
@@ -98,3 +109,30 @@ def test_refuses_to_start_below_the_minimum(monkeypatch):
 def test_reported_layers_are_known_and_include_the_basics(reward):
     assert set(reward.layers) <= set(ALL_LAYERS)
     assert missing_isolation(reward.layers, "basic", is_root=os.geteuid() == 0) == []
+
+
+def test_last_stats_count_outcomes_per_batch(reward):
+    tests = [{"input": [1], "output": 2}, {"input": [2], "output": 3}]
+    samples = [
+        _sample("def f(x):\n    return x + 1", tests, fn_name="f"),  # passed
+        _sample("def f(x):\n    return 2", tests, fn_name="f"),  # failed (1 of 2)
+        _sample("def f(x):\n    while True: pass", tests, fn_name="f"),  # timeout
+        _sample("import os\ndef f(x):\n    os._exit(3)", tests, fn_name="f"),  # error (crash)
+        _sample("def f(x):\n    return x + 1", None),  # no tests
+    ]
+    short = CodeReward(num_workers=2, program_timeout_s=1.0, no_tests_value=0.0)
+    try:
+        assert short.score(samples) == [1.0, 0.5, 0.0, 0.0, 0.0]
+        assert short.last_stats == {
+            "samples": 5.0,
+            "passed": 1.0,
+            "failed": 1.0,
+            "timeout": 1.0,
+            "error": 1.0,
+            "no_tests": 1.0,
+        }
+        assert all(type(v) is float for v in short.last_stats.values())
+        short.score(samples[:1])  # reset by each call
+        assert short.last_stats["samples"] == 1.0 and short.last_stats["timeout"] == 0.0
+    finally:
+        short.close()

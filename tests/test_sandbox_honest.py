@@ -21,8 +21,11 @@ def _score(pool, code, tests, fn_name=None, timeout_s=10.0):
     return r.passed
 
 
-ADD = [{"input": [1, 2], "output": 3}, {"input": [-5, 5], "output": 0},
-       {"input": [10, 20], "output": 30}]
+ADD = [
+    {"input": [1, 2], "output": 3},
+    {"input": [-5, 5], "output": 0},
+    {"input": [10, 20], "output": 30},
+]
 
 
 def test_prints_while_returning(pool):
@@ -52,8 +55,10 @@ def test_slow_but_in_time(pool):
 
 
 def test_deep_recursion_with_raised_limit(pool):
-    code = ("import sys\nsys.setrecursionlimit(200000)\n"
-            "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n")
+    code = (
+        "import sys\nsys.setrecursionlimit(200000)\n"
+        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
+    )
     assert _score(pool, code, [{"input": [100000], "output": 100000}], "depth") == 1
 
 
@@ -64,19 +69,23 @@ def test_timeout_fails_the_remaining_tests_only(pool):
 
 
 def test_imports_beyond_the_preloaded_stdlib(pool):
-    code = ("import graphlib, zlib, json.decoder, csv, email.utils\n"
-            "def f():\n    return zlib.crc32(b'abc') + len(list(graphlib.TopologicalSorter("
-            "{1: [2]}).static_order()))\n")
+    code = (
+        "import graphlib, zlib, json.decoder, csv, email.utils\n"
+        "def f():\n    return zlib.crc32(b'abc') + len(list(graphlib.TopologicalSorter("
+        "{1: [2]}).static_order()))\n"
+    )
     import zlib
 
     assert _score(pool, code, [{"input": [], "output": zlib.crc32(b"abc") + 2}], "f") == 1
 
 
 def test_threads_and_tmp_files_work(pool):
-    code = ("import threading, tempfile\ndef f():\n    out = []\n"
-            "    t = threading.Thread(target=lambda: out.append(7))\n    t.start(); t.join()\n"
-            "    with tempfile.NamedTemporaryFile('w+') as fh:\n        fh.write('x')\n"
-            "    open('/tmp/scratch', 'w').write('y')\n    return out[0]\n")
+    code = (
+        "import threading, tempfile\ndef f():\n    out = []\n"
+        "    t = threading.Thread(target=lambda: out.append(7))\n    t.start(); t.join()\n"
+        "    with tempfile.NamedTemporaryFile('w+') as fh:\n        fh.write('x')\n"
+        "    open('/tmp/scratch', 'w').write('y')\n    return out[0]\n"
+    )
     assert _score(pool, code, [{"input": [], "output": 7}], "f") == 1
 
 
@@ -97,14 +106,19 @@ def test_type_strict_comparison(pool):
     assert _score(pool, "def f():\n    return 1.0\n", tests, "f") == 0
     assert _score(pool, "def f():\n    return '1'\n", tests, "f") == 0
     assert _score(pool, "def f():\n    return 1\n", tests, "f") == 1
-    assert _score(pool, "def f():\n    return (1, [2])\n",
-                  [{"input": [], "output": [1, [2]]}], "f") == 1
+    assert (
+        _score(pool, "def f():\n    return (1, [2])\n", [{"input": [], "output": [1, [2]]}], "f")
+        == 1
+    )
 
 
 def test_stdin_mode(pool):
     code = "a, b = map(int, input().split())\nprint(a + b)   \nprint()\n"
-    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "2 2\n", "output": "4"},
-             {"input": "2 2\n", "output": "5\n"}]
+    tests = [
+        {"input": "1 2\n", "output": "3\n"},
+        {"input": "2 2\n", "output": "4"},
+        {"input": "2 2\n", "output": "5\n"},
+    ]
     assert _score(pool, code, tests) == 2
 
 
@@ -115,10 +129,14 @@ def test_stdin_mode_whole_output_not_a_prefix(pool):
 
 
 def test_stdin_mode_nonzero_exit_fails_and_runs_are_separate(pool):
-    code = ("import sys\nn = int(sys.stdin.read())\nprint(n * 2)\n"
-            "if n == 2:\n    raise SystemExit(3)\n")
-    tests = [{"input": "1", "output": "2"}, {"input": "2", "output": "4"},
-             {"input": "3", "output": "6"}]
+    code = (
+        "import sys\nn = int(sys.stdin.read())\nprint(n * 2)\nif n == 2:\n    raise SystemExit(3)\n"
+    )
+    tests = [
+        {"input": "1", "output": "2"},
+        {"input": "2", "output": "4"},
+        {"input": "3", "output": "6"},
+    ]
     r = pool.evaluate(code, tests)
     assert (r.passed, r.errors[1]) == (2, "exit 3")
 

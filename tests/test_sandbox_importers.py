@@ -15,18 +15,21 @@ from vapo_lightning.sandbox.importers import (
 
 
 def test_asserts_to_tests():
-    imp = from_asserts([
-        "assert f(1, [2, 3]) == (4, 'a')",
-        "assert 5 == f(2, [])",
-        "assert abs(f(0.5, []) - 1.25) < 1e-6",
-        "assert f(3, [])",
-        "assert not f(4, [])",
-        "assert f(5, []) is None",
-        "assert tuple(f(6, [])) == tuple([1, 2])",
-        "assert sorted(f(7, [])) == [1]",  # a property, not an exact output: skipped
-        "assert f(g(1), []) == 2",  # helper call in the input: skipped
-        "assert True",  # no test at all: not counted
-    ], "f")
+    imp = from_asserts(
+        [
+            "assert f(1, [2, 3]) == (4, 'a')",
+            "assert 5 == f(2, [])",
+            "assert abs(f(0.5, []) - 1.25) < 1e-6",
+            "assert f(3, [])",
+            "assert not f(4, [])",
+            "assert f(5, []) is None",
+            "assert tuple(f(6, [])) == tuple([1, 2])",
+            "assert sorted(f(7, [])) == [1]",  # a property, not an exact output: skipped
+            "assert f(g(1), []) == 2",  # helper call in the input: skipped
+            "assert True",  # no test at all: not counted
+        ],
+        "f",
+    )
     assert imp.tests == [
         {"input": [1, [2, 3]], "output": [4, "a"]},
         {"input": [2, []], "output": 5},
@@ -54,19 +57,24 @@ def test_taco_stdin():
 
 
 def test_livecodebench():
-    imp = from_livecodebench([
-        {"input": "[1, 2]\n3", "output": "6", "testtype": "functional"},
-        {"input": "x", "output": "y", "testtype": "stdin"},
-    ], "f")
+    imp = from_livecodebench(
+        [
+            {"input": "[1, 2]\n3", "output": "6", "testtype": "functional"},
+            {"input": "x", "output": "y", "testtype": "stdin"},
+        ],
+        "f",
+    )
     assert imp.tests == [{"input": [[1, 2], 3], "output": 6}, {"input": "x", "output": "y"}]
 
 
 def test_ground_truth_shapes():
     assert from_ground_truth([{"input": "1", "output": "2"}]).tests == [
-        {"input": "1", "output": "2"}]
+        {"input": "1", "output": "2"}
+    ]
     assert from_ground_truth({"inputs": [[1]], "outputs": [[2]], "fn_name": "g"}).fn_name == "g"
     assert from_ground_truth(["assert h(1) == 2"], fn_name="h").tests == [
-        {"input": [1], "output": 2}]
+        {"input": [1], "output": 2}
+    ]
     with pytest.raises(ValueError):
         from_ground_truth({"unknown": 1})
 
@@ -84,6 +92,7 @@ def test_humaneval_canonical_solutions_pass_and_return_none_fails():
     assert no_tests == ["HumanEval/32", "HumanEval/38", "HumanEval/50"]
     pool = Pool(size=2)
     try:
+
         def run(tid):
             p, imp = problems[tid], imported[tid]
             good = pool.evaluate(p["prompt"] + p["canonical_solution"], imp.tests, imp.fn_name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,10 @@ from vapo_lightning.rewards.base import RewardCallback, Sample
 from vapo_lightning.sandbox import Limits, Pool
 from vapo_lightning.sandbox.importers import from_ground_truth
 
-__all__ = ["ISOLATION_LEVELS", "CodeReward", "extract_code", "missing_isolation"]
+__all__ = ["ISOLATION_LEVELS", "STAT_KEYS", "CodeReward", "extract_code", "missing_isolation"]
+
+STAT_KEYS = ("samples", "passed", "failed", "timeout", "error", "no_tests")
+"""Keys of `CodeReward.last_stats`."""
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -92,6 +96,9 @@ class CodeReward(RewardCallback):
         no_tests_value: reward for a row whose tests cannot be imported (None: an error,
             handled by `on_error`).
         **kwargs: `RewardCallback` arguments (weight, on_error, error_value, timeout_s).
+
+    After each `score` call, `last_stats` holds per-batch counts of outcomes (see `STAT_KEYS`)
+    for the trainer to log, e.g. ``{f"code/{k}": v for k, v in reward.last_stats.items()}``.
     """
 
     def __init__(
@@ -113,9 +120,15 @@ class CodeReward(RewardCallback):
         self.no_tests_value = no_tests_value
         self.num_workers = num_workers or max(1, os.cpu_count() or 1)
         self.limits = Limits(memory_mb=memory_mb)
+        self._stats_lock = threading.Lock()
         self.pool: Pool | None = Pool(self.num_workers, limits=self.limits)
         self.layers = list(self.pool.layers)
         self.last_statuses: Counter[str] = Counter()
+        self.last_stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0.0)
+        """Counts over the samples of the last `score` call (reset by each call), for logging:
+        ``passed`` (every test passed), ``failed`` (ran, some test failed), ``timeout``,
+        ``error`` (crash, output limit, sandbox error), ``no_tests`` (tests could not be
+        imported) and ``samples``; floats, so that they can go to `log_dict` as they are."""
         self._check_isolation()
 
     def _check_isolation(self) -> None:
@@ -143,8 +156,10 @@ class CodeReward(RewardCallback):
         try:
             imported = from_ground_truth(sample.ground_truth, fn_name)
         except (ValueError, TypeError, KeyError, SyntaxError):
-            return self.no_tests_value
-        if not imported.tests:
+            imported = None
+        if imported is None or not imported.tests:
+            with self._stats_lock:
+                self.last_stats["no_tests"] += 1
             return self.no_tests_value
         result = self.pool.evaluate(
             extract_code(sample.response),
@@ -152,7 +167,15 @@ class CodeReward(RewardCallback):
             imported.fn_name,
             timeout_s=self.program_timeout_s,
         )
-        self.last_statuses[result.status] += 1
+        if result.status == "ok":
+            kind = "passed" if result.passed == result.total else "failed"
+        elif result.status == "timeout":
+            kind = "timeout"
+        else:
+            kind = "error"
+        with self._stats_lock:
+            self.last_statuses[result.status] += 1
+            self.last_stats[kind] += 1
         if self.all_or_nothing:
             return float(result.passed == result.total)
         return result.passed / result.total
@@ -161,6 +184,8 @@ class CodeReward(RewardCallback):
         if self.pool is None:
             raise RuntimeError("CodeReward was closed")
         self.last_statuses = Counter()
+        self.last_stats = dict.fromkeys(STAT_KEYS, 0.0)
+        self.last_stats["samples"] = float(len(samples))
         with ThreadPoolExecutor(self.num_workers, thread_name_prefix="vapo-code") as ex:
             return list(ex.map(self._score_one, samples))
 

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -105,12 +106,22 @@ def _run_program(code: str, stdin_path: str, stdout_path: str) -> None:
 
 
 def children_of(pid: int) -> list[int]:
-    """Live and zombie children of `pid` (single-threaded), from /proc."""
+    """Live and zombie children of `pid` (all its threads), from /proc."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:  # kernel without CONFIG_PROC_CHILDREN: scan every process
-        pass
+        kids = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids += [int(x) for x in f.read().split()]
+        return kids
+    except FileNotFoundError:  # gone, or a kernel without CONFIG_PROC_CHILDREN
+        if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"):
+            return _scan_children(pid)
+        return []
+    except (OSError, ValueError):
+        return []
+
+
+def _scan_children(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -124,29 +135,46 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
-def kill_descendants() -> None:
-    """SIGKILLs and reaps every descendant of this process, which must be a child subreaper.
-
-    Orphans (double-fork daemons, escaped sessions) are re-parented to us, so killing our
-    children until none is left reaches every descendant.
-    """
-    me = os.getpid()
-    for _ in range(100000):
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                pid = 0
-            if pid == 0:
-                break
-        kids = children_of(me)
-        if not kids:
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
             return
-        for kid in kids:
+        if pid == 0:
+            return
+
+
+def kill_tree(root: int, keep: frozenset[int] | set[int] = frozenset()) -> None:
+    """SIGKILLs and reaps every descendant of `root` (this process, a child subreaper or pid 1
+    of its namespace), except the children in `keep` and their descendants.
+
+    Each round walks the whole tree, stopping every process first (a stopped process cannot
+    fork, so a fork bomb cannot outgrow us), then kills them all; orphans are re-parented to
+    us, so the next round finds whatever was forked meanwhile.
+    """
+    for _ in range(1000):
+        _reap_zombies()
+        found: list[int] = []
+        frontier = [k for k in children_of(root) if k not in keep]
+        while frontier and len(found) < 100000:
+            pid = frontier.pop()
+            found.append(pid)
             with contextlib.suppress(OSError):
-                os.kill(kid, 9)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(-1, 0)
+                os.kill(pid, 19)  # SIGSTOP
+            frontier += children_of(pid)
+        if not found:
+            return
+        for pid in found:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        if root == os.getpid():
+            time.sleep(0.0002)
+
+
+def kill_descendants() -> None:
+    """`kill_tree` of this process (which must be a child subreaper or pid 1)."""
+    kill_tree(os.getpid())
 
 
 def run_stdin_mode(
@@ -159,9 +187,9 @@ def run_stdin_mode(
 ) -> None:
     """Runs the program once per test in a fresh child; reports its exit status and stdout.
 
-    Whatever one test leaves running is killed before the next test starts: with our own PID
-    namespace by ``kill(-1)``, otherwise through `kill_descendants` (the caller must have made
-    this process a child subreaper). `confine` runs in each child before the program (e.g.
+    Whatever one test leaves running is killed and reaped before the next test starts: with
+    our own PID namespace by ``kill(-1)``, otherwise through `kill_descendants` (the caller
+    must have made this process a child subreaper; pid 1 of a namespace is one anyway). `confine` runs in each child before the program (e.g.
     Landlock, applied there so that this process may still read /proc).
     """
     for i, text in enumerate(inputs):
@@ -179,11 +207,10 @@ def run_stdin_mode(
                 os._exit(126)  # could not confine: the program does not run
             _run_program(code, stdin_path, stdout_path)
         _, status = os.waitpid(pid, 0)
-        if own_pid_namespace:  # kill what test i left behind (daemons); spares us and pid 1
+        if own_pid_namespace:  # kill what test i left behind (daemons); spares us, pid 1
             with contextlib.suppress(OSError):
                 os.kill(-1, 9)
-        else:
-            kill_descendants()
+        kill_descendants()  # reaps them too (a zombie still counts against RLIMIT_NPROC)
         exit_code = os.waitstatus_to_exitcode(status)
         try:
             with open(stdout_path, "rb") as f:

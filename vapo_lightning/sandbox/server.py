@@ -327,6 +327,7 @@ class Server:
             sp = self.spares.pop(0)
             self._settle(sp, deadline)
             alive = sp.p2_fd is not None and not select.select([sp.p2_fd], [], [], 0)[0]
+            alive = alive and _state(sp.p2_pid) not in "TtZX"  # not stopped by someone
             if sp.tmp_mb == tmp_mb and alive:
                 return sp
             self._discard(sp)  # killed by someone (reduced isolation) or other tmpfs size
@@ -420,6 +421,12 @@ class Server:
         code = os.waitstatus_to_exitcode(wait_status)
         if status is None:
             status = "ok" if code == 0 else "crashed"
+        if not {"pidns", "landlock_scope"} & set(layers):
+            # Nothing kept this run from signalling or ptracing the idle spares (same uid, no
+            # PID namespace, no Landlock scoping): they may be tampered with; start afresh.
+            for other in self.spares:
+                self._discard(other)
+            self.spares = []
         # The next runs' sandboxes, set up while the host judges this one.
         spare_sids = self._refill(sp.tmp_mb)
         header = _parse_ctl(ctl)
@@ -440,21 +447,7 @@ class Server:
         for sp in self.spares:
             self._settle(sp, time.perf_counter() + 5.0)
             keep.update((sp.c_pid, sp.p2_pid))
-        for _ in range(1000):
-            kids = [k for k in runner.children_of(os.getpid()) if k not in keep]
-            while True:
-                try:
-                    pid, _ = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    pid = 0
-                if pid == 0:
-                    break
-            if not kids:
-                return
-            for kid in kids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(kid, signal.SIGKILL)
-            time.sleep(0.001)
+        runner.kill_tree(os.getpid(), keep)
 
     def probe(self) -> dict:
         """One empty run, to learn which layers this machine grants."""
@@ -495,6 +488,16 @@ def _parse_ctl(ctl: bytes) -> dict:
         elif line.startswith("X "):
             errors.append(line[2:])
     return {"layers": layers, "setup_errors": errors}
+
+
+def _state(pid: int) -> str:
+    """The one-letter state of a process ('?' when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return chr(stat[stat.rindex(b")") + 2])
+    except (OSError, ValueError, IndexError):
+        return "?"
 
 
 def _pid_line(ctl: bytes) -> bytes | None:
@@ -565,7 +568,9 @@ def main() -> None:
         try:
             (n,) = struct.unpack(">I", _read_exact(0, 4))
             req = json.loads(_read_exact(0, n))
-        except EOFError:
+        except EOFError:  # the host closed us: the spares go too
+            for sp in server.spares:
+                server._discard(sp)
             return
         try:
             header, raw = server.handle(req)
