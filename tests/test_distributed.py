@@ -152,3 +152,26 @@ def test_parity_check_fails_when_normalisers_are_per_rank(parity_inputs):
     got, _ = one_update(parity_inputs, "ddp", 2, "--local-normalisers")
     worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
     assert worst > 1e-4  # 100x the parity tolerance: the test above can fail
+
+
+GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.name for p in GPU_CONFIGS])
+def test_gpu_configs_parse_and_keep_the_papers_global_batch(path):
+    from tests.test_configs import print_config
+
+    cfg = print_config("fit", "-c", str(path))  # parses only: no model is downloaded
+    trainer, model, data = cfg["trainer"], cfg["model"], cfg["data"]
+    assert trainer["strategy"]["class_path"] == "vapo_lightning.distributed.VAPOStrategy"
+    assert trainer["strategy"]["init_args"]["mode"] == "fsdp"
+    assert trainer["strategy"]["init_args"]["activation_checkpointing"] is True
+    assert trainer["precision"] == "bf16-mixed" and trainer["accelerator"] == "gpu"
+    ranks = trainer["devices"] * trainer["num_nodes"]
+    assert trainer["devices"] == 8
+    # §5.1: 512 prompts x 16 samples per rollout, mini-batches of 512 responses.
+    assert ranks * data["prompts_per_step"] == 512 and model["generation"]["n"] == 16
+    assert ranks * model["algorithm"]["mini_batch_size"] == 512
+    assert (model["optim"]["actor_lr"], model["optim"]["critic_lr"]) == (1e-6, 2e-6)
+    algo = model["algorithm"]
+    assert (algo["clip_low"], algo["clip_high"], algo["nll_coef"]) == (0.2, 0.28, 0.1)
