@@ -12,6 +12,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from vapo_lightning import core
+from vapo_lightning.distributed import save_pretrained
 
 __all__ = ["EntropyTracker", "ValuePretraining"]
 
@@ -71,9 +72,10 @@ class ValuePretraining(L.Callback):
                 else f"{self.steps_done} steps"
             )
             rank_zero_info(f"value pretraining done after {why}; the actor starts learning")
-            if self.save_dir and trainer.is_global_zero:
-                pl_module.critic.save_pretrained(self.save_dir)
-                pl_module.tokenizer.save_pretrained(self.save_dir)
+            if self.save_dir:  # collective: every rank takes part in gathering the weights
+                save_pretrained(
+                    pl_module.critic, pl_module.tokenizer, self.save_dir, trainer.is_global_zero
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "active": self.active}

@@ -164,7 +164,7 @@ class PromptDataModule(L.LightningDataModule):
         self.train_rows: list[dict] = []
         self.val_rows: list[dict] = []
         self.skipped: dict[str, int] = {}
-        self._sampler_generator = torch.Generator().manual_seed(seed + 7919)
+        self._sampler_generator, self._sampler_seeded = torch.Generator(), False
 
     @property
     def has_val(self) -> bool:
@@ -277,7 +277,22 @@ class PromptDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=list)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The dynamic-sampling prompt stream (the epoch order is in the loader's state)."""
+        return {
+            "sampler_generator": self._sampler_generator.get_state(),
+            "seeded": self._sampler_seeded,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self._sampler_generator.set_state(state["sampler_generator"])
+            self._sampler_seeded = state["seeded"]
+
     def sample_prompts(self, k: int) -> list[dict]:
         """k random training prompts, for DAPO's dynamic-sampling rounds."""
+        if not self._sampler_seeded:  # each rank draws its own extra prompts
+            self._sampler_generator.manual_seed(self.hparams.seed + 7919 + self.trainer.global_rank)
+            self._sampler_seeded = True
         idx = torch.randint(len(self.train_rows), (k,), generator=self._sampler_generator)
         return [self.train_rows[i] for i in idx.tolist()]

@@ -100,11 +100,12 @@ def build_critic(
     """
     if spec is not None and spec.name_or_path is not None:
         model = AutoModelForTokenClassification.from_pretrained(
-            spec.name_or_path, num_labels=1, dtype=torch.float32
+            spec.name_or_path, num_labels=1, classifier_dropout=0.0, dtype=torch.float32
         )
     else:
         cfg = copy.deepcopy(spec.hf_config() if spec is not None else policy.config)
         cfg.num_labels = 1  # transformers v5: set on the config, not as a from_config kwarg
+        cfg.classifier_dropout = 0.0  # HF's head defaults to 0.1: noise in every value update
         cfg.architectures = None
         _align_special_tokens(cfg, tok)
         model = AutoModelForTokenClassification.from_config(cfg)

@@ -172,15 +172,19 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
             if len(informative):
                 kept.append(informative)
             have = sum(len(x) for x in kept)
-            if have >= want or round_ == rounds:
+            # Every rank runs as many rounds as the neediest one (sharded generate is collective).
+            if round_ == rounds or self.global_sum(torch.tensor(float(have < want))) == 0:
                 break
-            rows = self.trainer.datamodule.sample_prompts(-(-(want - have) // n))
+            rows = self.trainer.datamodule.sample_prompts(max(1, -(-(want - have) // n)))
         self.reward_errors = errors
         if not kept:  # every group uniform in every round: zero advantages, nothing to select
             rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
-            return r
+            kept = [r]
         r = cat_rollouts(kept)
-        return r.select(torch.arange(min(len(r), want)))
+        size = torch.tensor(min(len(r), want), device=self.device)
+        if self.trainer.world_size > 1:  # equal batches: the same number of optimiser steps
+            size = self.all_gather(size).min()
+        return r.select(torch.arange(int(size)))
 
     def sample(self, rows: list[dict], gen: GenerationConfig | None = None) -> Rollout:
         gen = gen or self.gen
@@ -304,15 +308,25 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         target = self._rollout_steps_before + 1
         progress.total.ready = progress.total.completed = target
 
+    def on_fit_start(self) -> None:
+        if self.trainer.world_size > 1 and self.trainer.ckpt_path is None:
+            # Lightning seeds every rank alike: give each rank its own sampling noise.
+            torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Random streams and counters, so a resumed run samples exactly what the
-        uninterrupted run would have (data order: `ResumableDataLoader`)."""
-        checkpoint["vapo"] = {"rng": rng_state(), "bad_updates": self.bad_updates}
+        """Random streams (one per rank) and counters, so a resumed run samples exactly what
+        the uninterrupted run would have (data order: `ResumableDataLoader`)."""
+        states = [rng_state()]
+        if self.trainer.world_size > 1:  # collective: every rank dumps the checkpoint
+            states = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(states, rng_state())
+        checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("vapo")
         if state is not None:
-            set_rng_state(state["rng"])
+            states = state["rng"]
+            set_rng_state(states[self.global_rank] if self.global_rank < len(states) else states[0])
             self.bad_updates = state["bad_updates"]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -26,6 +26,13 @@ def as_list(x: Any) -> list:
     return x if isinstance(x, list) else [x]
 
 
+def sync_gradients(model: torch.nn.Module, last: bool) -> None:
+    """Data-parallel gradient reduction once per mini-batch, on its last micro-batch
+    (FSDP2 / replicate); a no-op for an unwrapped model."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(last)
+
+
 class PPOUpdates:
     """Mixed into VAPOModule: needs `policy`, `critic`, `algo`, `gen`, `optim`, `actor_frozen`."""
 
@@ -53,7 +60,8 @@ class PPOUpdates:
         n_tokens = self.global_sum(mb.response_mask.sum())
         loss_sum = clip_sum = 0.0
         micros = list(self.micro_batches(mb))
-        for micro in micros:
+        for i, micro in enumerate(micros):
+            sync_gradients(self.critic, last=i == len(micros) - 1)
             values = critic_values(self.critic, micro)
             loss, clipfrac = core.value_loss(
                 values,
@@ -83,7 +91,8 @@ class PPOUpdates:
         n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
         micros = list(self.micro_batches(mb))
         acc: dict[str, Tensor | float] = defaultdict(float)
-        for micro in micros:
+        for i, micro in enumerate(micros):
+            sync_gradients(self.policy, last=i == len(micros) - 1)
             m = micro.response_mask
             logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
             logprobs = core.logprobs_from_logits(logits, micro.responses)
