@@ -47,7 +47,6 @@ def test_labels_cover_exactly_the_response_and_eos(data):
         assert text == chat_prompt(tok, data.train_rows[i]["prompt"]) + " " + data.train_rows[i]["solution"]
 
 
-@pytest.mark.slow
 def test_short_run_lowers_the_loss_and_export_reloads(data, tmp_path):
     L.seed_everything(0)
     module = SFTModule(tokenizer=data.tokenizer, lr=3e-3, warmup_steps=5, num_samples=2,
