@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vapo_lightning.config import Algorithm, Optim  # noqa: E402
-from vapo_lightning.data import PromptDataModule  # noqa: E402
-from vapo_lightning.models import ModelSpec  # noqa: E402
-from vapo_lightning.module import VAPOModule  # noqa: E402
-from vapo_lightning.rewards.math import MathReward  # noqa: E402
-from vapo_lightning.rollout import GenerationConfig  # noqa: E402
+from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.data import PromptDataModule
+from vapo_lightning.models import ModelSpec
+from vapo_lightning.module import VAPOModule
+from vapo_lightning.rewards.math import MathReward
+from vapo_lightning.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
@@ -120,7 +120,7 @@ def main() -> None:
     print("# Trainer rollout step vs the floor of its bare operations\n")
     print("Command: `.venv/bin/python benchmarks/bench_trainer.py`  ")
     print(f"Machine: {platform.machine()}, 2 threads, torch {torch.__version__}; load average before: "
-          f"{open('/proc/loadavg').read().split()[:3]}  ")  # fmt: skip
+          f"{Path('/proc/loadavg').read_text().split()[:3]}  ")  # fmt: skip
     print(f"Shapes: {PROMPTS} prompts × {N} samples × {T} new tokens (fixed), policy and critic "
           f"{sum(p.numel() for p in module.policy.parameters()) / 1e6:.1f} M parameters each, fp32\n")  # fmt: skip
     print("| phase (VAPOModule) | median s |\n|---|---|")
@@ -129,7 +129,7 @@ def main() -> None:
     print("\n| bare operation (floor) | median s |\n|---|---|")
     for key in floors[0]:
         print(f"| {key} | {statistics.median(f[key] for f in floors):.3f} |")
-    print(f"\n| | min s | median s | max s |\n|---|---|---|---|")
+    print("\n| | min s | median s | max s |\n|---|---|---|---|")
     print(f"| VAPOModule rollout step | {min(step_times):.3f} | {med_step:.3f} | {max(step_times):.3f} |")
     print(f"| floor | {min(floor_times):.3f} | {med_floor:.3f} | {max(floor_times):.3f} |")
     print(f"\n**Overhead ratio (median step / median floor): {med_step / med_floor:.3f}** (target <= 1.15)  ")

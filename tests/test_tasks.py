@@ -61,9 +61,9 @@ def test_response_and_prompt_lengths_in_tokens():
         by_level.setdefault(r["difficulty"], []).append(n)
         chat = [{"role": "user", "content": r["prompt"]}]
         prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        assert len(tok(prompt)["input_ids"]) <= 50  # chat template included
+        assert len(tok(prompt)["input_ids"]) <= 80  # chat template included
     assert min(by_level[1]) >= 10 and max(by_level[1]) <= 50
-    assert 110 <= max(by_level[A.MAX_DIFFICULTY]) <= 160
+    assert 110 <= max(by_level[A.MAX_DIFFICULTY]) <= 150
     means = [sum(v) / len(v) for _, v in sorted(by_level.items())]
     assert means == sorted(means)  # harder problems have longer solutions
 

@@ -1,11 +1,12 @@
 """A synthetic, verifiable reasoning task: multi-step arithmetic with a chain of thought.
 
-A problem starts from a small number and applies `difficulty` operations (1 to 6) from left to
-right: ``Evaluate left to right: 7 + 15 * 3 - 20``. The reference solution works one operation
-per sentence, writes a multiplication of a two-digit number as tens and units
-(``22 * 3 = 20 * 3 + 2 * 3 = 60 + 6 = 66.``) and ends with ``\\boxed{N}``. With the project's
-digit-splitting BPE a correct response is about 10 tokens at difficulty 1 and up to ~150 at
-difficulty 6, so the length-adaptive λ_actor = 1 − 1/(0.05·l) (VAPO §4.2) spans 0 to ~0.87.
+A problem starts from a small number and applies `difficulty` additions or subtractions of a
+digit (1 to 12 of them) from left to right: ``Evaluate left to right: 17 + 8 - 3 + 9``. The
+reference solution works one operation per sentence (``17 + 8 = 25. 25 - 3 = 22. ...``) and
+ends with ``\\boxed{N}``. Each step is easy; the difficulty is carrying the state through a
+long chain without a slip, so a small model's accuracy falls with length. With the project's
+digit-splitting BPE a correct response is about 15 tokens at difficulty 1 and ~125 at
+difficulty 12, so the length-adaptive λ_actor = 1 − 1/(0.05·l) (VAPO §4.2) spans 0 to ~0.84.
 
 Everything is seeded: `generate(n, seed)` returns the same rows on every machine, and
 `make_splits` gives disjoint train / validation problems (no prompt in both). Rows are
@@ -39,60 +40,36 @@ __all__ = [
 ]
 
 DATA_SOURCE = "arithmetic"
-MAX_DIFFICULTY = 6
+MAX_DIFFICULTY = 12
 PROMPT_PREFIX = "Evaluate left to right: "
-MAX_VALUE = 250  # every intermediate value stays in [0, MAX_VALUE]
-MAX_MUL_BASE = 40  # only numbers up to 40 are multiplied (tens-and-units step)
+MAX_VALUE = 40  # every intermediate value stays in [0, MAX_VALUE]
+MAX_OPERAND = 9
 
-Op = tuple[str, int]  # ("+" | "-" | "*", operand)
+Op = tuple[str, int]  # ("+" | "-", operand)
 
 
 def evaluate(start: int, ops: Sequence[Op]) -> int:
     """The value of ``start op1 b1 op2 b2 ...`` read strictly from left to right."""
     x = start
     for op, b in ops:
-        x = x + b if op == "+" else x - b if op == "-" else x * b
+        x = x + b if op == "+" else x - b
     return x
-
-
-def _mul_step(x: int, b: int) -> str:
-    """``x * b = y`` with a two-digit `x` split into tens and units."""
-    y = x * b
-    tens, units = divmod(x, 10)
-    if tens == 0 or units == 0:
-        return f"{x} * {b} = {y}."
-    return f"{x} * {b} = {tens * 10} * {b} + {units} * {b} = {tens * 10 * b} + {units * b} = {y}."
 
 
 def solve(start: int, ops: Sequence[Op]) -> str:
     """The reference chain of thought, one sentence per operation, ending in ``\\boxed{N}``."""
     steps, x = [], start
     for op, b in ops:
-        if op == "*":
-            steps.append(_mul_step(x, b))
-        else:
-            steps.append(f"{x} {op} {b} = {evaluate(x, [(op, b)])}.")
+        steps.append(f"{x} {op} {b} = {evaluate(x, [(op, b)])}.")
         x = evaluate(x, [(op, b)])
     return " ".join(steps) + f" \\boxed{{{x}}}"
 
 
 def _random_op(rng: random.Random, x: int) -> Op:
-    """One operation that keeps the running value in [0, MAX_VALUE] (and is not trivial)."""
-    choices = ["+"]
-    if x >= 2:
-        choices.append("-")
-    if 2 <= x <= MAX_MUL_BASE:
-        choices.append("*")
-    while True:
-        op = rng.choice(choices)
-        if op == "+":
-            b = rng.randint(1, 20)
-        elif op == "-":
-            b = rng.randint(1, min(x, 20))
-        else:
-            b = rng.randint(2, 5)
-        if 0 <= evaluate(x, [(op, b)]) <= MAX_VALUE:
-            return op, b
+    """Adds or subtracts a digit, keeping the running value in [0, MAX_VALUE]."""
+    op = "+" if x < 1 else "-" if x > MAX_VALUE - 1 else rng.choice("+-")
+    room = MAX_VALUE - x if op == "+" else x
+    return op, rng.randint(1, min(MAX_OPERAND, room))
 
 
 def make_problem(rng: random.Random, difficulty: int) -> dict:
