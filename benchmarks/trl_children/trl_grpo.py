@@ -6,7 +6,6 @@ import argparse
 import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,7 +59,7 @@ def main() -> None:
             lengths.clear()
             driver.end(gen_tokens=sum(got), len_min=min(got), len_max=max(got), responses=len(got))
 
-    out = tempfile.mkdtemp(prefix="trl_grpo_")
+    out = str(art / "trainer_out_grpo")  # removed with the artefacts
     config = GRPOConfig(
         output_dir=out,
         per_device_train_batch_size=batch,

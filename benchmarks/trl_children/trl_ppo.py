@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,7 +75,7 @@ def main() -> None:
                 gen_tokens=w * seen["rows"], len_min=w, len_max=w, eos_inside=seen["eos_inside"]
             )
 
-    out = tempfile.mkdtemp(prefix="trl_ppo_")
+    out = str(art / "trainer_out_ppo")  # removed with the artefacts
     config = PPOConfig(
         output_dir=out,
         per_device_train_batch_size=batch,
