@@ -99,9 +99,12 @@ def build_critic(
     loaded from `spec.name_or_path` (a critic or reward model with the same tokenizer).
     """
     if spec is not None and spec.name_or_path is not None:
-        model = AutoModelForTokenClassification.from_pretrained(
-            spec.name_or_path, num_labels=1, classifier_dropout=0.0, dtype=torch.float32
+        cfg = AutoConfig.from_pretrained(spec.name_or_path)
+        cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # one value; no dropout noise in the head
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True
         )
+        fresh_head = any(k.split(".")[0] in ("score", "classifier") for k in info["missing_keys"])
     else:
         cfg = copy.deepcopy(spec.hf_config() if spec is not None else policy.config)
         cfg.num_labels = 1  # transformers v5: set on the config, not as a from_config kwarg
@@ -113,7 +116,9 @@ def build_critic(
             backbone = policy.get_decoder() if hasattr(policy, "get_decoder") else policy.base_model
             missing = getattr(model, model.base_model_prefix).load_state_dict(backbone.state_dict())
             assert not missing.missing_keys, missing
-        head = _value_head(model)  # fresh head: small init, values start near 0
+        fresh_head = True
+    if fresh_head:  # a new head (not a reward model's or a saved critic's): values start near 0
+        head = _value_head(model)
         nn.init.normal_(head.weight, std=1.0 / (model.config.hidden_size + 1))
         if head.bias is not None:
             nn.init.zeros_(head.bias)
