@@ -11,11 +11,11 @@ from vapo_lightning.tokenization import train_bpe
 
 
 def _recompute(prompt: str) -> int:
-    """The answer by a route independent of the generator: parse the prompt, fold left."""
-    tokens = prompt.removeprefix(A.PROMPT_PREFIX).split()
-    x = int(tokens[0])
-    for op, b in zip(tokens[1::2], tokens[2::2]):
-        x = {"+": x + int(b), "-": x - int(b), "*": x * int(b)}[op]
+    """The answer by a route independent of the generator: parse the prompt, fold in order."""
+    start = int(re.match(r"Start at (\d+)\.", prompt).group(1))
+    x = start
+    for op, b in re.findall(r"[a-j]\) ([+-]) (\d+)", prompt):
+        x = x + int(b) if op == "+" else x - int(b)
     return x
 
 
@@ -31,11 +31,11 @@ def test_rows_have_the_schema_and_the_right_answers():
         assert set(r) == {"prompt", "answer", "solution", "data_source", "difficulty"}
         assert r["data_source"] == "arithmetic"
         assert int(r["answer"]) == _recompute(r["prompt"])
-        assert len(r["prompt"].removeprefix(A.PROMPT_PREFIX).split()) == 1 + 2 * r["difficulty"]
+        assert len(re.findall(r"[a-j]\) [+-] \d+", r["prompt"])) == r["difficulty"]
         # The reference solution is checked by the grader, and every written step is true.
         assert A.is_correct(r["solution"], r["answer"])
-        for lhs, rhs in re.findall(r"([\d +*-]+?) = (\d+)(?=[.])", r["solution"]):
-            assert eval(lhs) == int(rhs), (lhs, rhs)  # only digits and + - * reach eval
+        for lhs, rhs in re.findall(r"\) ([\d +-]+?) = (\d+)(?=[.])", r["solution"]):
+            assert eval(lhs) == int(rhs), (lhs, rhs)  # only digits and + - reach eval
 
 
 def test_intermediate_values_stay_small_and_non_negative():
@@ -61,7 +61,7 @@ def test_response_and_prompt_lengths_in_tokens():
         by_level.setdefault(r["difficulty"], []).append(n)
         chat = [{"role": "user", "content": r["prompt"]}]
         prompt = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        assert len(tok(prompt)["input_ids"]) <= 80  # chat template included
+        assert len(tok(prompt)["input_ids"]) <= 100  # chat template included
     assert min(by_level[1]) >= 10 and max(by_level[1]) <= 50
     assert 110 <= max(by_level[A.MAX_DIFFICULTY]) <= 150
     means = [sum(v) / len(v) for _, v in sorted(by_level.items())]

@@ -1,12 +1,13 @@
 """A synthetic, verifiable reasoning task: multi-step arithmetic with a chain of thought.
 
-A problem starts from a small number and applies `difficulty` additions or subtractions of a
-digit (1 to 12 of them) from left to right: ``Evaluate left to right: 17 + 8 - 3 + 9``. The
-reference solution works one operation per sentence (``17 + 8 = 25. 25 - 3 = 22. ...``) and
-ends with ``\\boxed{N}``. Each step is easy; the difficulty is carrying the state through a
+A problem starts from a small number and applies `difficulty` labelled additions or
+subtractions of a digit (1 to 10 of them) in order:
+``Start at 17. a) + 8 b) - 3 c) + 9``. The reference solution works one labelled operation per
+sentence (``a) 17 + 8 = 25. b) 25 - 3 = 22. ...``) and ends with ``\\boxed{N}``; the labels let
+a small model find the next operation by matching, so what it must learn is the arithmetic. Each step is easy; the difficulty is carrying the state through a
 long chain without a slip, so a small model's accuracy falls with length. With the project's
-digit-splitting BPE a correct response is about 15 tokens at difficulty 1 and ~125 at
-difficulty 12, so the length-adaptive λ_actor = 1 − 1/(0.05·l) (VAPO §4.2) spans 0 to ~0.84.
+digit-splitting BPE a correct response is about 17 tokens at difficulty 1 and ~140 at
+difficulty 10, so the length-adaptive λ_actor = 1 − 1/(0.05·l) (VAPO §4.2) spans 0 to ~0.86.
 
 Everything is seeded: `generate(n, seed)` returns the same rows on every machine, and
 `make_splits` gives disjoint train / validation problems (no prompt in both). Rows are
@@ -40,8 +41,9 @@ __all__ = [
 ]
 
 DATA_SOURCE = "arithmetic"
-MAX_DIFFICULTY = 12
-PROMPT_PREFIX = "Evaluate left to right: "
+MAX_DIFFICULTY = 10
+PROMPT_PREFIX = "Start at "
+LABELS = "abcdefghij"
 MAX_VALUE = 40  # every intermediate value stays in [0, MAX_VALUE]
 MAX_OPERAND = 9
 
@@ -57,11 +59,12 @@ def evaluate(start: int, ops: Sequence[Op]) -> int:
 
 
 def solve(start: int, ops: Sequence[Op]) -> str:
-    """The reference chain of thought, one sentence per operation, ending in ``\\boxed{N}``."""
+    """The reference chain of thought, one labelled sentence per operation, then ``\\boxed{N}``."""
     steps, x = [], start
-    for op, b in ops:
-        steps.append(f"{x} {op} {b} = {evaluate(x, [(op, b)])}.")
-        x = evaluate(x, [(op, b)])
+    for label, (op, b) in zip(LABELS, ops):
+        y = evaluate(x, [(op, b)])
+        steps.append(f"{label}) {x} {op} {b} = {y}.")
+        x = y
     return " ".join(steps) + f" \\boxed{{{x}}}"
 
 
@@ -82,7 +85,9 @@ def make_problem(rng: random.Random, difficulty: int) -> dict:
         op = _random_op(rng, x)
         ops.append(op)
         x = evaluate(x, [op])
-    prompt = PROMPT_PREFIX + " ".join([str(start)] + [f"{op} {b}" for op, b in ops])
+    prompt = f"{PROMPT_PREFIX}{start}. " + " ".join(
+        f"{label}) {op} {b}" for label, (op, b) in zip(LABELS, ops)
+    )
     return {
         "prompt": prompt,
         "answer": str(x),
