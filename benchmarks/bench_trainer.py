@@ -1,6 +1,6 @@
 """Rollout-step cost of VAPOModule against the floor of its bare operations (issue 3).
 
-Shapes: the quickstart policy's architecture (Llama, 4 layers, hidden 256), random init,
+Shapes: the quickstart policy's architecture (Llama, 3 layers, hidden 256), random init,
 16 prompts × 4 samples = 64 responses × 128 new tokens (fixed length), one mini-batch.
 The floor is the sum of what any PPO implementation must do on these shapes: one
 `generate`, the no-grad forwards of policy (old log-probs) and critic (values), and per
@@ -34,7 +34,7 @@ from vapo_lightning.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
-POLICY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+POLICY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512}  # fmt: skip
 PROMPTS, N, T = 16, 4, 128
 
