@@ -35,3 +35,17 @@ def test_tiny_cpu_fit_with_every_callback_and_a_plugin(tmp_path):
     assert "rollout/entropy_tokens" in acc.Tags()["histograms"]
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert (tmp_path / "hf" / "policy" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_validate_scores_a_checkpoint(tmp_path):
+    args = ["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false", "--model.val_before_train=false"]  # fmt: skip
+    main(["fit", *args, "--trainer.max_steps=1"])
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    main(["validate", *args, f"--ckpt_path={ckpt}"])
+    events = sorted(glob.glob(f"{tmp_path}/lightning_logs/version_1/events.out.tfevents.*"))
+    acc = EventAccumulator(events[-1])
+    acc.Reload()
+    (value,) = [e.value for e in acc.Scalars("val/accuracy")]
+    assert 0.0 <= value <= 1.0
