@@ -14,21 +14,13 @@ never leaves this process, and the verdict is decided here by comparing whole ou
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vapo_lightning.rewards import RewardCallback, Sample
-
-FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
-
-
-def extract_code(response: str) -> str:
-    """The last fenced code block, else the whole response."""
-    blocks = FENCE.findall(response)
-    return blocks[-1] if blocks else response
+from vapo_lightning.rewards.code import extract_code
 
 
 def normalise(text: str) -> str:
