@@ -105,10 +105,11 @@ class PPOUpdates:
                 nll = core.nll_loss(logprobs, m, micro.correct, n_correct)
                 loss = loss + a.nll_coef * nll
                 acc["actor/nll_loss"] += nll.detach()
+            # With an entropy bonus the entropy needs its graph; otherwise only its value.
+            with torch.set_grad_enabled(a.entropy_coef > 0):
+                entropy = core.entropy_from_logits(logits)  # (B, T)
             if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * core.aggregate(
-                    core.entropy_from_logits(logits), m, a.loss_agg, normalizer
-                )
+                loss = loss - a.entropy_coef * core.aggregate(entropy, m, a.loss_agg, normalizer)
             if a.kl_coef > 0:
                 kl = core.aggregate(
                     core.kl_penalty(logprobs, micro.ref_logprobs), m, a.loss_agg, normalizer
@@ -118,9 +119,7 @@ class PPOUpdates:
             self.manual_backward(loss * self.trainer.world_size)
             with torch.no_grad():
                 acc["actor/pg_loss"] += pg.detach()
-                acc["actor/entropy"] += (
-                    core.masked_sum(core.entropy_from_logits(logits), m) / n_tokens
-                )
+                acc["actor/entropy"] += core.masked_sum(entropy.detach(), m) / n_tokens
                 for name, key in [
                     ("pg_clipfrac_high", "clipfrac_high"),
                     ("pg_clipfrac_lower", "clipfrac_low"),
