@@ -40,10 +40,16 @@ class GenerationConfig:
     """Sampling temperature; the log-probs of the update use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    max_batch_size: int | None = None
+    """Sequences per `generate` call; bounds the KV cache (None: the whole rollout at once)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's EOS (e.g. Qwen's <|im_end|>)."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
             raise ValueError("generation.n and generation.max_new_tokens must be >= 1")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError("generation.max_batch_size must be >= 1 (or null)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -128,9 +134,10 @@ def generate(
     eos_token_id: int,
     n: int | None = None,
 ) -> Rollout:
-    """Samples `n` responses for each prompt with the KV cache; stops at EOS.
+    """Samples `n` responses for each prompt with the KV cache; stops at EOS (or any of
+    ``cfg.stop_token_ids``), ``cfg.max_batch_size`` sequences per call.
 
-    temperature 0 means greedy. Tokens after the first EOS become padding.
+    temperature 0 means greedy. Tokens after the first stop token become padding.
     """
     n = cfg.n if n is None else n
     device = next(policy.parameters()).device
@@ -141,22 +148,30 @@ def generate(
         ids[i, P - len(p) :] = torch.tensor(p)
         attn[i, P - len(p) :] = 1
     ids, attn = ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
+    stop = sorted({eos_token_id, *cfg.stop_token_ids})
     sampling = cfg.temperature > 0
-    out = policy.generate(
-        input_ids=ids,
-        attention_mask=attn,
-        do_sample=sampling,
-        temperature=cfg.temperature if sampling else None,
-        top_p=cfg.top_p if sampling else None,
-        top_k=0 if sampling else None,
-        max_new_tokens=cfg.max_new_tokens,
-        min_new_tokens=cfg.min_new_tokens or None,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        use_cache=True,
+    chunk = cfg.max_batch_size or len(ids)
+    parts = [
+        policy.generate(
+            input_ids=ids[i : i + chunk],
+            attention_mask=attn[i : i + chunk],
+            do_sample=sampling,
+            temperature=cfg.temperature if sampling else None,
+            top_p=cfg.top_p if sampling else None,
+            top_k=0 if sampling else None,
+            max_new_tokens=cfg.max_new_tokens,
+            min_new_tokens=cfg.min_new_tokens or None,
+            eos_token_id=stop,
+            pad_token_id=pad_token_id,
+            use_cache=True,
+        )[:, P:]
+        for i in range(0, len(ids), chunk)
+    ]
+    T = max(p.shape[1] for p in parts)
+    response = torch.cat(  # (B, T); chunks stop at different lengths
+        [torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_token_id) for p in parts]
     )
-    response = out[:, P:]  # (B, T)
-    is_eos = response == eos_token_id
+    is_eos = torch.isin(response, torch.tensor(stop, device=device))
     has_eos = is_eos.any(-1)
     first_eos = torch.where(has_eos, is_eos.float().argmax(-1), response.shape[1])
     positions = torch.arange(response.shape[1], device=device)[None]

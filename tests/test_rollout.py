@@ -1,0 +1,59 @@
+"""Rollout generation: chunked `generate` equals one call, extra stop tokens end responses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.helpers import TINY_LLAMA
+from vapo_lightning.rollout import GenerationConfig, generate
+
+PAD, EOS = 0, 2
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    cfg.vocab_size, cfg.pad_token_id, cfg.eos_token_id = 40, PAD, EOS
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+def test_chunked_generation_equals_one_call(policy):
+    one = generate(
+        policy, PROMPTS, GenerationConfig(n=3, max_new_tokens=10, temperature=0), PAD, EOS
+    )
+    for size in (1, 5, 12):
+        cfg = GenerationConfig(n=3, max_new_tokens=10, temperature=0, max_batch_size=size)
+        chunked = generate(policy, PROMPTS, cfg, PAD, EOS)
+        assert torch.equal(chunked.response_mask, one.response_mask)
+        assert torch.equal(chunked.input_ids, one.input_ids)
+        assert torch.equal(chunked.truncated, one.truncated)
+        assert chunked.group_ids.tolist() == [g for g in range(4) for _ in range(3)]
+
+
+def test_stop_token_ids_end_responses_like_eos(policy):
+    cfg = GenerationConfig(n=1, max_new_tokens=12, temperature=0)
+    free = generate(policy, PROMPTS, cfg, PAD, EOS)
+    # Pick a token the greedy responses emit mid-way and declare it a stop token.
+    row = int(free.response_lengths.argmax())
+    stop = int(free.responses[row, 2])
+    cut = generate(
+        policy, PROMPTS, GenerationConfig(**{**cfg.__dict__, "stop_token_ids": [stop]}), PAD, EOS
+    )
+    for i in range(len(PROMPTS)):
+        full = free.responses[i][free.response_mask[i]].tolist()
+        got = cut.responses[i][cut.response_mask[i]].tolist()
+        want = full[: full.index(stop) + 1] if stop in full else full
+        assert got == want, i
+        assert bool(cut.truncated[i]) == (stop not in full and bool(free.truncated[i]))
+    assert (cut.responses[~cut.response_mask] == PAD).all()
+
+
+def test_bad_generation_settings_are_rejected():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        GenerationConfig(max_batch_size=0)
