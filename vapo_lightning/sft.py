@@ -1,14 +1,16 @@
-"""Supervised warm start for the quickstart: a small Llama trained on the arithmetic task.
+"""Supervised warm start for the quickstarts: a small Llama trained on a synthetic task.
 
-`SFTDataModule` draws the SFT problems from the seeded generator (disjoint from the shipped
-RL prompts and the validation set), builds the tokenizer offline with `train_bpe`, and serves
+`SFTDataModule` draws the SFT problems from the seeded generator of its `task` (`TASKS`:
+``arithmetic``, or ``functions``, the program-writing task), disjoint from the shipped RL
+prompts and the validation set, builds the tokenizer offline with `train_bpe`, and serves
 chat-formatted (prompt, solution + EOS) pairs. `SFTModule` builds a `LlamaForCausalLM` from a
 config, trains it with the cross-entropy of the *response* tokens only (AdamW, warm-up then
-cosine), logs the curve to TensorBoard, measures validation accuracy (greedy, and mean@k at
-temperature 1.0, by difficulty), and at the end of `fit` saves the model and tokenizer in
-Hugging Face format (safetensors) to `export_dir`.
+cosine), logs the curve to TensorBoard, measures validation accuracy with the task's own
+checker (greedy, and mean@k at temperature 1.0, by difficulty), and at the end of `fit` saves
+the model and tokenizer in Hugging Face format (safetensors) to `export_dir`.
 
     python -m vapo_lightning.sft fit -c configs/quickstart_sft.yaml      # or: vapo sft -c ...
+    vapo sft -c configs/quickstart_code_sft.yaml                         # the code task
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import json
 import math
 import random
 from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -25,13 +30,37 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from vapo_lightning.tasks import arithmetic
+from vapo_lightning.tasks import arithmetic, functions
 from vapo_lightning.tokenization import train_bpe
 
-__all__ = ["SFTDataModule", "SFTModule", "chat_prompt", "sft_main"]
+__all__ = ["TASKS", "SFTDataModule", "SFTModule", "SFTTask", "chat_prompt", "sft_main"]
 
 _ASSETS = Path(__file__).parent / "assets"
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class SFTTask:
+    """What the SFT needs of a task: its generator, its checker and its shipped splits."""
+
+    generate: Callable[..., list[dict]]
+    """``generate(n, seed, exclude=prompts, distinct=False)`` -> rows with prompt / solution
+    / difficulty (see `vapo_lightning.tasks.arithmetic.generate`)."""
+    check: Callable[[Sequence[str], Sequence[dict]], list[bool]]
+    """``check(responses, rows)`` -> whether each response solves its row."""
+    assets: Path
+    """Folder of the shipped ``train.jsonl`` (RL prompts) and ``val.jsonl``."""
+
+
+def _check_arithmetic(responses: Sequence[str], rows: Sequence[dict]) -> list[bool]:
+    return [arithmetic.is_correct(r, row["answer"]) for r, row in zip(responses, rows)]
+
+
+TASKS = {
+    "arithmetic": SFTTask(arithmetic.generate, _check_arithmetic, _ASSETS / "arithmetic"),
+    "functions": SFTTask(functions.generate, functions.check, _ASSETS / "functions"),
+}
+"""The tasks `SFTDataModule(task=...)` knows; ``functions`` is checked in the sandbox."""
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str) -> str:
@@ -41,14 +70,18 @@ def chat_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str) -> str:
 
 
 class SFTDataModule(L.LightningDataModule):
-    """Arithmetic SFT pairs and validation prompts, and the tokenizer they define.
+    """SFT pairs and validation prompts of one task, and the tokenizer they define.
 
     Args:
-        val_path: validation rows (jsonl with prompt / answer / solution / difficulty).
-        rl_train_path: the RL prompts; SFT problems exclude them (None: no exclusion).
+        task: which generator and checker (`TASKS`): ``"arithmetic"`` or ``"functions"``.
+        val_path: validation rows (jsonl of the task's rows; None: the task's shipped
+            ``assets/<task>/val.jsonl``).
+        rl_train_path: the RL prompts, which SFT problems exclude (None: the task's shipped
+            ``assets/<task>/train.jsonl``).
         num_train: number of SFT problems drawn from the generator with `seed`.
         seed: generator seed of the SFT problems (distinct from the splits' seeds 0 and 1).
-        vocab_size: BPE vocabulary size asked of `train_bpe` (the task needs ~300 tokens).
+        vocab_size: BPE vocabulary size asked of `train_bpe` (byte-level, so every character
+            of code is covered; arithmetic needs ~300 tokens).
         batch_size: training sequences per optimiser step.
         bucket_batches: batches formed from length-sorted pools of 50 batches (less padding).
         val_batch_size: prompts per generation batch in validation.
@@ -56,8 +89,9 @@ class SFTDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        val_path: str = str(_ASSETS / "arithmetic" / "val.jsonl"),
-        rl_train_path: str | None = str(_ASSETS / "arithmetic" / "train.jsonl"),
+        task: Literal["arithmetic", "functions"] = "arithmetic",
+        val_path: str | None = None,
+        rl_train_path: str | None = None,
         num_train: int = 40_000,
         seed: int = 1234,
         vocab_size: int = 512,
@@ -66,13 +100,15 @@ class SFTDataModule(L.LightningDataModule):
         val_batch_size: int = 200,
     ) -> None:
         super().__init__()
+        if task not in TASKS:
+            raise ValueError(f"data.task must be one of {sorted(TASKS)}, got {task!r}")
+        self.task = TASKS[task]
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
         self.bucket_batches, self.seed = bucket_batches, seed
-        self.val_rows = arithmetic.read_jsonl(val_path)
-        exclude = [r["prompt"] for r in self.val_rows]
-        if rl_train_path is not None:
-            exclude += [r["prompt"] for r in arithmetic.read_jsonl(rl_train_path)]
-        self.train_rows = arithmetic.generate(num_train, seed=seed, exclude=exclude, distinct=False)
+        self.val_rows = arithmetic.read_jsonl(val_path or self.task.assets / "val.jsonl")
+        rl_rows = arithmetic.read_jsonl(rl_train_path or self.task.assets / "train.jsonl")
+        exclude = [r["prompt"] for r in self.val_rows + rl_rows]
+        self.train_rows = self.task.generate(num_train, seed=seed, exclude=exclude, distinct=False)
         texts = [r["prompt"] for r in self.train_rows] + [r["solution"] for r in self.train_rows]
         self.tokenizer = train_bpe(texts, vocab_size=vocab_size)
         self.train_examples = [self._encode(r) for r in self.train_rows]
@@ -108,12 +144,13 @@ class SFTDataModule(L.LightningDataModule):
         )
         batch = self._collate_train([self._encode(r) for r in rows])
         batch.update(
-            prompt_ids=prompts["input_ids"],
-            prompt_mask=prompts["attention_mask"],
-            answers=[r["answer"] for r in rows],
-            difficulties=[r["difficulty"] for r in rows],
+            prompt_ids=prompts["input_ids"], prompt_mask=prompts["attention_mask"], rows=rows
         )
         return batch
+
+    def check(self, responses: Sequence[str], rows: Sequence[dict]) -> list[bool]:
+        """The task's verdict on each response (the arithmetic grader, or the sandbox)."""
+        return self.task.check(responses, rows)
 
     def _batches(self, epoch_seed: int) -> list[list[int]]:
         order = list(range(len(self.train_examples)))
@@ -152,6 +189,8 @@ class SFTDataModule(L.LightningDataModule):
 class SFTModule(L.LightningModule):
     """A small `LlamaForCausalLM` fine-tuned on response tokens, exported in HF format.
 
+    Validation scores with the data module's `SFTDataModule.check` (the task's own checker).
+
     Args:
         tokenizer: set by the CLI from the data module (``data.tokenizer``).
         num_layers: decoder layers.
@@ -163,7 +202,8 @@ class SFTModule(L.LightningModule):
         schedule: ``"cosine"`` (down to `min_lr_ratio`·lr at the trainer's max_steps) or
             ``"constant"`` after warm-up.
         min_lr_ratio: final learning rate of the cosine schedule, relative to `lr`.
-        max_new_tokens: generation budget in validation (the longest solution is ~145).
+        max_new_tokens: generation budget in validation (the longest arithmetic solution is
+            ~145 tokens, a functions solution ~30).
         num_samples: samples per prompt at temperature 1.0 for ``val/accuracy_sampled``.
         eval_seed: seed of validation sampling (the same draws at every validation).
         export_dir: where `on_fit_end` saves model + tokenizer (None: no export).
@@ -265,15 +305,22 @@ class SFTModule(L.LightningModule):
         torch.manual_seed(self.hparams.eval_seed)  # same draws at every validation
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self.log("val/loss", self._response_loss(batch), batch_size=len(batch["answers"]))
+        rows = batch["rows"]
+        self.log("val/loss", self._response_loss(batch), batch_size=len(rows))
         ids, mask = batch["prompt_ids"], batch["prompt_mask"]
         k = self.hparams.num_samples
         greedy = self.generate(ids, mask, do_sample=False)
         sampled = self.generate(ids.repeat_interleave(k, 0), mask.repeat_interleave(k, 0), True)
-        for i, (answer, level) in enumerate(zip(batch["answers"], batch["difficulties"])):
-            self._correct["greedy"].append((level, float(arithmetic.is_correct(greedy[i], answer))))
-            hits = [arithmetic.is_correct(s, answer) for s in sampled[i * k : (i + 1) * k]]
-            self._correct["sampled"].append((level, sum(hits) / k))
+        # The data module owns the task, hence its checker (the sandbox for code).
+        check = getattr(self.trainer.datamodule, "check", None)
+        if check is None:
+            raise RuntimeError("SFTModule validation needs an SFTDataModule (its task's checker)")
+        greedy_ok = check(greedy, rows)
+        sampled_ok = check(sampled, [r for r in rows for _ in range(k)])
+        for i, row in enumerate(rows):
+            level = row["difficulty"]
+            self._correct["greedy"].append((level, float(greedy_ok[i])))
+            self._correct["sampled"].append((level, sum(sampled_ok[i * k : (i + 1) * k]) / k))
 
     def on_validation_epoch_end(self) -> None:
         torch.set_rng_state(self._rng_state)
