@@ -1,0 +1,162 @@
+"""Learning study (issue 8): the paper's Table 1 in miniature on the quickstart task.
+
+Runs `vapo fit -c configs/quickstart.yaml [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO and
+VAPO without each of its seven techniques, for several seeds, reads `val/accuracy` from each
+run's TensorBoard events, and writes a table in the shape of Table 1 (final and best
+accuracy, mean ± std over seeds, next to the paper's AIME 2024 score) and the curves.
+
+Runs already finished under `--root` are read, not rerun, so the study can be resumed or
+extended seed by seed. `--jobs 2` runs two fits at a time with one thread each.
+
+    .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 --out benchmarks/results/learning.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = "configs/quickstart.yaml"
+# (name, layer over the quickstart config or None, the paper's Table 1 AIME24 score)
+RUNS = [
+    ("VAPO", None, 60),
+    ("vanilla PPO", "configs/baselines/ppo.yaml", 5),
+    ("GRPO", "configs/baselines/grpo.yaml", None),
+    ("DAPO", "configs/baselines/dapo.yaml", 50),
+    ("w/o value-pretraining", "configs/ablations/vapo_wo_value_pretraining.yaml", 11),
+    ("w/o decoupled GAE", "configs/ablations/vapo_wo_decoupled_gae.yaml", 33),
+    ("w/o length-adaptive GAE", "configs/ablations/vapo_wo_length_adaptive_gae.yaml", 45),
+    ("w/o clip-higher", "configs/ablations/vapo_wo_clip_higher.yaml", 46),
+    ("w/o token-level loss", "configs/ablations/vapo_wo_token_level_loss.yaml", 53),
+    ("w/o positive-example LM loss", "configs/ablations/vapo_wo_positive_example_nll.yaml", 54),
+    ("w/o group-sampling", "configs/ablations/vapo_wo_group_sampling.yaml", 55),
+]
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def val_curve(run_dir: Path) -> list[tuple[int, float]]:
+    points: dict[int, float] = {}
+    for path in sorted(glob.glob(f"{run_dir}/lightning_logs/version_*/events.out.tfevents.*")):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if "val/accuracy" in acc.Tags()["scalars"]:
+            points.update((e.step, e.value) for e in acc.Scalars("val/accuracy"))
+    return sorted(points.items())
+
+
+def fit(layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> float:
+    done = run_dir / "DONE"
+    if done.exists():
+        return float(done.read_text())
+    cmd = [str(ROOT / ".venv/bin/vapo"), "fit", "-c", BASE, *(["-c", layer] if layer else []),
+           f"--seed_everything={seed}", f"--trainer.default_root_dir={run_dir}",
+           "--trainer.enable_progress_bar=false", "--model.hf_export_dir=null", *extra]  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    (run_dir / "log.txt").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed; see {run_dir / 'log.txt'}")
+    minutes = (time.time() - start) / 60
+    done.write_text(f"{minutes:.2f}")
+    return minutes
+
+
+def mean_std(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{100 * xs[0]:.1f}"
+    return f"{100 * statistics.mean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"
+
+
+def plot(curves: dict[str, list[list[tuple[int, float]]]], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, runs in curves.items():
+        steps = [s for s, _ in runs[0]]
+        means = [statistics.mean(r[i][1] for r in runs if i < len(r)) for i in range(len(steps))]
+        style = "-" if name in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
+        ax.plot(steps, [100 * m for m in means], style, marker="o", label=name)
+    ax.set_xlabel("rollout step")
+    ax.set_ylabel("val/accuracy, mean over seeds (%)")
+    ax.set_title("Quickstart task: accuracy vs rollout steps")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--only", nargs="*", default=None, help="run names to include (default all)")
+    ap.add_argument("--jobs", type=int, default=1, help="fits at a time (each gets 2/jobs threads)")
+    ap.add_argument("--root", type=Path, default=ROOT / "runs/learning")
+    ap.add_argument("--out", type=Path, default=None, help="markdown file (default: stdout)")
+    ap.add_argument("extra", nargs="*", help="overrides for every fit, e.g. --trainer.max_steps=20")
+    args = ap.parse_args()
+    if args.jobs > 1:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, 2 // args.jobs))
+    runs = [r for r in RUNS if args.only is None or r[0] in args.only]
+    jobs = [(name, layer, seed) for name, layer, _ in runs for seed in args.seeds]
+    dirs = {(n, s): args.root / slug(n) / f"seed{s}" for n, _, s in jobs}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        minutes = dict(zip(
+            [(n, s) for n, _, s in jobs],
+            pool.map(lambda j: fit(j[1], j[2], dirs[j[0], j[2]], args.extra), jobs),
+        ))  # fmt: skip
+
+    curves = {name: [val_curve(dirs[name, s]) for s in args.seeds] for name, _, _ in runs}
+    out = [
+        "# Learning study: Table 1 in miniature (quickstart task)\n",
+        f"Command: `.venv/bin/python benchmarks/bench_learning.py --seeds {' '.join(map(str, args.seeds))}"
+        f"{' --jobs ' + str(args.jobs) if args.jobs > 1 else ''}"
+        f"{' ' + ' '.join(args.extra) if args.extra else ''} --out benchmarks/results/learning.md`  ",
+        f"Each run: `vapo fit -c {BASE} [-c <layer>] --seed_everything=<seed>`; val/accuracy is "
+        "mean@4 at temperature 1.0 on the 200 validation problems.\n",
+        "| run | paper (AIME24) | start % | final % (mean ± std) | best % | gain (points) | minutes per run |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, _, paper in runs:
+        cs = curves[name]
+        start = [c[0][1] for c in cs]
+        final = [c[-1][1] for c in cs]
+        best = [max(v for _, v in c) for c in cs]
+        gain = [f - s for f, s in zip(final, start)]
+        mins = statistics.mean(minutes[name, s] for s in args.seeds)
+        out.append(
+            f"| {name} | {paper if paper is not None else '-'} | {mean_std(start)} | {mean_std(final)} "
+            f"| {mean_std(best)} | {mean_std(gain)} | {mins:.1f} |"
+        )
+    out.append("\n![val/accuracy vs rollout step](learning_curves.png)\n")
+    text = "\n".join(out) + "\n"
+    if args.out:
+        args.out.write_text(text)
+        plot(curves, args.out.parent / "learning_curves.png")
+    print(text)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
