@@ -1,8 +1,9 @@
 """`--trainer.strategy=ddp|fsdp` on CPU with 2 processes (gloo), as real subprocesses.
 
 Lightning launches the second rank by re-running the command line, so every run here is a
-`python -m ...` subprocess: the `vapo` CLI on configs/tiny_cpu.yaml (shortened), or
-tests/distributed_worker.py for the parity test (one update on a fixed global batch).
+`python -m ...` subprocess: the `vapo` CLI on configs/tiny_cpu.yaml (shortened),
+tests/distributed_worker.py for the parity test (one update on a fixed global batch), or
+tests/load_worker.py for loading a checkpoint on rank 0 only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import build_tokenizer, make_rows, write_jsonl
+from tests.helpers import TINY_LLAMA, build_tokenizer, make_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = [  # tiny_cpu.yaml, cut to seconds: 4 prompts x 4 responses of <= 8 tokens
@@ -104,6 +105,73 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
     ids = tokenizer(["Evaluate left to right: 2 + 3"], return_tensors="pt")
     out = policy.generate(**ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+@pytest.mark.slow
+def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weights(tmp_path):
+    """A saved tiny Llama (tied embeddings) loaded under fsdp on 2 ranks: rank 0 calls
+    `from_pretrained`, rank 1 builds on the meta device and receives rank 0's weights into its
+    shards. Each rank's gathered weights, its rotary buffers (not in the state dict) and one
+    sharded greedy `generate` equal a single-process load; the critic (the policy's backbone
+    and a fresh value head, seed 0 as in the worker) too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.load_worker import PROMPTS, greedy_tokens
+    from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    tok = load_tokenizer(str(build_tokenizer(ckpt)))
+    cfg = LlamaConfig(
+        **{k: v for k, v in TINY_LLAMA.items() if k != "model_type"},
+        vocab_size=len(tok),
+        tie_word_embeddings=True,
+        initializer_range=0.5,  # at HF's 0.02 greedy decoding repeats the last prompt token
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(1)
+    LlamaForCausalLM(cfg).save_pretrained(ckpt)
+    out = tmp_path / "out"
+    out.mkdir()
+    run("tests.load_worker", str(out), str(ckpt), "2")
+
+    torch.manual_seed(0)  # the worker's seed: the critic's fresh head draws the same numbers
+    policy = build_policy(ModelSpec(name_or_path=str(ckpt)), tok)
+    critic = build_critic(None, policy, tok)
+    expected_tokens = greedy_tokens(policy, tok.pad_token_id)
+    generated = expected_tokens[:, max(map(len, PROMPTS)) :]
+    assert generated.shape[1] > 1 and len(generated.unique()) > 4  # varied tokens, not one repeated
+    with torch.no_grad():
+        expected_values = critic(input_ids=torch.tensor([PROMPTS[0]])).logits
+    buffers = {f"policy.{k}": b for k, b in policy.named_buffers()}
+    buffers |= {f"critic.{k}": b for k, b in critic.named_buffers()}
+    assert any("rotary_emb.inv_freq" in k for k in buffers)
+    full = sum(p.numel() for m in (policy, critic) for p in m.parameters())
+
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank, got in enumerate(ranks):
+        for name, model in [("policy", policy), ("critic", critic)]:
+            expected = model.state_dict()
+            assert got[name].keys() == expected.keys(), (rank, name)
+            for key, tensor in expected.items():
+                torch.testing.assert_close(got[name][key], tensor, rtol=0, atol=0, msg=key)
+        assert got["buffers"].keys() == buffers.keys()
+        for key, tensor in buffers.items():
+            torch.testing.assert_close(got["buffers"][key], tensor, rtol=0, atol=0, msg=key)
+        assert got["tied"]
+        assert torch.equal(got["tokens"], expected_tokens), rank
+        torch.testing.assert_close(got["values"], expected_values, rtol=1e-6, atol=1e-7)
+        assert 0 < got["local_numel_after_sharding"] < 0.6 * full  # about half: shards only
+
+    # Rank 0 read the checkpoint once (the critic copies the policy's backbone) and held full
+    # weights; rank 1 never called from_pretrained and held no parameter off the meta device
+    # before sharding (policy, critic).
+    assert ranks[0]["from_pretrained_calls"] == ["LlamaForCausalLM"]
+    assert ranks[0]["numel_before_sharding"] == [
+        sum(p.numel() for p in m.parameters()) for m in (policy, critic)
+    ]
+    assert ranks[1]["from_pretrained_calls"] == []
+    assert ranks[1]["numel_before_sharding"] == [0, 0]
 
 
 @pytest.fixture(scope="module")

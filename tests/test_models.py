@@ -1,7 +1,14 @@
 """Policy and critic loading: from a config, from the policy, from a path (HF in and out)."""
 
+import itertools
+
 import torch
-from transformers import AutoModelForTokenClassification, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForTokenClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
 from tests.helpers import TINY_LLAMA, build_tokenizer
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
@@ -39,3 +46,52 @@ def test_llama_without_classifier_dropout_in_its_config_loads_as_critic(tmp_path
     critic = build_critic(ModelSpec(name_or_path=str(tmp_path / "rm")), None, tok)
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert values.shape == (1, 3, 1)
+
+
+def test_meta_builds_have_the_loaded_architecture_and_read_no_weights(tmp_path, monkeypatch):
+    """What fsdp ranks > 0 build: the same classes, names, shapes, dtypes, config, generation
+    config, train/eval mode and weight tying as a real load, all on the meta device."""
+    tok = load_tokenizer(str(build_tokenizer(tmp_path / "ckpt")))
+    cfg = LlamaConfig(
+        **{k: v for k, v in TINY_LLAMA.items() if k != "model_type"},
+        vocab_size=len(tok),
+        tie_word_embeddings=True,
+    )
+    saved = LlamaForCausalLM(cfg)
+    saved.generation_config.update(do_sample=True, top_p=0.7)  # a checkpoint's own defaults
+    saved.save_pretrained(tmp_path / "ckpt")
+    path = ModelSpec(name_or_path=str(tmp_path / "ckpt"))
+    config = ModelSpec(config=TINY_LLAMA, tokenizer=str(tmp_path / "ckpt"))
+
+    def real_and_meta(meta: bool) -> list[PreTrainedModel]:
+        policy = build_policy(path, tok, meta=meta)
+        return [
+            policy,
+            build_critic(None, policy, tok, meta=meta),  # backbone of the policy, fresh head
+            build_critic(path, None, tok, meta=meta),  # a critic / reward model path
+            build_policy(config, tok, meta=meta),  # random init from a config
+            build_critic(config, None, tok, meta=meta),
+        ]
+
+    real = real_and_meta(meta=False)
+
+    def no_weights(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained called by a meta build")
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    meta = real_and_meta(meta=True)
+
+    assert real[0].generation_config.top_p == 0.7
+    assert meta[0].generation_config.to_dict() == real[0].generation_config.to_dict()
+    for r, m in zip(real, meta, strict=True):
+        assert type(m) is type(r) and m.training == r.training
+        assert m.config.to_dict() == r.config.to_dict()
+        real_tensors = dict(itertools.chain(r.named_parameters(), r.named_buffers()))
+        meta_tensors = dict(itertools.chain(m.named_parameters(), m.named_buffers()))
+        assert all(t.is_meta for t in meta_tensors.values())
+        assert not any(t.is_meta for t in real_tensors.values())
+        assert {k: (t.shape, t.dtype) for k, t in meta_tensors.items()} == {
+            k: (t.shape, t.dtype) for k, t in real_tensors.items()
+        }
+    assert meta[0].lm_head.weight is meta[0].model.embed_tokens.weight  # tied, as loaded
+    assert real[0].lm_head.weight is real[0].model.embed_tokens.weight

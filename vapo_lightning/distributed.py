@@ -8,6 +8,10 @@ end of `VAPOModule.configure_model`, applies PyTorch's own engines to each model
 - fsdp: FSDP2 `fully_shard` on every decoder layer, then on the root, of the policy, the
   critic and the frozen reference policy. bf16 (`--trainer.precision=bf16-mixed`) becomes
   FSDP2's `MixedPrecisionPolicy` (bf16 compute, fp32 gradient reduction, fp32 master weights).
+  Only global rank 0 holds full weights on the host (loaded with `from_pretrained`, or
+  initialised from a config); the other ranks build the architecture on the meta device
+  (`builds_on_meta`), and after sharding rank 0's full state dict is broadcast into every
+  rank's shards (`shard_from_rank0`), as verl and torchtitan load.
 - ddp: composable `replicate` (DistributedDataParallel) on the policy and on the critic, each
   on its own, so the critic's backward never waits for policy gradients: no
   `find_unused_parameters`. The frozen reference policy is broadcast from rank 0.
@@ -19,6 +23,7 @@ gradient equals the single-process gradient of the same global batch.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -30,10 +35,12 @@ from torch import nn
 
 __all__ = [
     "VAPOStrategy",
+    "builds_on_meta",
     "full_state_dict",
     "parallelize",
     "resolve_strategy",
     "save_pretrained",
+    "shard_from_rank0",
 ]
 
 MODES = ("ddp", "fsdp")
@@ -90,25 +97,38 @@ def resolve_strategy(strategy: Any) -> Any:
     return strategy
 
 
+def _strategy(module: Any) -> VAPOStrategy | None:
+    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    return strategy if isinstance(strategy, VAPOStrategy) else None
+
+
+def builds_on_meta(module: Any) -> bool:
+    """Whether `configure_model` builds the models on the meta device on this rank: under fsdp
+    on every rank but global rank 0, whose weights `parallelize` broadcasts into the shards."""
+    strategy = _strategy(module)
+    return strategy is not None and strategy.mode == "fsdp" and strategy.global_rank > 0
+
+
 def parallelize(module: Any) -> None:
     """Applies the strategy's engine to `module.policy`, `.critic` and `.ref_policy`.
 
     Called at the end of `configure_model`; a no-op without a `VAPOStrategy` and when already
     applied (configure_model runs again on every fit / validate).
     """
-    trainer = getattr(module, "_trainer", None)
-    strategy = getattr(trainer, "strategy", None)
-    if not isinstance(strategy, VAPOStrategy) or getattr(module, "_parallelized", False):
+    strategy = _strategy(module)
+    if strategy is None or getattr(module, "_parallelized", False):
         return
     trainable = [m for m in (module.policy, module.critic) if m is not None]
     if strategy.activation_checkpointing:
         for m in trainable:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if strategy.mode == "fsdp":
-        mp = _mixed_precision(str(trainer.precision))
+        mp = _mixed_precision(str(module.trainer.precision))
         for m in [*trainable, module.ref_policy]:
             if m is not None:
-                shard(m, strategy.dp_mesh, mp, strategy.reshard_after_forward)
+                shard_from_rank0(
+                    m, strategy.dp_mesh, mp, strategy.reshard_after_forward, strategy.root_device
+                )
     else:
         from torch.distributed._composable import replicate
 
@@ -155,6 +175,43 @@ def shard(model: nn.Module, mesh: Any, mp: Any, reshard_after_forward: bool = Tr
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     model._is_fsdp_managed_module = True
+
+
+def shard_from_rank0(
+    model: nn.Module,
+    mesh: Any,
+    mp: Any,
+    reshard_after_forward: bool,
+    device: torch.device,
+) -> None:
+    """`shard`, then global rank 0's full weights broadcast into every rank's shards.
+
+    Rank 0 must hold real weights; the other ranks may hold the same architecture on the meta
+    device (`builds_on_meta`): they then allocate only their shards, and receive one full
+    tensor at a time during the broadcast. Collective: every rank calls it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    on_meta = [name for name, t in named if t.is_meta]
+    rank0 = dist.get_rank() == 0
+    if rank0 and on_meta:
+        raise RuntimeError(
+            f"rank 0 must hold the weights it broadcasts, but {len(on_meta)} tensors of "
+            f"{type(model).__name__} are on the meta device (first: {on_meta[0]})"
+        )
+    # Rank 0's full tensors, referenced (not copied) so that they outlive the sharding below;
+    # freed on return (the shards are copies).
+    full = model.state_dict() if rank0 else {}
+    shard(model, mesh, mp, reshard_after_forward)
+    if on_meta:
+        model.to_empty(device=device)  # this rank's shards and buffers, not yet filled
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)  # strict: the same keys on every rank
+    # Buffers outside the state dict (non-persistent, e.g. rotary `inv_freq`) were computed
+    # from the config on rank 0 only; FSDP2 does not shard buffers: every rank takes rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

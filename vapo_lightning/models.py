@@ -5,10 +5,15 @@ value head (`AutoModelForTokenClassification` with one label, as verl and OpenRL
 both load from a local path or a hub id and save with `save_pretrained`. A critic is
 initialised from the policy's weights (backbone copied, fresh head) or from its own path
 (e.g. a reward model or a critic saved by value pretraining, VAPO §4.1).
+
+`meta=True` builds the same architecture on the meta device without reading or initialising
+any weight: under fsdp every rank but rank 0 does so, and `distributed.shard_from_rank0` fills
+their shards with rank 0's weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +25,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -71,14 +77,26 @@ def _align_special_tokens(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase) -
         cfg.bos_token_id = tok.bos_token_id
 
 
-def build_policy(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The actor: a causal LM from `spec` (weights, or random init from a config)."""
+def build_policy(
+    spec: ModelSpec, tok: PreTrainedTokenizerBase, meta: bool = False
+) -> PreTrainedModel:
+    """The actor: a causal LM from `spec` (weights, or random init from a config).
+
+    meta: the architecture only, on the meta device (config and generation config as
+    `from_pretrained` would set them, no weights read); its weights come from rank 0.
+    """
     if spec.config is not None:
         cfg = spec.hf_config()
         if "vocab_size" not in spec.config:  # a config's default (e.g. Llama's 32000) is not ours
             cfg.vocab_size = len(tok)
         _align_special_tokens(cfg, tok)
-        model = AutoModelForCausalLM.from_config(cfg)
+        with _meta_device(meta):
+            model = AutoModelForCausalLM.from_config(cfg)
+    elif meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+        model.generation_config = _saved_generation_config(spec.name_or_path, model)
+        model.eval()  # as from_pretrained leaves it
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.name_or_path, dtype=torch.float32)
     if len(tok) > model.get_input_embeddings().num_embeddings:
@@ -91,32 +109,44 @@ def build_policy(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> PreTrainedMod
 
 
 def build_critic(
-    spec: ModelSpec | None, policy: PreTrainedModel, tok: PreTrainedTokenizerBase
+    spec: ModelSpec | None,
+    policy: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    meta: bool = False,
 ) -> PreTrainedModel:
     """The critic: a transformer backbone + scalar value head, output (B, L, 1).
 
     spec None: the policy's architecture and backbone weights with a fresh head. Otherwise
     loaded from `spec.name_or_path` (a critic or reward model with the same tokenizer).
+    meta: the architecture only, on the meta device (policy may be a meta model too).
     """
     if spec is not None and spec.name_or_path is not None:
         cfg = AutoConfig.from_pretrained(spec.name_or_path)
         cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # one value; no dropout noise in the head
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True
-        )
-        fresh_head = any(k.split(".")[0] in ("score", "classifier") for k in info["missing_keys"])
+        if meta:
+            with torch.device("meta"):
+                model = AutoModelForTokenClassification.from_config(cfg, dtype=torch.float32)
+            model.eval()  # as from_pretrained leaves it
+            fresh_head = False  # rank 0 decides, and initialises it
+        else:
+            model, info = AutoModelForTokenClassification.from_pretrained(
+                spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True
+            )
+            head = ("score", "classifier")
+            fresh_head = any(k.split(".")[0] in head for k in info["missing_keys"])
     else:
         cfg = copy.deepcopy(spec.hf_config() if spec is not None else policy.config)
         cfg.num_labels = 1  # transformers v5: set on the config, not as a from_config kwarg
         cfg.classifier_dropout = 0.0  # HF's head defaults to 0.1: noise in every value update
         cfg.architectures = None
         _align_special_tokens(cfg, tok)
-        model = AutoModelForTokenClassification.from_config(cfg)
-        if spec is None:  # initialise the backbone from the policy (VAPO §4.1's open choice)
+        with _meta_device(meta):
+            model = AutoModelForTokenClassification.from_config(cfg)
+        if spec is None and not meta:  # the backbone from the policy (VAPO §4.1's open choice)
             backbone = policy.get_decoder() if hasattr(policy, "get_decoder") else policy.base_model
             missing = getattr(model, model.base_model_prefix).load_state_dict(backbone.state_dict())
             assert not missing.missing_keys, missing
-        fresh_head = True
+        fresh_head = not meta
     if fresh_head:  # a new head (not a reward model's or a saved critic's): values start near 0
         head = _value_head(model)
         nn.init.normal_(head.weight, std=1.0 / (model.config.hidden_size + 1))
@@ -133,6 +163,19 @@ def _value_head(model: PreTrainedModel) -> nn.Linear:
             f"{type(model).__name__} has no linear score/classifier head to use as value head"
         )
     return head
+
+
+def _meta_device(meta: bool) -> contextlib.AbstractContextManager:
+    return torch.device("meta") if meta else contextlib.nullcontext()
+
+
+def _saved_generation_config(path: str, model: PreTrainedModel) -> GenerationConfig:
+    """`generation_config.json` of `path`, as `from_pretrained` loads it (sampling defaults such
+    as top_p differ per model); the config's defaults when the checkpoint has none."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return model.generation_config
 
 
 def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from vapo_lightning import core
 from vapo_lightning.config import Algorithm, Optim
-from vapo_lightning.distributed import parallelize, save_pretrained
+from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
 from vapo_lightning.metrics import ALIASES, PhaseTimer, rollout_metrics
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
 from vapo_lightning.rewards.base import RewardCallback, Sample, combine_rewards
@@ -101,9 +101,11 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
 
     def configure_model(self) -> None:
         if self.policy is None:
-            self.policy = build_policy(self.policy_spec, self.tokenizer)
+            # fsdp: ranks > 0 build on the meta device; `parallelize` sends them rank 0's weights
+            meta = builds_on_meta(self)
+            self.policy = build_policy(self.policy_spec, self.tokenizer, meta=meta)
             if self.algo.uses_critic:
-                self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer)
+                self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer, meta=meta)
             if self.algo.kl_coef > 0:
                 self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval()
         parallelize(self)  # --trainer.strategy=ddp|fsdp: replicate / shard each model

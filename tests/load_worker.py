@@ -1,0 +1,122 @@
+"""Loads a saved checkpoint under `--trainer.strategy=fsdp` and records what each rank holds,
+for the rank-0-load test in test_distributed.py.
+
+    python -m tests.load_worker OUT_DIR CHECKPOINT_DIR DEVICES
+
+`VAPOModule.configure_model` builds the policy (from CHECKPOINT_DIR, tokenizer included) and
+the critic (the policy's backbone, a fresh value head); `parallelize` shards both and
+broadcasts rank 0's weights. Training stops before the first step (`max_steps=0`): at
+`on_fit_start` every rank writes `rank{R}.pt` with its gathered full state dicts, its buffers,
+greedy tokens from one sharded `generate`, the critic's values, and what it held before
+sharding: how many `from_pretrained` calls it made and how many parameter elements it had off
+the meta device.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import PreTrainedModel
+
+import vapo_lightning.distributed as vapo_distributed
+from tests.helpers import make_rows, write_jsonl
+from vapo_lightning.config import Algorithm
+from vapo_lightning.data import PromptDataModule
+from vapo_lightning.distributed import VAPOStrategy
+from vapo_lightning.models import ModelSpec
+from vapo_lightning.module import VAPOModule
+from vapo_lightning.rollout import GenerationConfig
+
+PROMPTS = [[5, 17, 42, 9, 88], [120, 7, 33]]  # left-padded to one batch
+NEW_TOKENS = 8
+
+
+# What this rank did while building and sharding, filled by the wrappers of `record_building`.
+FROM_PRETRAINED_CALLS: list[str] = []  # the class of each `from_pretrained` call
+NUMEL_BEFORE_SHARDING: list[int] = []  # per sharded model: elements of real (non-meta) parameters
+
+
+def record_building() -> None:
+    load = PreTrainedModel.from_pretrained.__func__
+
+    def counted_from_pretrained(cls, *args, **kwargs):
+        FROM_PRETRAINED_CALLS.append(cls.__name__)
+        return load(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(counted_from_pretrained)
+    shard = vapo_distributed.shard
+
+    def recorded_shard(model, *args, **kwargs):
+        real = sum(p.numel() for p in model.parameters() if not p.is_meta)
+        NUMEL_BEFORE_SHARDING.append(real)
+        return shard(model, *args, **kwargs)
+
+    vapo_distributed.shard = recorded_shard
+
+
+def greedy_tokens(policy: torch.nn.Module, pad_token_id: int) -> torch.Tensor:
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        return policy.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+
+
+class Inspect(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer: L.Trainer, module: VAPOModule) -> None:
+        gathered = StateDictOptions(full_state_dict=True)  # full tensors on every rank
+        policy, critic = module.policy, module.critic
+        with torch.no_grad():
+            values = critic(input_ids=torch.tensor([PROMPTS[0]])).logits
+        local = sum(p.to_local().numel() for m in (policy, critic) for p in m.parameters())
+        record = {
+            "policy": get_model_state_dict(policy, options=gathered),
+            "critic": get_model_state_dict(critic, options=gathered),
+            "buffers": {f"policy.{k}": b for k, b in policy.named_buffers()}
+            | {f"critic.{k}": b for k, b in critic.named_buffers()},
+            "tokens": greedy_tokens(policy, module.tokenizer.pad_token_id),
+            "values": values,
+            "tied": policy.lm_head.weight is policy.get_input_embeddings().weight,
+            "from_pretrained_calls": FROM_PRETRAINED_CALLS,
+            "numel_before_sharding": NUMEL_BEFORE_SHARDING,
+            "local_numel_after_sharding": local,
+        }
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def main(out: Path, checkpoint: str, devices: int) -> None:
+    record_building()
+    L.seed_everything(0)
+    module = VAPOModule(
+        policy=ModelSpec(name_or_path=checkpoint),
+        algorithm=Algorithm(mini_batch_size=4, micro_batch_size=4),
+        generation=GenerationConfig(n=2),
+        val_before_train=False,
+    )
+    train = write_jsonl(out / "train.jsonl", make_rows(8))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=VAPOStrategy(mode="fsdp"),
+        max_steps=0,
+        callbacks=[Inspect(out)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=PromptDataModule(train=str(train), prompts_per_step=2))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
