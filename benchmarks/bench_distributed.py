@@ -1,11 +1,18 @@
-"""Step time and peak RSS per process: 1 process vs 2 (ddp, fsdp) on tiny_cpu shapes.
+"""Step time and peak RSS per process: 1 process vs 2 (ddp, fsdp) on tiny_cpu shapes; and,
+with `--load`, the host memory each rank spends loading a saved checkpoint.
 
 Runs `vapo fit -c configs/tiny_cpu.yaml` as a subprocess per setting on the same global batch
 (8 prompts x 4 responses of <= 32 tokens, mini-batches of 16 responses overall); the `Probe`
 callback writes each rank's rollout-step wall times and peak RSS. The first step (warm-up,
 lazy DDP / FSDP initialisation) is left out of the median.
 
+`--load` saves a Llama of a few hundred MB (fp32; `--hidden`, `--layers`, `--vocab`) and runs
+`vapo fit` on it with `max_steps=0`: `LoadProbe` writes each rank's RSS before the models are
+built and its peak once they are built and sharded. Under ddp every rank loads the full policy
+and critic; under fsdp only rank 0 does, rank 1 holds its shards and one tensor in flight.
+
     python -m benchmarks.bench_distributed [--steps 6] [--out benchmarks/results/distributed.md]
+    python -m benchmarks.bench_distributed --load [--out benchmarks/results/distributed_load.md]
 """
 
 from __future__ import annotations
@@ -49,36 +56,118 @@ class Probe(L.Callback):
         )
 
 
-def run(
-    strategy: str, devices: int, steps: int, out_dir: Path, threads: int | None = None
+def rss_mb() -> float:
+    """The current resident set size (Linux)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) / 1024
+
+
+class LoadProbe(L.Callback):
+    """Per rank: RSS before `configure_model` builds the models (callbacks' `setup` runs first)
+    and the peak RSS at `on_fit_start`, once they are built, sharded and filled."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.before_mb = out_dir, 0.0
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.before_mb = rss_mb()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        Path(self.out_dir, f"load{trainer.global_rank}.json").write_text(
+            json.dumps({"before_mb": self.before_mb, "peak_mb": peak_mb, "after_mb": rss_mb()})
+        )
+
+
+def fit(
+    cmd_args: list[str], out_dir: Path, devices: int, prefix: str, threads: int | None = None
 ) -> list[dict]:
-    per_rank_prompts, mini = 8 // devices, 16 // devices
-    cmd = [
-        sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml",
-        f"--trainer.devices={devices}", f"--trainer.max_steps={steps}",
-        f"--trainer.default_root_dir={out_dir}", "--trainer.enable_progress_bar=false",
-        "--model.val_before_train=false", f"--data.prompts_per_step={per_rank_prompts}",
-        f"--model.algorithm.mini_batch_size={mini}", f"--model.algorithm.micro_batch_size={mini}",
-        "--model.generation.min_new_tokens=32",  # fixed-length responses: comparable steps
-        "--trainer.callbacks+=benchmarks.bench_distributed.Probe",
-        f"--trainer.callbacks.out_dir={out_dir}",
-    ]  # fmt: skip
-    if devices > 1:
-        cmd.append(f"--trainer.strategy={strategy}")
+    """`vapo fit -c configs/tiny_cpu.yaml` with `cmd_args`; each rank's `{prefix}{rank}.json`."""
+    cmd = [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml",
+           f"--trainer.devices={devices}", f"--trainer.default_root_dir={out_dir}",
+           "--trainer.enable_progress_bar=false", "--model.val_before_train=false", *cmd_args]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if threads:  # otherwise torch's default (cores); Lightning gives each of 2 ranks cores / 2
         env["OMP_NUM_THREADS"] = str(threads)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(done.stderr[-4000:])
-    return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(devices)]
+    return [json.loads(Path(out_dir, f"{prefix}{r}.json").read_text()) for r in range(devices)]
+
+
+def run(
+    strategy: str, devices: int, steps: int, out_dir: Path, threads: int | None = None
+) -> list[dict]:
+    per_rank_prompts, mini = 8 // devices, 16 // devices
+    args = [
+        f"--trainer.max_steps={steps}", f"--data.prompts_per_step={per_rank_prompts}",
+        f"--model.algorithm.mini_batch_size={mini}", f"--model.algorithm.micro_batch_size={mini}",
+        "--model.generation.min_new_tokens=32",  # fixed-length responses: comparable steps
+        "--trainer.callbacks+=benchmarks.bench_distributed.Probe",
+        f"--trainer.callbacks.out_dir={out_dir}",
+    ]  # fmt: skip
+    if devices > 1:
+        args.append(f"--trainer.strategy={strategy}")
+    return fit(args, out_dir, devices, "rank", threads)
+
+
+def save_llama(directory: Path, hidden: int, layers: int, vocab: int) -> float:
+    """A random Llama saved with `save_pretrained`; returns its fp32 size in MB."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                      vocab_size=vocab, max_position_embeddings=512)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters()) * 4 / 2**20
+
+
+def bench_load(args: argparse.Namespace) -> list[str]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        policy_mb = save_llama(Path(tmp, "ckpt"), args.hidden, args.layers, args.vocab)
+        print(f"policy {policy_mb:.0f} MB fp32 (critic: its backbone + a value head)", flush=True)
+        for strategy, devices in [("single", 1), ("ddp", 2), ("fsdp", 2)]:
+            out = Path(tmp, strategy)
+            out.mkdir()
+            cmd_args = [
+                f"--model.policy.name_or_path={tmp}/ckpt", "--model.policy.config=null",
+                "--trainer.max_steps=0", "--trainer.logger=false",
+                "--trainer.callbacks+=benchmarks.bench_distributed.LoadProbe",
+                f"--trainer.callbacks.out_dir={out}",
+            ] + ([f"--trainer.strategy={strategy}"] if devices > 1 else [])  # fmt: skip
+            ranks = fit(cmd_args, out, devices, "load")
+            for rank, r in enumerate(ranks):
+                cost = r["peak_mb"] - r["before_mb"]
+                rows.append(f"| {strategy} | {rank} | {r['before_mb']:.0f} | {r['peak_mb']:.0f} | "
+                            f"{cost:.0f} | {r['after_mb']:.0f} |")  # fmt: skip
+                print(rows[-1], flush=True)
+    return [
+        f"Loading a saved Llama of {policy_mb:.0f} MB fp32 (hidden {args.hidden}, {args.layers} "
+        f"layers, vocab {args.vocab}) as policy and critic; RSS in MB per rank.",
+        "",
+        "| setting | rank | RSS before building | peak RSS after loading | load cost (peak - before) | RSS after loading |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--load", action="store_true", help="measure the memory of loading instead")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=32000)
     args = ap.parse_args()
+    if args.load:
+        lines = bench_load(args)
+        print("\n".join(lines))
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+        return
     rows = []
     for strategy, devices, threads in [
         ("single", 1, None),
