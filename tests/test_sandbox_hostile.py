@@ -36,8 +36,32 @@ REPO_FILE = os.path.join(
 )
 
 
+def _status(pid: int | str) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+
+
+def _foreign_server(pid: int) -> bool:
+    """Whether `pid` descends from a sandbox server that this test process did not start
+    (another pool on the same machine, e.g. a training run with CodeReward)."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        seen += 1
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                is_server = b"sandbox/server.py" in f.read()
+            ppid = int(_status(pid)["PPid"])
+        except (OSError, KeyError, ValueError):
+            return False
+        if is_server:
+            return ppid != os.getpid()
+        pid = ppid
+    return False
+
+
 def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
-    """Live (non-zombie) processes whose real uid is the sandbox uid 65534.
+    """Live (non-zombie) processes whose real uid is the sandbox uid 65534, other than those
+    of sandbox servers started by other processes.
 
     Processes in `spare_sessions` are the pool's idle sandboxes, forked ahead for the next
     runs (each in its own session, started by the server after the previous run ended)."""
@@ -46,17 +70,15 @@ def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                status = f.read()
+            fields = _status(entry)
         except OSError:
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         if fields["Uid"].split()[0] == "65534" and not fields["State"].strip().startswith("Z"):
             try:
                 sid = os.getsid(int(entry))
             except OSError:
                 continue  # gone meanwhile
-            if sid not in spare_sessions:
+            if sid not in spare_sessions and not _foreign_server(int(entry)):
                 found.append(int(entry))
     return found
 
