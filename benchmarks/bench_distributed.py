@@ -144,12 +144,21 @@ def bench_load(args: argparse.Namespace) -> list[str]:
                             f"{cost:.0f} | {r['after_mb']:.0f} |")  # fmt: skip
                 print(rows[-1], flush=True)
     return [
+        "# Distributed: host memory of loading a saved checkpoint, 1 vs 2 processes\n",
+        "    python -m benchmarks.bench_distributed --load --out benchmarks/results/distributed_load.md\n",
+        f"Machine: {os.cpu_count()} cores, no GPU; load average at the end "
+        f"{Path('/proc/loadavg').read_text().split()[:3]} (memory, not time, is measured).\n",
         f"Loading a saved Llama of {policy_mb:.0f} MB fp32 (hidden {args.hidden}, {args.layers} "
         f"layers, vocab {args.vocab}) as policy and critic; RSS in MB per rank.",
         "",
         "| setting | rank | RSS before building | peak RSS after loading | load cost (peak - before) | RSS after loading |",
         "|---|---|---|---|---|---|",
         *rows,
+        "",
+        "Reading: under fsdp only rank 0 reads the weights (from_pretrained); rank 1 builds on the "
+        "meta device and receives its shards by broadcast, so it never holds the full weights "
+        "(its peak is its half of policy + critic); rank 0 peaks while it still holds the full "
+        "copy and its shards. After loading each rank holds half.",
     ]
 
 
