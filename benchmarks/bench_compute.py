@@ -127,8 +127,9 @@ def main() -> None:
         "--steps", type=int, default=3, help="rollout steps per length (first dropped)"
     )
     parser.add_argument("--out", type=Path, default=None, help="markdown file (default: stdout)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (matmul and trainer)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     peak = {size: matmul_rate(size) for size in (512, 1024, 2048)}
     best = max(peak.values())
@@ -144,7 +145,8 @@ def main() -> None:
 
     out = [
         "# Compute study: matmul rate, training-phase utilisation, step time vs response length\n",
-        "Command: `.venv/bin/python benchmarks/bench_compute.py --out benchmarks/results/compute.md`  ",
+        f"Command: `.venv/bin/python benchmarks/bench_compute.py --threads {args.threads} "
+        "--out benchmarks/results/compute.md`  ",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
         f"load average before {load_before}, after {Path('/proc/loadavg').read_text().split()[:3]}  ",
         f"Shapes: Llama 3 × 256 policy and critic, {PROMPTS} prompts × {N} samples, fixed-length "
