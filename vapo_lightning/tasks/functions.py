@@ -1,24 +1,24 @@
 """A synthetic program-writing task: write ``f(x)`` in Python from a table of its values.
 
-The prompt shows an integer function on six consecutive inputs,
+The prompt shows an integer function on six consecutive inputs that always include 0 and 1,
 ``Write f(x) in Python: f(-1) = -1, f(0) = 2, f(1) = 5, ...``, and the reference solution is
 a short fenced program (``def f(x):\\n    return 3 * x + 2``). Functions come from templates
 of graded difficulty:
 
-1. one operation: ``x + b``, ``x - b``, ``a * x``
-2. affine: ``a * x + b``, ``a * x - b``, ``b - a * x``
-3. modular: ``x % m``, ``x // m``, ``x % m + b``, ``x // m - b``
-4. piecewise and square: ``max(x, c)``, ``min(x, c)``, ``abs(x - c)``, ``x * x + b``
+1. one operation: ``x + b``, ``x - b``, ``a * x`` (a constant read off ``f(0)`` or ``f(1)``)
+2. affine: ``a * x + b``, ``a * x - b``, ``b - a * x`` (the slope is a difference)
+3. modular: ``x % m``, ``x // m``, ``x % m + b``, ``x // m - b`` (a period or a run length)
+4. piecewise and square: ``max(x, c)``, ``min(x, c)``, ``abs(x - b)``, ``abs(x) + b``,
+   ``x * x + b`` and their mirror images
 5. compositions: ``abs(a * x - b)``, ``max(a * x, c)``, ``(a * x + b) % m``, ``x * x - a * x``
 
-The window of shown inputs starts anywhere in [-5, 4]: when it holds 0 the constant is read
-off ``f(0)``, otherwise it has to be worked out. A problem is kept only if the table decides
-the function: every template instance that matches the six shown values agrees with it on
-all of [-40, 40] (so ``max(x, -9)`` on a window above -9 never appears), and the reference is
-the simplest such instance. Each row's tests are the six shown points plus six held-out
-inputs drawn from [-40, 40] outside the window, so a lookup table of the prompt fails. The
-tests are in the format `CodeReward` reads (function mode, ``fn_name = "f"``) and are
-judged by the sandbox (`check`).
+A problem is kept only if the table decides the function: the simplest explanations that
+match the six shown values (any line first, then the templates by difficulty) agree with it
+on all of [-40, 40], so a kink or wrap-around is always inside the window and the reference
+is the simplest explanation (a table that looks like a line means that line). Each row's
+tests are the six shown points plus six held-out inputs drawn from [-40, 40] outside the
+window, so a lookup table of the prompt fails. The tests are in the format `CodeReward` reads
+(function mode, ``fn_name = "f"``) and are judged by the sandbox (`check`).
 
 Everything is seeded: `generate(n, seed)` returns the same rows on every machine, and
 `make_splits` gives disjoint train / validation problems (no prompt in both). Rows are
@@ -59,39 +59,44 @@ DATA_SOURCE = "functions"
 FN_NAME = "f"
 PROMPT_PREFIX = "Write f(x) in Python: "
 TABLE_SIZE = 6
-WINDOW_STARTS = range(-8, 8)  # the shown inputs are start, ..., start + TABLE_SIZE - 1
+WINDOW_STARTS = range(-5, 1)  # shown: start, ..., start + TABLE_SIZE - 1 (always 0 and 1)
 PROBE = range(-40, 41)  # functions that agree on all of these are the same function here
 NUM_HELD_OUT = 6
 
-_A, _B, _SMALL_B, _M = range(2, 10), range(1, 20), range(1, 10), range(2, 6)
-_C = range(-15, 16)
+_A, _B, _M, _C = range(2, 10), range(1, 100), range(2, 6), range(-15, 16)
 
 TEMPLATES: dict[int, list[tuple[str, dict[str, range]]]] = {
     1: [("x + {b}", {"b": _B}), ("x - {b}", {"b": _B}), ("{a} * x", {"a": _A})],
     2: [
         ("{a} * x + {b}", {"a": _A, "b": _B}),
         ("{a} * x - {b}", {"a": _A, "b": _B}),
-        ("{b} - {a} * x", {"a": _A, "b": _SMALL_B}),
+        ("{b} - {a} * x", {"a": _A, "b": _B}),
     ],
     3: [
         ("x % {m}", {"m": _M}),
         ("x // {m}", {"m": _M}),
-        ("x % {m} + {b}", {"m": _M, "b": _SMALL_B}),
-        ("x // {m} - {b}", {"m": _M, "b": _SMALL_B}),
+        ("x % {m} + {b}", {"m": _M, "b": _B}),
+        ("x % {m} - {b}", {"m": _M, "b": _B}),
+        ("x // {m} + {b}", {"m": _M, "b": _B}),
+        ("x // {m} - {b}", {"m": _M, "b": _B}),
     ],
     4: [
         ("max(x, {c})", {"c": _C}),
         ("min(x, {c})", {"c": _C}),
-        ("abs(x - {b})", {"b": range(1, 13)}),
-        ("abs(x + {b})", {"b": range(1, 13)}),
-        ("x * x + {b}", {"b": _SMALL_B}),
-        ("x * x - {b}", {"b": _SMALL_B}),
+        ("abs(x - {b})", {"b": range(1, 6)}),
+        ("abs(x + {b})", {"b": range(1, 6)}),
+        ("abs(x) + {b}", {"b": _B}),
+        ("abs(x) - {b}", {"b": _B}),
+        ("x * x + {b}", {"b": _B}),
+        ("x * x - {b}", {"b": _B}),
     ],
     5: [
-        ("abs({a} * x - {b})", {"a": range(2, 6), "b": _SMALL_B}),
+        ("abs({a} * x - {b})", {"a": range(2, 6), "b": range(1, 25)}),
         ("max({a} * x, {c})", {"a": range(2, 6), "c": _C}),
         ("({a} * x + {b}) % {m}", {"a": range(2, 5), "b": range(1, 5), "m": range(3, 6)}),
         ("x * x - {a} * x", {"a": _A}),
+        ("x * x + {a} * x", {"a": _A}),
+        ("{a} * abs(x) - {b}", {"a": range(2, 6), "b": _B}),
     ],
 }
 """Expression templates by difficulty, with the range of each constant."""
@@ -130,7 +135,7 @@ def _instances() -> list[tuple[int, str]]:
 def _rivals() -> list[str]:
     """The explanations a reader tries first (constants, ``x``, any line): never posed, but
     simpler than every template, so a table that looks like a line means that line."""
-    return [f"{a} * x + {b}" for a in range(-9, 10) for b in range(-99, 100)]
+    return [f"{a} * x + {b}" for a in range(-9, 10) for b in range(-199, 200)]
 
 
 @functools.cache
@@ -222,7 +227,7 @@ def check(responses: Sequence[str], rows: Sequence[dict], timeout_s: float = 5.0
 
 
 def main(args: list[str] | None = None) -> None:
-    splits_main(make_splits, __doc__.split("\n")[0], n_train=512, n_val=200, args=args)
+    splits_main(make_splits, __doc__.split("\n")[0], n_train=2048, n_val=200, args=args)
 
 
 if __name__ == "__main__":
