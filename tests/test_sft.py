@@ -34,6 +34,24 @@ def test_sft_problems_exclude_rl_and_val_prompts(data):
     assert len(data.train_rows) == 512
 
 
+def test_answer_only_fraction_replaces_the_working_of_that_share():
+    mixed = SFTDataModule(val_path=None, num_train=2000, answer_only_fraction=0.3)
+    plain = SFTDataModule(val_path=None, num_train=2000)
+    assert [r["prompt"] for r in mixed.train_rows] == [r["prompt"] for r in plain.train_rows]
+    bare = 0
+    for m, p in zip(mixed.train_rows, plain.train_rows):
+        if m["solution"] == f"\\boxed{{{p['answer']}}}":
+            bare += 1
+        else:
+            assert m == p  # untouched rows keep their worked solution
+        assert arithmetic.is_correct(m["solution"], p["answer"])
+    assert 0.25 < bare / 2000 < 0.35
+    with pytest.raises(ValueError, match="answer_only_fraction must be in"):
+        SFTDataModule(num_train=10, answer_only_fraction=1.5)
+    with pytest.raises(ValueError, match="no answer-only form"):
+        SFTDataModule(task="functions", num_train=10, answer_only_fraction=0.5)
+
+
 def test_labels_cover_exactly_the_response_and_eos(data):
     batch = data._collate_train(data.train_examples[:4])
     tok = data.tokenizer

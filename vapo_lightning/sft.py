@@ -50,6 +50,9 @@ class SFTTask:
     """``check(responses, rows)`` -> whether each response solves its row."""
     assets: Path
     """Folder of the shipped ``train.jsonl`` (RL prompts) and ``val.jsonl``."""
+    answer_only: Callable[[dict], str] | None = None
+    """The row's solution without its working (``\\boxed{N}`` for arithmetic), or None
+    where the task has no such form (a program is its own working)."""
 
 
 def _check_arithmetic(responses: Sequence[str], rows: Sequence[dict]) -> list[bool]:
@@ -57,7 +60,12 @@ def _check_arithmetic(responses: Sequence[str], rows: Sequence[dict]) -> list[bo
 
 
 TASKS = {
-    "arithmetic": SFTTask(arithmetic.generate, _check_arithmetic, _ASSETS / "arithmetic"),
+    "arithmetic": SFTTask(
+        arithmetic.generate,
+        _check_arithmetic,
+        _ASSETS / "arithmetic",
+        answer_only=lambda row: f"\\boxed{{{row['answer']}}}",
+    ),
     "functions": SFTTask(functions.generate, functions.check, _ASSETS / "functions"),
 }
 """The tasks `SFTDataModule(task=...)` knows; ``functions`` is checked in the sandbox."""
@@ -80,6 +88,11 @@ class SFTDataModule(L.LightningDataModule):
             ``assets/<task>/train.jsonl``).
         num_train: number of SFT problems drawn from the generator with `seed`.
         seed: generator seed of the SFT problems (distinct from the splits' seeds 0 and 1).
+        answer_only_fraction: share of the SFT demonstrations that give the final answer
+            alone, with no working (drawn with `seed`), as in real SFT sets where terse
+            answers sit beside worked solutions. The model learns both styles; answering
+            without working is hard for a small model, so this share is what RL can improve
+            by choosing to work problems out (the quickstart's 0.5).
         vocab_size: BPE vocabulary size asked of `train_bpe` (byte-level, so every character
             of code is covered; arithmetic needs ~300 tokens).
         batch_size: training sequences per optimiser step.
@@ -94,6 +107,7 @@ class SFTDataModule(L.LightningDataModule):
         rl_train_path: str | None = None,
         num_train: int = 40_000,
         seed: int = 1234,
+        answer_only_fraction: float = 0.0,
         vocab_size: int = 512,
         batch_size: int = 64,
         bucket_batches: bool = True,
@@ -103,12 +117,26 @@ class SFTDataModule(L.LightningDataModule):
         if task not in TASKS:
             raise ValueError(f"data.task must be one of {sorted(TASKS)}, got {task!r}")
         self.task = TASKS[task]
+        if not 0.0 <= answer_only_fraction <= 1.0:
+            raise ValueError(
+                f"data.answer_only_fraction must be in [0, 1], got {answer_only_fraction}"
+            )
+        if answer_only_fraction > 0 and self.task.answer_only is None:
+            raise ValueError(f"data.answer_only_fraction: task {task!r} has no answer-only form")
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
         self.bucket_batches, self.seed = bucket_batches, seed
         self.val_rows = arithmetic.read_jsonl(val_path or self.task.assets / "val.jsonl")
         rl_rows = arithmetic.read_jsonl(rl_train_path or self.task.assets / "train.jsonl")
         exclude = [r["prompt"] for r in self.val_rows + rl_rows]
         self.train_rows = self.task.generate(num_train, seed=seed, exclude=exclude, distinct=False)
+        if answer_only_fraction > 0:
+            style = random.Random(seed + 1)
+            self.train_rows = [
+                {**r, "solution": self.task.answer_only(r)}
+                if style.random() < answer_only_fraction
+                else r
+                for r in self.train_rows
+            ]
         texts = [r["prompt"] for r in self.train_rows] + [r["solution"] for r in self.train_rows]
         self.tokenizer = train_bpe(texts, vocab_size=vocab_size)
         self.train_examples = [self._encode(r) for r in self.train_rows]
