@@ -64,7 +64,7 @@ TASKS = {
         arithmetic.generate,
         _check_arithmetic,
         _ASSETS / "arithmetic",
-        answer_only=lambda row: f"\\boxed{{{row['answer']}}}",
+        answer_only=lambda row: arithmetic.boxed(row["answer"]),
     ),
     "functions": SFTTask(functions.generate, functions.check, _ASSETS / "functions"),
 }

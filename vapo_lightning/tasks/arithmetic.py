@@ -28,6 +28,7 @@ from pathlib import Path
 __all__ = [
     "DATA_SOURCE",
     "MAX_DIFFICULTY",
+    "boxed",
     "evaluate",
     "extract_boxed_int",
     "generate",
@@ -58,6 +59,11 @@ def evaluate(start: int, ops: Sequence[Op]) -> int:
     return x
 
 
+def boxed(value: int | str) -> str:
+    """The final answer as every solution of the task ends: ``\\boxed{N}``."""
+    return f"\\boxed{{{value}}}"
+
+
 def solve(start: int, ops: Sequence[Op]) -> str:
     """The reference chain of thought, one labelled sentence per operation, then ``\\boxed{N}``."""
     steps, x = [], start
@@ -65,7 +71,7 @@ def solve(start: int, ops: Sequence[Op]) -> str:
         y = evaluate(x, [(op, b)])
         steps.append(f"{label}) {x} {op} {b} = {y}.")
         x = y
-    return " ".join(steps) + f" \\boxed{{{x}}}"
+    return " ".join(steps) + " " + boxed(x)
 
 
 def _random_op(rng: random.Random, x: int) -> Op:
