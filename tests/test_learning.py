@@ -108,7 +108,9 @@ def fit(tmp_path, algorithm: Algorithm, steps: int, warmup: int = 0) -> list[flo
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_rollout_reward_rises(tmp_path, name):
-    steps, warmup = (30, 6) if name == "vapo" else (20, 0)
+    # DAPO reaches all-correct rollouts at steps 15-19 over seeds 0-3: 20 steps left its
+    # last-three mean at 0.67 on two of them, so the critic-free runs get 25.
+    steps, warmup = (30, 6) if name == "vapo" else (25, 0)
     got = fit(tmp_path, ALGORITHMS[name], steps=steps, warmup=warmup)
     first, last = sum(got[:3]) / 3, sum(got[-3:]) / 3
     assert last > 0.7 and last > first + 0.5, got  # mean reward in [-1, 1], ~0.2 at the start

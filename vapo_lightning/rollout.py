@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from vapo_lightning.generation import sample_responses
 from vapo_lightning.rewards.base import Sample
 
 __all__ = [
@@ -134,7 +135,8 @@ def generate(
     eos_token_id: int,
     n: int | None = None,
 ) -> Rollout:
-    """Samples `n` responses for each prompt with the KV cache; stops at EOS (or any of
+    """Samples `n` responses for each prompt (`generation.sample_responses`: KV cache grown in
+    place, finished responses leave the batch); stops at EOS (or any of
     ``cfg.stop_token_ids``), ``cfg.max_batch_size`` sequences per call.
 
     temperature 0 means greedy. Tokens after the first stop token become padding.
@@ -149,22 +151,19 @@ def generate(
         attn[i, P - len(p) :] = 1
     ids, attn = ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
     stop = sorted({eos_token_id, *cfg.stop_token_ids})
-    sampling = cfg.temperature > 0
     chunk = cfg.max_batch_size or len(ids)
     parts = [
-        policy.generate(
-            input_ids=ids[i : i + chunk],
-            attention_mask=attn[i : i + chunk],
-            do_sample=sampling,
-            temperature=cfg.temperature if sampling else None,
-            top_p=cfg.top_p if sampling else None,
-            top_k=0 if sampling else None,
+        sample_responses(
+            policy,
+            ids[i : i + chunk],
+            attn[i : i + chunk],
             max_new_tokens=cfg.max_new_tokens,
-            min_new_tokens=cfg.min_new_tokens or None,
-            eos_token_id=stop,
+            min_new_tokens=cfg.min_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=stop,
             pad_token_id=pad_token_id,
-            use_cache=True,
-        )[:, P:]
+        )
         for i in range(0, len(ids), chunk)
     ]
     T = max(p.shape[1] for p in parts)

@@ -1,0 +1,151 @@
+"""The rollout sampler against slow, obvious references: greedy decoding equals a loop of full
+forwards without a cache (through cache growth and batch compaction), sampled tokens follow
+softmax(logits / T) and the top-p nucleus, stop tokens and min_new_tokens behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.helpers import TINY_LLAMA
+from vapo_lightning.generation import GrowingLayer, next_tokens, sample_responses
+
+PAD, EOS, V = 0, 2, 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    cfg.vocab_size, cfg.pad_token_id, cfg.eos_token_id = V, PAD, EOS
+    cfg.initializer_range = 0.3  # peaked attention: outputs depend on positions and the cache
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16], [17], [18, 19, 20, 21]]
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt: list[int], max_new: int, stop: set[int], min_new: int = 0):
+    """One prompt alone, a full forward over the whole sequence for every new token."""
+    seq, out = list(prompt), []
+    for t in range(max_new):
+        logits = model(input_ids=torch.tensor([seq])).logits[0, -1]
+        if t < min_new:
+            logits[list(stop)] = float("-inf")
+        tok = int(logits.argmax())
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop:
+            break
+    return out
+
+
+def rows(out: torch.Tensor) -> list[list[int]]:
+    """Each row up to and including its first stop token (the rest must be padding)."""
+    result = []
+    for row in out.tolist():
+        n = len(row)
+        while n and row[n - 1] == PAD:
+            n -= 1
+        result.append(row[:n])
+    return result
+
+
+@pytest.mark.parametrize("compact_fraction", [0.01, 0.5, 1.0])
+def test_greedy_equals_uncached_full_forwards(model, compact_fraction):
+    """Stops: the most common greedy token of the free run, so rows end at different steps
+    and (with a small compact_fraction) leave the batch one by one."""
+    ids, mask = left_pad(PROMPTS)
+    free = sample_responses(model, ids, mask, max_new_tokens=20, stop_token_ids=[EOS],
+                            pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    stop = int(free[:, 1:].flatten().mode().values)
+    out = sample_responses(model, ids, mask, max_new_tokens=20, stop_token_ids=[EOS, stop],
+                           pad_token_id=PAD, temperature=0.0, compact_fraction=compact_fraction)  # fmt: skip
+    want = [greedy_reference(model, p, 20, {EOS, stop}) for p in PROMPTS]
+    assert rows(out) == want
+    assert len({len(w) for w in want}) > 2  # rows really ended at different steps
+    assert out.shape[1] == max(map(len, want))
+
+
+def test_cache_grows_past_its_first_buffer(model):
+    """100 forced tokens: the cache buffer (64 slots at first) doubles twice on the way."""
+    ids, mask = left_pad(PROMPTS[:2])
+    out = sample_responses(model, ids, mask, max_new_tokens=100, min_new_tokens=100,
+                           stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    assert out.shape == (2, 100)
+    for p, got in zip(PROMPTS[:2], out.tolist()):
+        assert got == greedy_reference(model, p, 100, {EOS}, min_new=100)
+
+
+def test_growing_layer_keeps_what_was_written():
+    layer, written = GrowingLayer(), []
+    for step in [5, 1, 70, 1, 200]:
+        k, v = torch.randn(3, 2, step, 4), torch.randn(3, 2, step, 4)
+        written.append((k, v))
+        keys, values = layer.update(k, v)
+    assert torch.equal(keys, torch.cat([k for k, _ in written], 2))
+    assert torch.equal(values, torch.cat([v for _, v in written], 2))
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.keys, torch.cat([k for k, _ in written], 2)[[2, 0]])
+    assert layer.get_seq_length() == 277
+
+
+def test_min_new_tokens_and_padding_after_stop(model):
+    ids, mask = left_pad(PROMPTS)
+    torch.manual_seed(1)
+    out = sample_responses(model, ids, mask, max_new_tokens=12, min_new_tokens=6,
+                           stop_token_ids=[EOS, 7, 8, 9], pad_token_id=PAD)  # fmt: skip
+    for row in out.tolist():
+        assert not {7, 8, 9, EOS} & set(row[:6])
+        ends = [i for i, t in enumerate(row) if t in {7, 8, 9, EOS}]
+        if ends:
+            assert all(t == PAD for t in row[ends[0] + 1 :])
+
+
+def test_sampled_tokens_follow_the_tempered_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(V) * 2
+    n, temperature = 40_000, 0.7
+    draws = next_tokens(logits.expand(n, V), temperature, 1.0)
+    freq = torch.bincount(draws, minlength=V) / n
+    p = (logits / temperature).softmax(-1)
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()
+
+
+def test_top_p_keeps_the_smallest_nucleus_renormalised():
+    torch.manual_seed(0)
+    logits = torch.randn(V) * 2
+    p = logits.softmax(-1)
+    order = p.argsort(descending=True)
+    # the smallest prefix of the sorted probabilities whose mass reaches 0.8
+    k = int((p[order].cumsum(0) < 0.8).sum()) + 1
+    nucleus = set(order[:k].tolist())
+    n = 40_000
+    draws = next_tokens(logits.expand(n, V), 1.0, 0.8)
+    assert set(draws.unique().tolist()) == nucleus
+    q = torch.zeros(V)
+    q[order[:k]] = p[order[:k]] / p[order[:k]].sum()
+    freq = torch.bincount(draws, minlength=V) / n
+    assert (freq - q).abs().max() < 4 * (q * (1 - q) / n).sqrt().max() + 1e-9
+
+
+def test_sampling_end_to_end_matches_the_model_distribution(model):
+    """First sampled token of 20k copies of one prompt ~ softmax(model logits / T)."""
+    ids, mask = left_pad([PROMPTS[2]])
+    n, temperature = 20_000, 1.3
+    torch.manual_seed(3)
+    out = sample_responses(model, ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1,
+                           stop_token_ids=[EOS], pad_token_id=PAD, temperature=temperature)  # fmt: skip
+    with torch.no_grad():
+        p = (model(input_ids=ids).logits[0, -1] / temperature).softmax(-1)
+    freq = torch.bincount(out[:, 0], minlength=V) / n
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()

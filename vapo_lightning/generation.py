@@ -1,0 +1,162 @@
+"""The rollout sampler: a lean decoding loop over any Hugging Face causal LM's forward.
+
+`transformers`' `generate` is built for every decoding strategy; a rollout needs one, and
+pays for two of its general-purpose choices on every token:
+
+- its `DynamicCache` concatenates each layer's keys and values with the new token's, so
+  decoding T tokens copies O(T²) cache (61% of a decode step's CPU time at the quickstart's
+  shapes); `GrowingLayer` writes in place into a buffer that doubles when full;
+- it decodes every sequence until the longest one stops; here finished sequences leave the
+  batch (`compact`), so the cost follows the sum of the response lengths, not B × max.
+
+The numbers, against `generate` on the same model and prompts:
+`python -m benchmarks.bench_generation` (benchmarks/results/generation.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["GrowingLayer", "sample_responses"]
+
+
+class GrowingLayer(CacheLayerMixin):
+    """One attention layer's KV cache, (B, heads, length, head_dim), written in place.
+
+    The buffer doubles when full (amortised O(1) per token); `update` returns views of the
+    filled part, so attention reads exactly the cached length.
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device, self.length = key_states.device, 0
+        B, H, T, _ = key_states.shape
+        self._k = key_states.new_empty(B, H, max(2 * T, 64), key_states.shape[-1])
+        self._v = value_states.new_empty(B, H, max(2 * T, 64), value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[-2]:
+            self._k, self._v = (self._grow(buf, 2 * end) for buf in (self._k, self._v))
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, buf: Tensor, size: int) -> Tensor:
+        out = buf.new_empty(*buf.shape[:2], size, buf.shape[-1])
+        out[:, :, : self.length] = buf[:, :, : self.length]
+        return out
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """Keeps only the rows at `indices` (finished sequences leave the batch)."""
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def next_tokens(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """One token per row of (b, V) logits: greedy at temperature 0, else nucleus sampling
+    from softmax(logits / temperature) restricted to the smallest set of mass >= top_p."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_responses(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    min_new_tokens: int = 0,
+    compact_fraction: float = 0.25,
+) -> Tensor:
+    """Samples one response per left-padded prompt row: (B, T) token ids, T <= max_new_tokens,
+    each row ending at its first stop token and padded after it with `pad_token_id`.
+
+    Finished rows keep being fed (and ignored) until they make up `compact_fraction` of the
+    batch, then leave it: few cache copies, little wasted compute. A sharded (FSDP) model
+    gathers weights in every forward, so its ranks all decode until every rank is done.
+    """
+    device, B = input_ids.device, input_ids.shape[0]
+    stop = torch.tensor(sorted(set(stop_token_ids)), device=device)
+    out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    synced = (
+        getattr(model, "_is_fsdp_managed_module", False)
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+    cache = Cache(layer_class_to_replicate=GrowingLayer)
+    # transformers >= 5.2x names the argument `cache`; earlier 5.x `past_key_values`.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    rows = torch.arange(B, device=device)  # the output row of each batch row
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    mask = attention_mask.long()
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens, steps = input_ids, 0
+    for t in range(max_new_tokens):
+        logits = model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=position,
+            use_cache=True,
+            **{cache_arg: cache},
+            logits_to_keep=1,
+        ).logits[:, -1]
+        if t < min_new_tokens:
+            logits = logits.index_fill(-1, stop, float("-inf"))
+        new = next_tokens(logits, temperature, top_p)
+        new = torch.where(done, torch.full_like(new, pad_token_id), new)
+        out[rows, t] = torch.where(done, out[rows, t], new)
+        steps = t + 1
+        done = done | torch.isin(new, stop)
+        finished = bool(done.all())
+        if synced:  # every rank keeps decoding (feeding pads) until all are done
+            left = torch.tensor(float(not finished), device=device)
+            dist.all_reduce(left)
+            finished = left.item() == 0
+        if finished:
+            break
+        if done.float().mean() >= compact_fraction and not done.all():
+            keep = (~done).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, done, mask, position = rows[keep], done[keep], mask[keep], position[keep]
+            new = new[keep]
+        tokens = new[:, None]
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
+        position = position[:, -1:] + 1
+    return out[:, :steps]
