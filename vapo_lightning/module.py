@@ -239,37 +239,32 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
     @torch.no_grad()
     def compute_old_logprobs(self, r: Rollout) -> None:
         self.policy.eval()
-        lps, ents, refs = [], [], []
-        for micro in self.micro_batches(r):
-            logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
-            pad = r.response_mask.shape[1] - logits.shape[1]
-            lps.append(
-                torch.nn.functional.pad(
-                    core.logprobs_from_logits(logits, micro.responses), (0, pad)
-                )
-            )
-            ents.append(torch.nn.functional.pad(core.entropy_from_logits(logits), (0, pad)))
+        temperature = self.gen.temperature or 1.0
+        r.old_logprobs, r.entropy = self.per_token(r), self.per_token(r)
+        r.ref_logprobs = self.per_token(r) if self.ref_policy is not None else None
+        for idx, micro in self.micro_batches(r):
+            logits = policy_logits(self.policy, micro, temperature)
+            T = logits.shape[1]
+            r.old_logprobs[idx, :T] = core.logprobs_from_logits(logits, micro.responses)
+            r.entropy[idx, :T] = core.entropy_from_logits(logits)
             if self.ref_policy is not None:
-                ref_logits = policy_logits(self.ref_policy, micro, self.gen.temperature or 1.0)
-                refs.append(
-                    torch.nn.functional.pad(
-                        core.logprobs_from_logits(ref_logits, micro.responses), (0, pad)
-                    )
-                )
-        r.old_logprobs, r.entropy = torch.cat(lps), torch.cat(ents)
-        r.ref_logprobs = torch.cat(refs) if refs else None
+                ref_logits = policy_logits(self.ref_policy, micro, temperature)
+                r.ref_logprobs[idx, :T] = core.logprobs_from_logits(ref_logits, micro.responses)
 
     @torch.no_grad()
     def compute_values(self, r: Rollout) -> None:
         if self.critic is None:
             return
         self.critic.eval()
-        T = r.response_mask.shape[1]
-        parts = []
-        for micro in self.micro_batches(r):
+        r.values = self.per_token(r)
+        for idx, micro in self.micro_batches(r):
             v = critic_values(self.critic, micro)
-            parts.append(torch.nn.functional.pad(v, (0, T - v.shape[1])))
-        r.values = torch.cat(parts)
+            r.values[idx, : v.shape[1]] = v
+
+    @staticmethod
+    def per_token(r: Rollout) -> Tensor:
+        """A zero (B, T) float tensor, one entry per response position."""
+        return torch.zeros(r.response_mask.shape, device=r.response_mask.device)
 
     @torch.no_grad()
     def compute_advantages(self, r: Rollout) -> None:

@@ -59,7 +59,7 @@ class PPOUpdates:
         self.critic.train()
         n_tokens = self.global_sum(mb.response_mask.sum())
         loss_sum = clip_sum = 0.0
-        micros = list(self.micro_batches(mb))
+        micros = [micro for _, micro in self.micro_batches(mb)]
         for i, micro in enumerate(micros):
             sync_gradients(self.critic, last=i == len(micros) - 1)
             values = critic_values(self.critic, micro)
@@ -89,7 +89,7 @@ class PPOUpdates:
             else self.global_sum(torch.tensor(len(mb), device=mask.device))
         )
         n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
-        micros = list(self.micro_batches(mb))
+        micros = [micro for _, micro in self.micro_batches(mb)]
         acc: dict[str, Tensor | float] = defaultdict(float)
         for i, micro in enumerate(micros):
             sync_gradients(self.policy, last=i == len(micros) - 1)
@@ -162,9 +162,13 @@ class PPOUpdates:
                 f"resume with --ckpt_path {path}."
             )
 
-    def micro_batches(self, r: Rollout) -> Iterator[Rollout]:
-        for idx in torch.arange(len(r)).split(self.algo.micro_batch_size):
-            yield r.select(idx).trimmed()
+    def micro_batches(self, r: Rollout) -> Iterator[tuple[Tensor, Rollout]]:
+        """(row index, micro-batch) pairs; rows are grouped by length (prompt + response
+        tokens), so `trimmed` cuts most padding. The loss sums each token once over global
+        normalisers (§4.2), so the grouping does not change the gradient."""
+        order = torch.argsort(r.attention_mask.sum(-1), stable=True)
+        for idx in order.split(self.algo.micro_batch_size):
+            yield idx, r.select(idx).trimmed()
 
     def global_sum(self, x: Tensor) -> Tensor:
         """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""

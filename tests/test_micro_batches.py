@@ -1,0 +1,107 @@
+"""Micro-batching is bookkeeping only: rows are grouped by length to cut padding, and the
+old log-probs, values and both models' gradients equal those of one row at a time."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import lightning as L
+import pytest
+import torch
+
+from tests.helpers import build_tokenizer, tiny_module
+from vapo_lightning import core
+from vapo_lightning.config import Algorithm
+from vapo_lightning.rollout import Rollout, critic_values, policy_logits
+
+B, P, T = 8, 6, 10
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def rollout(vocab: int) -> Rollout:
+    """Prompts of 2-6 tokens (left-padded), responses of 1-10 tokens (right-padded)."""
+    g = torch.Generator().manual_seed(0)
+    prompt_len = torch.randint(2, P + 1, (B,), generator=g)
+    resp_len = torch.randint(1, T + 1, (B,), generator=g)
+    prompt_mask = torch.arange(P)[None] >= P - prompt_len[:, None]
+    response_mask = torch.arange(T)[None] < resp_len[:, None]
+    ids = torch.randint(3, vocab, (B, P + T), generator=g)
+    attn = torch.cat([prompt_mask, response_mask], 1)
+    ids = torch.where(attn, ids, torch.zeros_like(ids))
+    scores = torch.randn(B, generator=g)
+    return Rollout(
+        input_ids=ids,
+        attention_mask=attn.long(),
+        response_mask=response_mask,
+        group_ids=torch.arange(B) // 4,
+        truncated=torch.zeros(B, dtype=torch.bool),
+        scores=scores,
+        correct=scores > 0,
+    )
+
+
+def module_with(tok, micro: int):
+    L.seed_everything(0)
+    module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=B, micro_batch_size=micro))
+    module.configure_model()
+    module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    return module
+
+
+@pytest.mark.parametrize("micro", [1, 2, 8])
+def test_old_logprobs_and_values_equal_one_row_at_a_time(tok, micro):
+    module = module_with(tok, micro)
+    r = rollout(module.policy.config.vocab_size)
+    module.compute_old_logprobs(r)
+    module.compute_values(r)
+    with torch.no_grad():
+        for i in range(B):
+            row = r.select([i]).trimmed()
+            n = row.response_mask.shape[1]
+            lp = core.logprobs_from_logits(policy_logits(module.policy, row), row.responses)
+            torch.testing.assert_close(r.old_logprobs[i, :n], lp[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(r.values[i, :n], critic_values(module.critic, row)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_group_rows_by_length(tok):
+    module = module_with(tok, 2)
+    r = rollout(module.policy.config.vocab_size)
+    groups = [idx for idx, _ in module.micro_batches(r)]
+    assert sorted(torch.cat(groups).tolist()) == list(range(B))
+    widths = [micro.input_ids.shape[1] for _, micro in module.micro_batches(r)]
+    total = r.attention_mask.sum(-1)
+    assert [int(total[idx].max()) for idx in groups] == sorted(int(total[idx].max()) for idx in groups)
+    assert sum(widths) < len(groups) * r.input_ids.shape[1]  # padding was cut
+
+
+def gradients(tok, micro: int) -> dict[str, torch.Tensor]:
+    """Both models' gradients of one update on the same rollout, captured before the step."""
+    module = module_with(tok, micro)
+    r = rollout(module.policy.config.vocab_size)
+    module.compute_old_logprobs(r)
+    module.compute_values(r)
+    module.compute_advantages(r)
+    module.manual_backward = lambda loss: loss.backward()
+    grads = {}
+
+    def capture(opt, model, name, stats):
+        for n, p in model.named_parameters():
+            grads[f"{name}.{n}"] = p.grad.clone()
+        model.zero_grad(set_to_none=True)
+
+    module.optimizer_step = capture
+    module.critic_update(r, None, defaultdict(list))
+    module.actor_update(r, None, defaultdict(list))
+    return grads
+
+
+def test_gradients_do_not_depend_on_the_micro_batch_split(tok):
+    whole, single, pairs = gradients(tok, 8), gradients(tok, 1), gradients(tok, 2)
+    assert whole.keys() == single.keys() and any(g.abs().sum() > 0 for g in whole.values())
+    for k in whole:
+        torch.testing.assert_close(single[k], whole[k], atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(pairs[k], whole[k], atol=1e-6, rtol=1e-4)
