@@ -12,6 +12,7 @@ import torch
 from tests.helpers import build_tokenizer, tiny_module
 from vapo_lightning import core
 from vapo_lightning.config import Algorithm
+from vapo_lightning.metrics import PhaseTimer
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits
 
 B, P, T = 8, 6, 10
@@ -78,8 +79,9 @@ def test_micro_batches_group_rows_by_length(tok):
     assert sum(widths) < len(groups) * r.input_ids.shape[1]  # padding was cut
 
 
-def gradients(tok, micro: int) -> dict[str, torch.Tensor]:
-    """Both models' gradients of one update on the same rollout, captured before the step."""
+def gradients(tok, micro: int, keep: bool = False):
+    """Both models' gradients of one two-pass update (no-grad old log-probs and values
+    first) on the same rollout, captured before the step; with keep, the rollout too."""
     module = module_with(tok, micro)
     r = rollout(module.policy.config.vocab_size)
     module.compute_old_logprobs(r)
@@ -96,7 +98,7 @@ def gradients(tok, micro: int) -> dict[str, torch.Tensor]:
     module.optimizer_step = capture
     module.critic_update(r, None, defaultdict(list))
     module.actor_update(r, None, defaultdict(list))
-    return grads
+    return (grads, r) if keep else grads
 
 
 def test_gradients_do_not_depend_on_the_micro_batch_split(tok):
@@ -105,3 +107,37 @@ def test_gradients_do_not_depend_on_the_micro_batch_split(tok):
     for k in whole:
         torch.testing.assert_close(single[k], whole[k], atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(pairs[k], whole[k], atol=1e-6, rtol=1e-4)
+
+
+class NoScheduler:
+    def step(self) -> None:
+        pass
+
+
+def test_one_pass_update_equals_the_two_pass_update(tok):
+    """One epoch over one mini-batch: the updates' own forwards stand in for the no-grad
+    old-log-prob and value passes; gradients, values, advantages and targets are unchanged."""
+    module = module_with(tok, 2)
+    r = rollout(module.policy.config.vocab_size)
+    assert module.is_one_pass(r)
+    module.manual_backward = lambda loss: loss.backward()
+    module.optimizers = lambda: [None, None]
+    module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
+    grads = {}
+
+    def capture(opt, model, name, stats):
+        for n, p in model.named_parameters():
+            grads[f"{name}.{n}"] = p.grad.clone()
+        model.zero_grad(set_to_none=True)
+
+    module.optimizer_step = capture
+    stats = module.update_one_pass(r, PhaseTimer())
+    want, two = gradients(tok, 2, keep=True)
+    assert grads.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(grads[k], want[k], atol=1e-6, rtol=1e-4)
+    mask = r.response_mask
+    for field in ["old_logprobs", "entropy", "values", "returns", "advantages"]:
+        torch.testing.assert_close(getattr(r, field)[mask], getattr(two, field)[mask], atol=1e-5, rtol=1e-5)
+    assert stats["critic/vf_clipfrac"] == 0 and stats["actor/pg_clipfrac"] == 0
+    assert not module.is_one_pass(r.select(torch.arange(B).repeat(2)))  # two mini-batches

@@ -146,13 +146,16 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         timer = PhaseTimer()
         with timer("step"):
             r = self.rollout_and_score(batch, timer)  # group sampling + rewards
-            with timer("old_log_prob"):
-                self.compute_old_logprobs(r)  # log pi_old, entropy (no grad)
-            with timer("values"):
-                self.compute_values(r)  # V(s_t) (no grad)
-            with timer("adv"):
-                self.compute_advantages(r)  # decoupled, length-adaptive GAE
-            stats = self.update(r, timer)  # critic, then actor unless warming up
+            if self.is_one_pass(r):  # one epoch, one mini-batch: the updates' forwards give
+                stats = self.update_one_pass(r, timer)  # pi_old, V_old (same gradients)
+            else:
+                with timer("old_log_prob"):
+                    self.compute_old_logprobs(r)  # log pi_old, entropy (no grad)
+                with timer("values"):
+                    self.compute_values(r)  # V(s_t) (no grad)
+                with timer("adv"):
+                    self.compute_advantages(r)  # decoupled, length-adaptive GAE
+                stats = self.update(r, timer)  # critic, then actor unless warming up
         self.last_rollout = r
         self.log_step(r, stats, timer)
         self._count_rollout_as_one_step()
@@ -261,32 +264,36 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
             v = critic_values(self.critic, micro)
             r.values[idx, : v.shape[1]] = v
 
-    @staticmethod
-    def per_token(r: Rollout) -> Tensor:
-        """A zero (B, T) float tensor, one entry per response position."""
-        return torch.zeros(r.response_mask.shape, device=r.response_mask.device)
-
     @torch.no_grad()
     def compute_advantages(self, r: Rollout) -> None:
         a, mask = self.algo, r.response_mask
-        rewards = core.sparse_rewards(r.scores, mask)
         if a.advantage == "gae":
-            lengths = r.response_lengths
-            r.lam_actor = (
-                core.length_adaptive_lam(lengths, a.alpha).to(rewards)
-                if a.length_adaptive_gae
-                else torch.full_like(r.scores, a.lam_actor)
-            )
+            r.lam_actor = self.actor_lambda(r)
+            rewards = core.sparse_rewards(r.scores, mask)
             adv, _ = core.gae(rewards, r.values, mask, a.gamma, r.lam_actor)
-            # Decoupled GAE (§4.1): the critic learns from lam_critic (1: Monte-Carlo), and
-            # always from Monte-Carlo targets while value pretraining (§4.1, §5.1).
-            lam_c = 1.0 if self.actor_frozen else (a.lam_critic if a.decoupled_gae else r.lam_actor)
-            _, r.returns = core.gae(rewards, r.values, mask, a.gamma, lam_c)
+            r.returns = self.critic_targets(r)
         else:  # GRPO / DAPO: group-normalised outcome advantage on every token
             adv = (
                 core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
             )
         r.advantages = self.whiten(adv, mask) if a.whiten_advantages else adv
+
+    def actor_lambda(self, r: Rollout) -> Tensor:
+        """Per-response lambda of the actor's GAE: length-adaptive (§4.2, Eq. 5) or fixed."""
+        a = self.algo
+        if a.length_adaptive_gae:
+            return core.length_adaptive_lam(r.response_lengths, a.alpha).to(r.scores)
+        return torch.full_like(r.scores, a.lam_actor)
+
+    @torch.no_grad()
+    def critic_targets(self, r: Rollout) -> Tensor:
+        """The critic's regression targets, GAE returns (B, T). Decoupled GAE (§4.1): with
+        lam_critic (1: Monte-Carlo), and always Monte-Carlo while value pretraining (§4.1,
+        §5.1); without decoupling, with the actor's lambda."""
+        a = self.algo
+        lam = 1.0 if self.actor_frozen else (a.lam_critic if a.decoupled_gae else self.actor_lambda(r))
+        rewards = core.sparse_rewards(r.scores, r.response_mask)
+        return core.gae(rewards, r.values, r.response_mask, a.gamma, lam)[1]
 
     def whiten(self, x: Tensor, mask: Tensor) -> Tensor:
         """`core.masked_whiten` with statistics over the valid tokens of all ranks."""

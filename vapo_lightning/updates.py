@@ -34,12 +34,12 @@ def sync_gradients(model: torch.nn.Module, last: bool) -> None:
 
 
 class PPOUpdates:
-    """Mixed into VAPOModule: needs `policy`, `critic`, `algo`, `gen`, `optim`, `actor_frozen`."""
+    """Mixed into VAPOModule: needs `policy`, `critic`, `ref_policy`, `algo`, `gen`, `optim`,
+    `actor_frozen`, and its `compute_old_logprobs`, `compute_advantages`, `critic_targets`."""
 
     def update(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         stats: dict[str, list[float]] = defaultdict(list)
         actor_opt, *critic_opt = as_list(self.optimizers())
-        actor_sched, *critic_sched = as_list(self.lr_schedulers())
         for _ in range(self.algo.ppo_epochs):
             for idx in torch.randperm(len(r)).split(self.algo.mini_batch_size):
                 mb = r.select(idx)
@@ -49,20 +49,56 @@ class PPOUpdates:
                 if not self.actor_frozen:
                     with timer("update_actor"):
                         self.actor_update(mb, actor_opt, stats)
+        return self.step_schedulers(stats)
+
+    def update_one_pass(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
+        """One epoch over one mini-batch: pi_old and V_old are the models as they stand, so
+        the updates' own forwards provide them and the two no-grad passes are skipped. The
+        critic steps first, recording V_old; advantages follow; then the actor, with
+        ratio = 1 at its single step. The same gradients as `update` (tests/test_micro_batches.py)."""
+        stats: dict[str, list[float]] = defaultdict(list)
+        actor_opt, *critic_opt = as_list(self.optimizers())
+        if self.critic is not None:
+            with timer("update_critic"):
+                self.critic_update(r, critic_opt[0], stats, fresh=True)
+        with timer("adv"):
+            self.compute_advantages(r)
+        if self.actor_frozen:  # value pretraining: pi_old only for the entropy metrics
+            with timer("old_log_prob"):
+                self.compute_old_logprobs(r)
+        else:
+            with timer("update_actor"):
+                self.actor_update(r, actor_opt, stats, fresh=True)
+        return self.step_schedulers(stats)
+
+    def is_one_pass(self, r: Rollout) -> bool:
+        return self.algo.ppo_epochs == 1 and len(r) <= self.algo.mini_batch_size and self.ref_policy is None
+
+    def step_schedulers(self, stats: dict[str, list[float]]) -> dict[str, float]:
+        actor_sched, *critic_sched = as_list(self.lr_schedulers())
         if self.critic is not None:
             critic_sched[0].step()
         if not self.actor_frozen:
             actor_sched.step()
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
-    def critic_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
+    def critic_update(
+        self, mb: Rollout, opt: Any, stats: dict[str, list[float]], fresh: bool = False
+    ) -> None:
+        """fresh: V_old is this forward's output (`update_one_pass`); it is written to
+        `mb.values` and the targets are computed here, micro-batch by micro-batch."""
         self.critic.train()
         n_tokens = self.global_sum(mb.response_mask.sum())
         loss_sum = clip_sum = 0.0
-        micros = [micro for _, micro in self.micro_batches(mb)]
-        for i, micro in enumerate(micros):
+        if fresh:
+            mb.values = self.per_token(mb)
+        micros = list(self.micro_batches(mb))
+        for i, (idx, micro) in enumerate(micros):
             sync_gradients(self.critic, last=i == len(micros) - 1)
             values = critic_values(self.critic, micro)
+            if fresh:
+                micro.values = mb.values[idx, : values.shape[1]] = values.detach()
+                micro.returns = self.critic_targets(micro)
             loss, clipfrac = core.value_loss(
                 values,
                 micro.values,
@@ -78,7 +114,11 @@ class PPOUpdates:
         stats["critic/vf_clipfrac"].append(float(clip_sum))
         self.optimizer_step(opt, self.critic, "critic", stats)
 
-    def actor_update(self, mb: Rollout, opt: Any, stats: dict[str, list[float]]) -> None:
+    def actor_update(
+        self, mb: Rollout, opt: Any, stats: dict[str, list[float]], fresh: bool = False
+    ) -> None:
+        """fresh: pi_old is this forward's output, detached (`update_one_pass`); it and the
+        entropy are written to `mb.old_logprobs` / `mb.entropy` for the metrics."""
         a = self.algo
         self.policy.train()
         mask = mb.response_mask
@@ -89,13 +129,17 @@ class PPOUpdates:
             else self.global_sum(torch.tensor(len(mb), device=mask.device))
         )
         n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
-        micros = [micro for _, micro in self.micro_batches(mb)]
+        if fresh:
+            mb.old_logprobs, mb.entropy = self.per_token(mb), self.per_token(mb)
+        micros = list(self.micro_batches(mb))
         acc: dict[str, Tensor | float] = defaultdict(float)
-        for i, micro in enumerate(micros):
+        for i, (idx, micro) in enumerate(micros):
             sync_gradients(self.policy, last=i == len(micros) - 1)
             m = micro.response_mask
             logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
             logprobs = core.logprobs_from_logits(logits, micro.responses)
+            if fresh:
+                micro.old_logprobs = mb.old_logprobs[idx, : m.shape[1]] = logprobs.detach()
             pg, st = core.policy_loss(
                 logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
                 a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg,
@@ -108,6 +152,8 @@ class PPOUpdates:
             # With an entropy bonus the entropy needs its graph; otherwise only its value.
             with torch.set_grad_enabled(a.entropy_coef > 0):
                 entropy = core.entropy_from_logits(logits)  # (B, T)
+            if fresh:
+                mb.entropy[idx, : m.shape[1]] = entropy.detach()
             if a.entropy_coef > 0:
                 loss = loss - a.entropy_coef * core.aggregate(entropy, m, a.loss_agg, normalizer)
             if a.kl_coef > 0:
@@ -161,6 +207,11 @@ class PPOUpdates:
                 "model.optim learning rates or model.optim.max_grad_norm, check rewards and data, then "
                 f"resume with --ckpt_path {path}."
             )
+
+    @staticmethod
+    def per_token(r: Rollout) -> Tensor:
+        """A zero (B, T) float tensor, one entry per response position."""
+        return torch.zeros(r.response_mask.shape, device=r.response_mask.device)
 
     def micro_batches(self, r: Rollout) -> Iterator[tuple[Tensor, Rollout]]:
         """(row index, micro-batch) pairs; rows are grouped by length (prompt + response
