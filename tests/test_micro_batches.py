@@ -79,6 +79,20 @@ def test_micro_batches_group_rows_by_length(tok):
     assert sum(widths) < len(groups) * r.input_ids.shape[1]  # padding was cut
 
 
+def capture_gradients(module) -> dict[str, torch.Tensor]:
+    """Plain backward, and each optimizer step replaced by a copy of the gradients."""
+    grads = {}
+
+    def capture(opt, model, name, stats):
+        for n, p in model.named_parameters():
+            grads[f"{name}.{n}"] = p.grad.clone()
+        model.zero_grad(set_to_none=True)
+
+    module.manual_backward = lambda loss: loss.backward()
+    module.optimizer_step = capture
+    return grads
+
+
 def gradients(tok, micro: int, keep: bool = False):
     """Both models' gradients of one two-pass update (no-grad old log-probs and values
     first) on the same rollout, captured before the step; with keep, the rollout too."""
@@ -87,15 +101,7 @@ def gradients(tok, micro: int, keep: bool = False):
     module.compute_old_logprobs(r)
     module.compute_values(r)
     module.compute_advantages(r)
-    module.manual_backward = lambda loss: loss.backward()
-    grads = {}
-
-    def capture(opt, model, name, stats):
-        for n, p in model.named_parameters():
-            grads[f"{name}.{n}"] = p.grad.clone()
-        model.zero_grad(set_to_none=True)
-
-    module.optimizer_step = capture
+    grads = capture_gradients(module)
     module.critic_update(r, None, defaultdict(list))
     module.actor_update(r, None, defaultdict(list))
     return (grads, r) if keep else grads
@@ -120,17 +126,9 @@ def test_one_pass_update_equals_the_two_pass_update(tok):
     module = module_with(tok, 2)
     r = rollout(module.policy.config.vocab_size)
     assert module.is_one_pass(r)
-    module.manual_backward = lambda loss: loss.backward()
     module.optimizers = lambda: [None, None]
     module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
-    grads = {}
-
-    def capture(opt, model, name, stats):
-        for n, p in model.named_parameters():
-            grads[f"{name}.{n}"] = p.grad.clone()
-        model.zero_grad(set_to_none=True)
-
-    module.optimizer_step = capture
+    grads = capture_gradients(module)
     stats = module.update_one_pass(r, PhaseTimer())
     want, two = gradients(tok, 2, keep=True)
     assert grads.keys() == want.keys()
