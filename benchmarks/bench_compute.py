@@ -136,7 +136,7 @@ def main() -> None:
     rows = []
     for T in LENGTHS:
         module, steps = run(T, args.steps)
-        phases = {p: statistics.median(s[p] for s in steps) for p in PHASES}
+        phases = {p: statistics.median(s.get(p, 0.0) for s in steps) for p in PHASES}
         step = statistics.median(s["step"] for s in steps)
         flops = update_flops(module, T)
         update = phases["update_critic"] + phases["update_actor"]
@@ -172,7 +172,9 @@ def main() -> None:
     out += [
         f"\nFrom {LENGTHS[0]} to {LENGTHS[-1]} tokens ({LENGTHS[-1] // LENGTHS[0]}x the tokens) the step "
         f"grows {growth:.1f}x. The update phase's FLOPs are counted by FlopCounterMode on one "
-        "forward + backward of each model (the optimiser step and the no-grad forwards are not counted).",
+        "forward + backward of each model (the optimiser step is not counted). One epoch over one "
+        "mini-batch runs no separate no-grad forwards (pi_old and V_old come from the updates' own "
+        "forwards), so old_log_prob and values are 0 here.",
         "\n![step time vs response length](compute_step_time.png)",
     ]
     text = "\n".join(out) + "\n"

@@ -2,10 +2,12 @@
 
 Shapes: the quickstart policy's architecture (Llama, 3 layers, hidden 256), random init,
 16 prompts × 4 samples = 64 responses × 128 new tokens (fixed length), one mini-batch.
-The floor is the sum of what any PPO implementation must do on these shapes: one
-`generate`, the no-grad forwards of policy (old log-probs) and critic (values), and per
-epoch one forward/backward/AdamW step of each model. Both are measured alternately in
-one process.
+The floor is the sum of what any PPO implementation must do on these shapes: sampling the
+responses (with the same sampler, `generation.sample_responses`: this measures the trainer's
+overhead, not the sampler) and one forward/backward/AdamW step of each model. At one epoch
+over one mini-batch no separate no-grad forward is needed (pi_old and V_old are the models as
+they stand; `VAPOModule` takes them from the updates' forwards). Both are measured
+alternately in one process.
 
     .venv/bin/python benchmarks/bench_trainer.py > benchmarks/results/trainer.md
 """
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.data import PromptDataModule
+from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
 from vapo_lightning.rewards.math import MathReward
@@ -77,15 +80,11 @@ def floor_once(module: VAPOModule, prompt_ids: list[list[int]]) -> dict[str, flo
     start = time.perf_counter()
     with torch.no_grad():
         policy.eval()
-        out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, top_k=0, max_new_tokens=T,
-                              min_new_tokens=T, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+        response = sample_responses(policy, ids, attn, max_new_tokens=T, min_new_tokens=T,
+                                    stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
         t["generate"] = time.perf_counter() - start
+        out = torch.cat([ids, response], 1)
         full_attn = torch.cat([attn, torch.ones(len(ids), T, dtype=torch.long)], 1)
-        start = time.perf_counter()
-        policy(input_ids=out, attention_mask=full_attn, logits_to_keep=T + 1)
-        critic.eval()
-        critic(input_ids=out, attention_mask=full_attn)
-        t["no-grad forwards"] = time.perf_counter() - start
     start = time.perf_counter()
     for model in (critic, policy):
         model.train()
