@@ -76,8 +76,8 @@ def test_greedy_equals_uncached_full_forwards(model, compact_fraction):
     assert out.shape[1] == max(map(len, want))
 
 
-def test_cache_grows_past_its_first_buffer(model):
-    """100 forced tokens: the cache buffer (64 slots at first) doubles twice on the way."""
+def test_long_forced_responses_equal_the_reference(model):
+    """100 forced tokens (min_new_tokens): every position still matches full forwards."""
     ids, mask = left_pad(PROMPTS[:2])
     out = sample_responses(model, ids, mask, max_new_tokens=100, min_new_tokens=100,
                            stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
@@ -87,6 +87,7 @@ def test_cache_grows_past_its_first_buffer(model):
 
 
 def test_growing_layer_keeps_what_was_written():
+    """From 64 slots (no capacity given) the buffer doubles on the way to 277 positions."""
     layer, written = GrowingLayer(), []
     for step in [5, 1, 70, 1, 200]:
         k, v = torch.randn(3, 2, step, 4), torch.randn(3, 2, step, 4)
@@ -101,6 +102,9 @@ def test_growing_layer_keeps_what_was_written():
 
 def test_min_new_tokens_and_padding_after_stop(model):
     ids, mask = left_pad(PROMPTS)
+    free = sample_responses(model, ids, mask, max_new_tokens=3, min_new_tokens=2,
+                            stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+    assert free.shape == (len(PROMPTS), 3)  # no stop tokens at all: every row runs to the end
     torch.manual_seed(1)
     out = sample_responses(model, ids, mask, max_new_tokens=12, min_new_tokens=6,
                            stop_token_ids=[EOS, 7, 8, 9], pad_token_id=PAD)  # fmt: skip

@@ -45,9 +45,10 @@ def rollout(vocab: int) -> Rollout:
     )
 
 
-def module_with(tok, micro: int):
+def module_with(tok, micro: int, **algorithm):
     L.seed_everything(0)
-    module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=B, micro_batch_size=micro))
+    algo = Algorithm(mini_batch_size=B, micro_batch_size=micro, **algorithm)
+    module = tiny_module(tok, algorithm=algo)
     module.configure_model()
     module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     return module
@@ -93,17 +94,19 @@ def capture_gradients(module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def gradients(tok, micro: int, keep: bool = False):
+def gradients(tok, micro: int, keep: bool = False, frozen: bool = False, **algorithm):
     """Both models' gradients of one two-pass update (no-grad old log-probs and values
     first) on the same rollout, captured before the step; with keep, the rollout too."""
-    module = module_with(tok, micro)
+    module = module_with(tok, micro, **algorithm)
+    module.actor_frozen = frozen
     r = rollout(module.policy.config.vocab_size)
     module.compute_old_logprobs(r)
     module.compute_values(r)
     module.compute_advantages(r)
     grads = capture_gradients(module)
     module.critic_update(r, None, defaultdict(list))
-    module.actor_update(r, None, defaultdict(list))
+    if not frozen:
+        module.actor_update(r, None, defaultdict(list))
     return (grads, r) if keep else grads
 
 
@@ -120,22 +123,36 @@ class NoScheduler:
         pass
 
 
-def test_one_pass_update_equals_the_two_pass_update(tok):
+# Critic targets that depend on V_old (lambda < 1) as well as the Monte-Carlo default.
+ONE_PASS_CASES = {
+    "vapo": {},
+    "coupled GAE": {"decoupled_gae": False},
+    "lam_critic 0.9": {"lam_critic": 0.9},
+    "no value clip": {"value_clip": None},
+    "value pretraining": {"frozen": True},
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_PASS_CASES))
+def test_one_pass_update_equals_the_two_pass_update(tok, case):
     """One epoch over one mini-batch: the updates' own forwards stand in for the no-grad
     old-log-prob and value passes; gradients, values, advantages and targets are unchanged."""
-    module = module_with(tok, 2)
+    settings = dict(ONE_PASS_CASES[case])
+    frozen = settings.pop("frozen", False)
+    module = module_with(tok, 2, **settings)
+    module.actor_frozen = frozen
     r = rollout(module.policy.config.vocab_size)
     assert module.is_one_pass(r)
     module.optimizers = lambda: [None, None]
     module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
     grads = capture_gradients(module)
     stats = module.update_one_pass(r, PhaseTimer())
-    want, two = gradients(tok, 2, keep=True)
-    assert grads.keys() == want.keys()
+    want, two = gradients(tok, 2, keep=True, frozen=frozen, **settings)
+    assert grads.keys() == want.keys() and any(k.startswith("actor") for k in want) != frozen
     for k in want:
         torch.testing.assert_close(grads[k], want[k], atol=1e-6, rtol=1e-4)
     mask = r.response_mask
     for field in ["old_logprobs", "entropy", "values", "returns", "advantages"]:
         torch.testing.assert_close(getattr(r, field)[mask], getattr(two, field)[mask], atol=1e-5, rtol=1e-5)
-    assert stats["critic/vf_clipfrac"] == 0 and stats["actor/pg_clipfrac"] == 0
+    assert stats["critic/vf_clipfrac"] == 0 and stats.get("actor/pg_clipfrac", 0) == 0
     assert not module.is_one_pass(r.select(torch.arange(B).repeat(2)))  # two mini-batches

@@ -16,6 +16,7 @@ The numbers, against `generate` on the same model and prompts:
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,18 +30,26 @@ __all__ = ["GrowingLayer", "sample_responses"]
 class GrowingLayer(CacheLayerMixin):
     """One attention layer's KV cache, (B, heads, length, head_dim), written in place.
 
-    The buffer doubles when full (amortised O(1) per token); `update` returns views of the
-    filled part, so attention reads exactly the cached length.
+    `capacity` positions are allocated at the first update (the prompt and every new token
+    when the caller knows it); past it the buffer doubles (amortised O(1) per token).
+    `update` returns views of the filled part, so attention reads exactly the cached length.
+    Supports what decoding needs (update, lengths, masks, dropping rows), not beam search,
+    cropping or offloading.
     """
 
     is_sliding = False
     is_compileable = False
 
+    def __init__(self, capacity: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.capacity = capacity
+
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.device, self.length = key_states.device, 0
         B, H, T, _ = key_states.shape
-        self._k = key_states.new_empty(B, H, max(2 * T, 64), key_states.shape[-1])
-        self._v = value_states.new_empty(B, H, max(2 * T, 64), value_states.shape[-1])
+        size = max(self.capacity, 2 * T, 64)
+        self._k = key_states.new_empty(B, H, size, key_states.shape[-1])
+        self._v = value_states.new_empty(B, H, size, value_states.shape[-1])
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -66,14 +75,23 @@ class GrowingLayer(CacheLayerMixin):
             self._k, self._v = self._k[indices], self._v[indices]
             self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query: int | Tensor, *args) -> tuple[int, int]:
+        """(kv length, offset) for a query of `query` tokens (older 5.x: its cache positions)."""
+        n = query if isinstance(query, int) else query.shape[0]
+        return self.get_seq_length() + n, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self, *args) -> int:
         return self.length if self.is_initialized else 0
 
     def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length
+
+    def _unsupported(self, *args, **kwargs) -> None:
+        raise NotImplementedError("GrowingLayer is a decoding cache: no beam search, crop or offload")
+
+    reorder_cache = crop = offload = prefetch = reset = _unsupported
 
 
 def next_tokens(logits: Tensor, temperature: float, top_p: float) -> Tensor:
@@ -112,7 +130,7 @@ def sample_responses(
     gathers weights in every forward, so its ranks all decode until every rank is done.
     """
     device, B = input_ids.device, input_ids.shape[0]
-    stop = torch.tensor(sorted(set(stop_token_ids)), device=device)
+    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     synced = (
         getattr(model, "_is_fsdp_managed_module", False)
@@ -120,7 +138,8 @@ def sample_responses(
         and dist.is_initialized()
         and dist.get_world_size() > 1
     )
-    cache = Cache(layer_class_to_replicate=GrowingLayer)
+    capacity = input_ids.shape[1] + max_new_tokens  # never grows, never over-allocates
+    cache = Cache(layer_class_to_replicate=partial(GrowingLayer, capacity=capacity))
     # transformers >= 5.2x names the argument `cache`; earlier 5.x `past_key_values`.
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     rows = torch.arange(B, device=device)  # the output row of each batch row
@@ -140,19 +159,20 @@ def sample_responses(
         if t < min_new_tokens:
             logits = logits.index_fill(-1, stop, float("-inf"))
         new = next_tokens(logits, temperature, top_p)
-        new = torch.where(done, torch.full_like(new, pad_token_id), new)
-        out[rows, t] = torch.where(done, out[rows, t], new)
+        new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop
+        out[rows, t] = new
         steps = t + 1
         done = done | torch.isin(new, stop)
-        finished = bool(done.all())
+        finished = all_done = bool(done.all())
         if synced:  # every rank keeps decoding (feeding pads) until all are done
-            left = torch.tensor(float(not finished), device=device)
+            left = torch.tensor(float(not all_done), device=device)
             dist.all_reduce(left)
             finished = left.item() == 0
-        if finished:
+        if finished or steps == max_new_tokens:
             break
-        if done.float().mean() >= compact_fraction and not done.all():
-            keep = (~done).nonzero().squeeze(-1)
+        if len(done) > 1 and done.float().mean() >= compact_fraction:
+            # finished rows leave the batch; a synced rank with none left keeps one to feed
+            keep = rows.new_zeros(1) if all_done else (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
             rows, done, mask, position = rows[keep], done[keep], mask[keep], position[keep]
             new = new[keep]

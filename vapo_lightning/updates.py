@@ -55,7 +55,8 @@ class PPOUpdates:
         """One epoch over one mini-batch: pi_old and V_old are the models as they stand, so
         the updates' own forwards provide them and the two no-grad passes are skipped. The
         critic steps first, recording V_old; advantages follow; then the actor, with
-        ratio = 1 at its single step. The same gradients as `update` (tests/test_micro_batches.py)."""
+        ratio = 1 at its single step. The same gradients as `update` (tests/test_micro_batches.py)
+        as long as the models have no active dropout (pi_old comes from a train-mode forward)."""
         stats: dict[str, list[float]] = defaultdict(list)
         actor_opt, *critic_opt = as_list(self.optimizers())
         if self.critic is not None:
@@ -97,7 +98,8 @@ class PPOUpdates:
             sync_gradients(self.critic, last=i == len(micros) - 1)
             values = critic_values(self.critic, micro)
             if fresh:
-                micro.values = mb.values[idx, : values.shape[1]] = values.detach()
+                micro.values = values.detach()
+                mb.values[idx, : values.shape[1]] = micro.values
                 micro.returns = self.critic_targets(micro)
             loss, clipfrac = core.value_loss(
                 values,
@@ -109,7 +111,7 @@ class PPOUpdates:
             )
             self.manual_backward(loss * self.trainer.world_size)  # DDP / FSDP average gradients
             loss_sum += loss.detach() * self.trainer.world_size
-            clip_sum += clipfrac / len(micros)
+            clip_sum += clipfrac * micro.response_mask.sum() / mb.response_mask.sum()
         stats["critic/vf_loss"].append(float(loss_sum))
         stats["critic/vf_clipfrac"].append(float(clip_sum))
         self.optimizer_step(opt, self.critic, "critic", stats)
@@ -139,7 +141,8 @@ class PPOUpdates:
             logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
             logprobs = core.logprobs_from_logits(logits, micro.responses)
             if fresh:
-                micro.old_logprobs = mb.old_logprobs[idx, : m.shape[1]] = logprobs.detach()
+                micro.old_logprobs = logprobs.detach()
+                mb.old_logprobs[idx, : m.shape[1]] = micro.old_logprobs
             pg, st = core.policy_loss(
                 logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
                 a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg,
@@ -164,14 +167,15 @@ class PPOUpdates:
                 acc["actor/kl_loss"] += kl.detach()
             self.manual_backward(loss * self.trainer.world_size)
             with torch.no_grad():
+                share = m.sum() / mask.sum()  # per-token means, weighted by tokens
                 acc["actor/pg_loss"] += pg.detach()
                 acc["actor/entropy"] += core.masked_sum(entropy.detach(), m) / n_tokens
                 for name, key in [
                     ("pg_clipfrac_high", "clipfrac_high"),
                     ("pg_clipfrac_lower", "clipfrac_low"),
                 ]:
-                    acc[f"actor/{name}"] += st[key] / len(micros)
-                acc["actor/ppo_kl"] += st["approx_kl"] / len(micros)
+                    acc[f"actor/{name}"] += st[key] * share
+                acc["actor/ppo_kl"] += st["approx_kl"] * share
         world = self.trainer.world_size
         for k, v in acc.items():  # losses are this rank's share of the global sum
             scale = world if k.endswith(("_loss", "entropy")) else 1
@@ -215,7 +219,7 @@ class PPOUpdates:
 
     def micro_batches(self, r: Rollout) -> Iterator[tuple[Tensor, Rollout]]:
         """(row index, micro-batch) pairs; rows are grouped by length (prompt + response
-        tokens), so `trimmed` cuts most padding. The loss sums each token once over global
+        tokens), so `trimmed` cuts much of the padding. The loss sums each token once over global
         normalisers (§4.2), so the grouping does not change the gradient."""
         order = torch.argsort(r.attention_mask.sum(-1), stable=True)
         for idx in order.split(self.algo.micro_batch_size):
