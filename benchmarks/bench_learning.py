@@ -9,6 +9,8 @@ Runs already finished under `--root` are read, not rerun, so the study can be re
 extended seed by seed. `--jobs 2` runs two fits at a time with one thread each.
 
     .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 --out benchmarks/results/learning.md
+    .venv/bin/python benchmarks/bench_learning.py --seeds 0 --jobs 2 --root runs/learning50 \
+        --out benchmarks/results/learning.md -- --trainer.max_steps=50      # what was run
 """
 
 from __future__ import annotations
@@ -112,8 +114,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="fits at a time (each gets 2/jobs threads)")
     ap.add_argument("--root", type=Path, default=ROOT / "runs/learning")
     ap.add_argument("--out", type=Path, default=None, help="markdown file (default: stdout)")
-    ap.add_argument("extra", nargs="*", help="overrides for every fit, e.g. --trainer.max_steps=20")
+    ap.add_argument("extra", nargs="*", help="overrides for every fit, after `--`: -- --trainer.max_steps=20")
     args = ap.parse_args()
+    args.root = args.root.resolve()
     if args.jobs > 1:
         os.environ["OMP_NUM_THREADS"] = str(max(1, 2 // args.jobs))
     runs = [r for r in RUNS if args.only is None or r[0] in args.only]
@@ -132,7 +135,8 @@ def main() -> None:
         "# Learning study: Table 1 in miniature (quickstart task)\n",
         f"Command: `.venv/bin/python benchmarks/bench_learning.py --seeds {' '.join(map(str, args.seeds))}"
         f"{' --jobs ' + str(args.jobs) if args.jobs > 1 else ''}"
-        f"{' ' + ' '.join(args.extra) if args.extra else ''} --out benchmarks/results/learning.md`  ",
+        f"{' --root ' + str(args.root.relative_to(ROOT)) if args.root.is_relative_to(ROOT) else ''}"
+        f" --out benchmarks/results/learning.md{' -- ' + ' '.join(args.extra) if args.extra else ''}`  ",
         f"Each run: `vapo fit -c {BASE} [-c <layer>] --seed_everything=<seed>`; val/accuracy is "
         "mean@4 at temperature 1.0 on the 200 validation problems.\n",
         "| run | paper (AIME24) | start % | final % (mean ± std) | best % | gain (points) | minutes per run |",
