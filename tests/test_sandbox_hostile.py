@@ -560,16 +560,37 @@ def test_escaped_pipe_holder_does_not_hold_up_the_run(host):
 
 
 def test_no_cross_run_leakage(host):
+    """Files, SysV shared memory, and sockets held by a daemon (a UDP port and an abstract
+    Unix name: they live in the network namespace that a root server's runs share) are all
+    gone for the next run."""
     pool = host["pool"]
     writer = (
+        "import ctypes, os, socket, time\n"
         "def f():\n    open('/tmp/leak', 'w').write('L')\n"
+        "    if ctypes.CDLL(None).shmget(4567, 4096, 0o1666) < 0: return 'no shm'\n"
         "    open('/dev/shm/leak', 'w').write('L')\n    open('leak', 'w').write('L')\n"
+        "    r, w = os.pipe()\n"
+        "    if os.fork() == 0:\n        os.setsid()\n"
+        "        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "        u.bind(('0.0.0.0', 45678))\n"
+        "        a = socket.socket(socket.AF_UNIX)\n        a.bind('\\0vapo-leak')\n"
+        "        a.listen()\n        os.write(w, b'k')\n        time.sleep(600)\n"
+        "    os.read(r, 1)\n"
         "    return 'written'\n"
     )
     assert pool.evaluate(writer, [{"input": [], "output": "written"}], "f").passed == 1
     reader = (
-        "import os\ndef f():\n    for p in ('/tmp/leak', '/dev/shm/leak', 'leak'):\n"
-        "        if os.path.exists(p): return 'L'\n    return 'clean'\n"
+        "import ctypes, os, socket\n"
+        "def f():\n    for p in ('/tmp/leak', '/dev/shm/leak', 'leak'):\n"
+        "        if os.path.exists(p): return 'L'\n"
+        "    if ctypes.CDLL(None).shmget(4567, 0, 0) >= 0: return 'L'\n"
+        "    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "    u.bind(('0.0.0.0', 45678))\n"
+        "    a = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n        a.connect('\\0vapo-leak')\n        return 'L'\n"
+        "    except OSError:\n        pass\n"
+        "    a.bind('\\0vapo-leak')\n"
+        "    return 'clean'\n"
     )
     for _ in range(3):  # whichever server of the pool runs it
         result = pool.evaluate(reader, [{"input": [], "output": "clean"}], "f")
