@@ -60,6 +60,10 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(flags), "unshare")
 
 
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(fd, nstype), "setns")
+
+
 def mount(source: str, target: str, fstype: str | None, flags: int, data: str = "") -> None:
     _check(
         _libc.mount(

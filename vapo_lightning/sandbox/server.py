@@ -121,12 +121,25 @@ class Server:
         # one server are sequential and leave no process behind (PID namespace or subreaper),
         # so no socket of one run outlives it; the next run finds the namespace as empty.
         self.own_netns = False
+        # As root, no user namespace is needed either: each sandbox is forked straight into a
+        # new PID namespace (`unshare(CLONE_NEWPID)` here, undone by `setns` after the fork),
+        # makes its own mount/IPC/UTS namespaces and then drops to uid 65534. One process
+        # fewer per run than the unprivileged path through C (~0.8 ms of CPU).
+        self.direct = False
         if self.is_root and self.namespaces:
             try:
                 L.unshare(L.CLONE_NEWNET)
                 self.own_netns = True
             except OSError:
                 pass
+            self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                L.unshare(L.CLONE_NEWPID)
+            except OSError:  # no CAP_SYS_ADMIN (a container): the user-namespace path
+                os.close(self.own_pid_ns)
+            else:
+                L.setns(self.own_pid_ns, L.CLONE_NEWPID)
+                self.direct = True
         self.read_fds = [
             os.open(p, os.O_PATH | os.O_CLOEXEC) for p in READ_PATHS if os.path.exists(p)
         ]
@@ -142,23 +155,36 @@ class Server:
             self.subreaper = True
         except OSError:
             self.subreaper = False
-        self.probe_layers: list[str] = ["userns"]  # optimistic until the probe ran
+        self.probe_layers: list[str] = ["mountns"]  # optimistic until the probe ran
         # Sandboxes forked ahead, oldest first: with two, one is always ready even when
         # requests come back to back (setting one up takes longer than a short run).
         self.depth = max(1, int(opts.get("spares", 2)))
         self.spares: list[Spare] = []
 
     # --- inside the sandbox ------------------------------------------------------------------
+    def _direct(self, ctl_w: int, res_w: int, req_r: int, host_dir: str | None, tmp_mb: int):
+        """P2 forked by a root server into a new PID namespace: never returns."""
+        active: list[str] = []
+        try:
+            L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+            _new_session()
+            active += ["session", "pidns"]
+            with contextlib.suppress(OSError):
+                L.unshare(L.CLONE_NEWNS | L.CLONE_NEWIPC | L.CLONE_NEWUTS)
+                active.append("mountns")
+            if self.own_netns:
+                active.append("netns")
+        except BaseException as err:
+            os.write(ctl_w, f"X P2 {type(err).__name__}: {err}\n".encode()[:500])
+            os._exit(72)
+        self._p2(ctl_w, res_w, req_r, host_dir, tmp_mb, active)
+
     def _child(self, ctl_w: int, res_w: int, req_r: int, host_dir: str | None, tmp_mb: int):
         """Process C: never returns. Exits right after forking P2 when we are a subreaper
         (P2 is then re-parented to the server), else waits for it."""
         active: list[str] = []
         try:
-            os.setsid()
-            fd = os.open("/dev/null", os.O_RDWR)
-            for target in (0, 1, 2):
-                os.dup2(fd, target)
-            os.close(fd)
+            _new_session()
             active.append("session")
             uid = gid = L.NOBODY
             if self.is_root:
@@ -199,14 +225,21 @@ class Server:
             if "mountns" in active:
                 L.private_mounts(int(tmp_mb) << 20)
                 active.append("private_tmp")
+            if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
+                L.drop_privileges(L.NOBODY, L.NOBODY)
+                active.append("uid_drop")
+            if "mountns" in active:
                 os.mkdir("/tmp/work", 0o700)
                 workdir = "/tmp/work"
             os.chdir(workdir)
             if workdir != SANDBOX_ENV["HOME"]:  # the server's environment is SANDBOX_ENV
                 os.environ["HOME"] = os.environ["TMPDIR"] = workdir
             active.append("clean_env")
-            if "userns" in active:
+            caps_dropped = False
+            with contextlib.suppress(OSError, KeyError):  # (KeyError: no capset number here)
                 L.drop_capabilities()
+                caps_dropped = True
+            L.prctl(L.PR_SET_NO_NEW_PRIVS, 1)  # no privilege from setuid or file-cap binaries
             ruleset = None
             if self.abi:
                 work_fd = os.open(workdir, os.O_PATH)
@@ -246,7 +279,7 @@ class Server:
                 nproc=int(lim["processes"]),
             )
             active.append("rlimits")
-            if "userns" in active:
+            if caps_dropped:
                 active.append("no_caps")
             stdin_mode = req["fn_name"] is None
             own_pidns = "pidns" in active
@@ -287,7 +320,7 @@ class Server:
     # --- outside: spares ---------------------------------------------------------------------
     def _fork_spare(self, tmp_mb: int) -> Spare:
         host_dir = None
-        if not self.namespaces or "userns" not in self.probe_layers:
+        if not self.namespaces or "mountns" not in self.probe_layers:
             import tempfile  # only without namespaces (see PRELOAD)
 
             host_dir = tempfile.mkdtemp(prefix="vapo-sandbox-", dir=self.host_tmp)
@@ -300,15 +333,22 @@ class Server:
             fcntl.fcntl(req_w, fcntl.F_SETPIPE_SZ, 1 << 20)
         sys.stdout.flush()
         gc.freeze()  # the sandbox's collections skip (and so do not copy) the server's objects
+        if self.direct:
+            L.unshare(L.CLONE_NEWPID)  # our next child is pid 1 of a new PID namespace
         pid = os.fork()
         if pid == 0:
             os.close(ctl_r)
             os.close(res_r)
             os.close(req_w)
-            self._child(ctl_w, res_w, req_r, host_dir, tmp_mb)
+            (self._direct if self.direct else self._child)(ctl_w, res_w, req_r, host_dir, tmp_mb)
+        if self.direct:
+            L.setns(self.own_pid_ns, L.CLONE_NEWPID)  # and the one after it is not
         for fd in (ctl_w, res_w, req_r):
             os.close(fd)
-        return Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb)
+        sp = Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb)
+        if self.direct:  # no C in between: P2 is our child, its session id its pid
+            sp.p2_pid, sp.p2_fd, sp.c_reaped = pid, os.pidfd_open(pid), True
+        return sp
 
     def _settle(self, sp: Spare, deadline: float) -> None:
         """Learns P2's pid from C and, when we are a subreaper, reaps C (P2 is then ours)."""
@@ -343,7 +383,7 @@ class Server:
                 os.kill(sp.c_pid, signal.SIGKILL)
             os.waitpid(sp.c_pid, 0)
         if sp.p2_fd is not None:
-            if self.subreaper:
+            if self.subreaper or self.direct:  # P2 is our child
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(sp.p2_pid, 0)
             os.close(sp.p2_fd)
@@ -479,7 +519,7 @@ class Server:
 
     def probe(self) -> dict:
         """One empty run, to learn which layers this machine grants."""
-        self.probe_layers = ["userns"]  # optimistic for the probe itself
+        self.probe_layers = ["mountns"]  # optimistic for the probe itself
         req = {
             "code": "",
             "inputs": [],
@@ -489,7 +529,7 @@ class Server:
         }
         header, _ = self.handle(req)
         self.probe_layers = header["layers"]
-        if "userns" not in self.probe_layers:
+        if "mountns" not in self.probe_layers:
             for sp in self.spares:  # they expected namespaces: set up again with a host dir
                 self._discard(sp)
             self.spares = []
@@ -552,6 +592,15 @@ def _drain(fd: int, raw: bytearray, cap: int) -> None:
             raw += chunk
     except BlockingIOError:
         return
+
+
+def _new_session() -> None:
+    """A session of our own (no controlling terminal), stdio on /dev/null."""
+    os.setsid()
+    fd = os.open("/dev/null", os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
 
 
 def _close_fds_except(keep: set[int]) -> None:
