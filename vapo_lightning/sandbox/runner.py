@@ -18,7 +18,6 @@ opened before the uid drop (the interpreter may live under a mode-700 home such 
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
@@ -226,9 +225,22 @@ def run_stdin_mode(
         _write_all(res_fd, f"{i} O {exit_code} {text_out}\n".encode())
 
 
-class _FdLoader(importlib.abc.SourceLoader):
+class _FdLoader:
+    """Loads a source module read through a directory fd; no bytecode cache.
+
+    A plain loader (the protocol `importlib` calls), not an `importlib.abc` subclass: importing
+    `importlib.abc` pulls in `tempfile` and `random`, whose after-fork hooks would then run in
+    every sandbox the server forks (see server.PRELOAD)."""
+
     def __init__(self, dir_fd: int, rel: str, path: str) -> None:
         self.dir_fd, self.rel, self.path = dir_fd, rel, path
+
+    def create_module(self, spec):  # the default module object
+        return None
+
+    def exec_module(self, module) -> None:
+        code = compile(self.get_data(self.path), self.path, "exec", dont_inherit=True)
+        exec(code, module.__dict__)
 
     def get_filename(self, fullname: str) -> str:
         return self.path
@@ -238,11 +250,11 @@ class _FdLoader(importlib.abc.SourceLoader):
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
-    def path_stats(self, path: str):  # no bytecode cache: always compile from source
-        raise OSError
+    def get_source(self, fullname: str) -> str:  # for tracebacks and `inspect`
+        return self.get_data(self.path).decode("utf-8")
 
 
-class DirFdFinder(importlib.abc.MetaPathFinder):
+class DirFdFinder:
     """Finds stdlib modules below directories we hold open, when paths are not searchable.
 
     `roots` maps a directory path to an fd opened before the privilege drop. Source modules are

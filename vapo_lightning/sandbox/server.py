@@ -42,9 +42,9 @@ else:  # run as a script (`-I` leaves the script's directory off sys.path)
     del sys.path[0]
 
 # Imported once here so that the candidate's imports of them are free. Not `random`, `queue`
-# (-> threading) or `tempfile` (-> random): they register after-fork hooks that run in every
-# forked sandbox and cost ~180 page faults (~0.4 ms of CPU) per fork on this kind of VM
-# (benchmarks/results/sandbox.md); the candidate that needs them imports them itself.
+# (-> threading), `statistics` or `tempfile` (-> random): they register after-fork hooks that
+# run in every forked sandbox and cost ~180 page faults (~0.4 ms of CPU) per fork on this kind
+# of VM (benchmarks/results/sandbox.md); the candidate that needs them imports them itself.
 PRELOAD = [
     "abc",
     "array",
@@ -69,7 +69,6 @@ PRELOAD = [
     "numbers",
     "operator",
     "re",
-    "statistics",
     "string",
     "struct",
     "textwrap",
