@@ -1,6 +1,8 @@
 """Reduced isolation: namespaces and/or Landlock switched off (as on Ubuntu >= 23.10 runners,
 in Docker, or on kernels without Landlock). Verdict tampering and process escapes must still
 score 0 and leave nothing running; each layer that a program genuinely needs is skipped for.
+Also the unprivileged path (namespaces made from a user namespace), which a root server only
+takes when asked (`via_userns=True`): CI runs as root.
 
 Also here: stdin mode kills what one test left running before the next test starts, in every
 configuration (with a PID namespace by ``kill(-1)``, without one through a subreaper).
@@ -15,12 +17,14 @@ import pytest
 from tests.test_sandbox_hostile import PROGRAMS, _sandbox_processes
 from vapo_lightning.sandbox import Pool
 
+# mode: (namespaces, landlock, via_userns)
 MODES = {
-    "no_namespaces": (False, True),
-    "no_landlock": (True, False),
-    "neither": (False, False),
+    "via_userns": (True, True, True),
+    "no_namespaces": (False, True, False),
+    "no_landlock": (True, False, False),
+    "neither": (False, False, False),
 }
-ALL_MODES = {"full": (True, True), **MODES}
+ALL_MODES = {"full": (True, True, False), **MODES}
 
 TAMPERING = [
     "exit_zero_early",
@@ -54,8 +58,10 @@ def pools(tmp_path_factory):
         for other in [m for m in started if m != mode]:
             started.pop(other).close()
         if mode not in started:
-            namespaces, landlock = ALL_MODES[mode]
-            started[mode] = Pool(size=1, namespaces=namespaces, landlock=landlock)
+            namespaces, landlock, via_userns = ALL_MODES[mode]
+            started[mode] = Pool(
+                size=1, namespaces=namespaces, landlock=landlock, via_userns=via_userns
+            )
             started[mode].home = home
         return started[mode]
 
@@ -66,7 +72,9 @@ def pools(tmp_path_factory):
 
 
 def _check_layers(mode: str, layers: list[str]) -> None:
-    namespaces, landlock = ALL_MODES[mode]
+    namespaces, landlock, via_userns = ALL_MODES[mode]
+    if via_userns:  # namespaces, if granted at all, came from a user namespace
+        assert "userns" in layers or not {"pidns", "netns", "mountns"} & set(layers), layers
     if not namespaces:
         assert not {"userns", "pidns", "netns", "mountns"} & set(layers), layers
     if not landlock:

@@ -82,8 +82,21 @@ class Result:
 class WarmServer:
     """One fork-server process. Start it before CUDA or threads exist in the host."""
 
-    def __init__(self, namespaces: bool = True, landlock: bool = True, spares: int = 2) -> None:
-        opts = json.dumps({"namespaces": namespaces, "landlock": landlock, "spares": spares})
+    def __init__(
+        self,
+        namespaces: bool = True,
+        landlock: bool = True,
+        spares: int = 2,
+        via_userns: bool = False,
+    ) -> None:
+        opts = json.dumps(
+            {
+                "namespaces": namespaces,
+                "landlock": landlock,
+                "spares": spares,
+                "via_userns": via_userns,
+            }
+        )
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing secret to inherit
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-B", SERVER_SCRIPT, opts],
@@ -143,6 +156,9 @@ class Pool:
     their request, so that the namespace and Landlock set-up is off the request path.
     `namespaces=False` / `landlock=False` switch those layers off (for machines or tests that
     need the reduced paths); the result's `layers` always says what was active.
+    `via_userns=True` makes a root server take the unprivileged path (namespaces created from
+    a user namespace, one more process per run) instead of forking each sandbox straight into
+    its namespaces and sharing one network namespace per server.
     """
 
     def __init__(
@@ -152,9 +168,10 @@ class Pool:
         landlock: bool = True,
         limits: Limits | None = None,
         spares: int = 2,
+        via_userns: bool = False,
     ) -> None:
         size = size or max(1, os.cpu_count() or 1)
-        self.servers = [WarmServer(namespaces, landlock, spares) for _ in range(size)]
+        self.servers = [WarmServer(namespaces, landlock, spares, via_userns) for _ in range(size)]
         self.idle: queue.Queue[WarmServer] = queue.Queue()
         for s in self.servers:
             self.idle.put(s)

@@ -125,7 +125,7 @@ class Server:
         # makes its own mount/IPC/UTS namespaces and then drops to uid 65534. One process
         # fewer per run than the unprivileged path through C (~0.8 ms of CPU).
         self.direct = False
-        if self.is_root and self.namespaces:
+        if self.is_root and self.namespaces and not opts.get("via_userns", False):
             try:
                 L.unshare(L.CLONE_NEWNET)
                 self.own_netns = True
