@@ -49,14 +49,27 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
-def val_curve(run_dir: Path) -> list[tuple[int, float]]:
+def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     points: dict[int, float] = {}
     for path in sorted(glob.glob(f"{run_dir}/lightning_logs/version_*/events.out.tfevents.*")):
-        acc = EventAccumulator(path)
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
-        if "val/accuracy" in acc.Tags()["scalars"]:
-            points.update((e.step, e.value) for e in acc.Scalars("val/accuracy"))
+        if tag in acc.Tags()["scalars"]:
+            points.update((e.step, e.value) for e in acc.Scalars(tag))
     return sorted(points.items())
+
+
+def val_curve(run_dir: Path) -> list[tuple[int, float]]:
+    return scalar_curve(run_dir, "val/accuracy")
+
+
+def mean_curve(runs: list[list[tuple[int, float]]], window: int = 1) -> tuple[list, list]:
+    """Mean over seeds at each step all runs have, then a trailing moving average."""
+    by_step = [dict(r) for r in runs]
+    steps = sorted(set.intersection(*(set(d) for d in by_step)))
+    means = [statistics.mean(d[s] for d in by_step) for s in steps]
+    smooth = [statistics.mean(means[max(0, i - window + 1) : i + 1]) for i in range(len(means))]
+    return steps, smooth
 
 
 def fit(layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> float:
@@ -87,24 +100,34 @@ def mean_std(xs: list[float]) -> str:
     return f"{100 * statistics.mean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"
 
 
-def plot(curves: dict[str, list[list[tuple[int, float]]]], out_png: Path) -> None:
+PANELS = [  # (tag, y label, scale, moving-average window)
+    ("val/accuracy", "val/accuracy (%), mean over seeds", 100, 1),
+    ("rollout/accuracy", "rollout/accuracy (%), mean over seeds, 5-step average", 100, 5),
+    ("response_length/mean", "response_length/mean (tokens), 5-step average", 1, 5),
+]
+
+
+def plot(curves: dict[str, dict[str, list]], out_png: Path) -> None:
+    """`curves[tag][name]`: one curve per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, runs in curves.items():
-        steps = [s for s, _ in runs[0]]
-        means = [statistics.mean(r[i][1] for r in runs if i < len(r)) for i in range(len(steps))]
-        style = "-" if name in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
-        ax.plot(steps, [100 * m for m in means], style, marker="o", label=name)
-    ax.set_xlabel("rollout step")
-    ax.set_ylabel("val/accuracy, mean over seeds (%)")
-    ax.set_title("Quickstart task: accuracy vs rollout steps")
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 5))
+    for ax, (tag, label, scale, window) in zip(axes, PANELS):
+        for i, (name, runs) in enumerate(curves[tag].items()):
+            steps, means = mean_curve(runs, window)
+            style = "-" if name in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
+            marker = "o" if tag == "val/accuracy" else None
+            ax.plot(steps, [scale * m for m in means], style, marker=marker, label=name,
+                    color=plt.cm.tab20.colors[(2 * i) % 20 + (2 * i) // 20])  # fmt: skip
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel(label)
+    axes[0].set_title("Quickstart task: accuracy vs rollout steps")
+    axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(out_png, dpi=100)
 
 
 def main() -> None:
@@ -130,7 +153,10 @@ def main() -> None:
             pool.map(lambda j: fit(j[1], j[2], dirs[j[0], j[2]], args.extra), jobs),
         ))  # fmt: skip
 
-    curves = {name: [val_curve(dirs[name, s]) for s in args.seeds] for name, _, _ in runs}
+    curves = {
+        tag: {name: [scalar_curve(dirs[name, s], tag) for s in args.seeds] for name, _, _ in runs}
+        for tag, *_ in PANELS
+    }
     out = [
         "# Learning study: Table 1 in miniature (quickstart task)\n",
         f"Command: `.venv/bin/python benchmarks/bench_learning.py --seeds {' '.join(map(str, args.seeds))}"
@@ -139,11 +165,16 @@ def main() -> None:
         f" --out benchmarks/results/learning.md{' -- ' + ' '.join(args.extra) if args.extra else ''}`  ",
         f"Each run: `vapo fit -c {BASE} [-c <layer>] --seed_everything=<seed>`; val/accuracy is "
         "mean@4 at temperature 1.0 on the 200 validation problems.\n",
-        "| run | paper (AIME24) | start % | final % (mean ± std) | best % | gain (points) | minutes per run |",
-        "|---|---|---|---|---|---|---|",
+        "| run | paper (AIME24) | start % | final % (mean ± std) | best % | gain (points) "
+        "| rollout acc., last 5 steps % | response length, last 5 steps | minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, _, paper in runs:
-        cs = curves[name]
+        cs = curves["val/accuracy"][name]
+        last5 = {
+            tag: [statistics.mean(v for _, v in c[-5:]) for c in curves[tag][name]]
+            for tag in ("rollout/accuracy", "response_length/mean")
+        }
         start = [c[0][1] for c in cs]
         final = [c[-1][1] for c in cs]
         best = [max(v for _, v in c) for c in cs]
@@ -151,7 +182,8 @@ def main() -> None:
         mins = statistics.mean(minutes[name, s] for s in args.seeds)
         out.append(
             f"| {name} | {paper if paper is not None else '-'} | {mean_std(start)} | {mean_std(final)} "
-            f"| {mean_std(best)} | {mean_std(gain)} | {mins:.1f} |"
+            f"| {mean_std(best)} | {mean_std(gain)} | {mean_std(last5['rollout/accuracy'])} "
+            f"| {statistics.mean(last5['response_length/mean']):.1f} | {mins:.1f} |"
         )
     out.append("\n![val/accuracy vs rollout step](learning_curves.png)\n")
     text = "\n".join(out) + "\n"
