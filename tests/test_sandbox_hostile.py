@@ -559,6 +559,63 @@ def test_escaped_pipe_holder_does_not_hold_up_the_run(host):
     _assert_host_intact(host)
 
 
+# add_key / keyctl syscall numbers (the stdlib has no keyring API)
+KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().machine)
+
+
+@pytest.mark.skipif(KEY_SYSCALLS is None, reason="add_key/keyctl numbers unknown here")
+def test_no_kernel_state_crosses_runs(host):
+    """State kept by the kernel per namespace or per user, not per process: network counters
+    (/proc/net/snmp counts datagrams with no route) and the uid's user keyring. Each run has
+    its own network and user namespace, so the next run (and a fresh pool) sees neither."""
+    add_key, keyctl = KEY_SYSCALLS
+    writer = (
+        "import ctypes, socket\ndef f():\n"
+        "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "    for _ in range(37):\n"
+        "        try: s.sendto(b'x', ('127.0.0.1', 9))\n"
+        "        except OSError: pass\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"    key = libc.syscall({add_key}, b'user', b'vapo-leak', b'run-1', 5, -4)\n"
+        "    return 'written' if key > 0 else 'no key'\n"
+    )
+    probe = (
+        "def probe():\n"
+        "    ip = [line.split() for line in open('/proc/net/snmp') if line.startswith('Ip:')]\n"
+        "    no_route = dict(zip(*ip))['OutNoRoutes']\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"    found = libc.syscall({keyctl}, 10, ctypes.c_long(-4), b'user', b'vapo-leak', 0)\n"
+        "    return [no_route, found > 0]\n"
+    )
+    reader = "import ctypes\n" + probe + "def f():\n    return probe()\n"
+    pool = host["pool"]
+    assert pool.evaluate(writer, [{"input": [], "output": "written"}], "f").passed == 1
+    # The check can fail: within the writer's own run, both are seen.
+    both = writer + probe + "def h():\n    f()\n    return probe()\n"
+    seen = pool.evaluate(both, [{"input": [], "output": ["37", True]}], "h")
+    assert seen.passed == 1, seen
+    fresh = Pool(size=1)
+    try:
+        for p in (pool, pool, pool, fresh):  # whichever server of the pool runs it, or another
+            result = p.evaluate(reader, [{"input": [], "output": ["0", False]}], "f")
+            assert result.passed == 1, result
+    finally:
+        fresh.close()
+    _assert_host_intact(host)
+
+
+def test_many_idle_sandboxes_do_not_starve_a_run():
+    """RLIMIT_NPROC (32 processes) counts per user namespace: 40 idle sandboxes forked ahead,
+    all uid 65534, leave a run its whole allowance (stdin mode forks one child per test)."""
+    pool = Pool(size=1, spares=40)
+    try:
+        result = pool.evaluate("print(input())", [{"input": "x", "output": "x"}] * 3)
+        assert (result.passed, result.status) == (3, "ok"), result
+        assert "userns" in result.layers or os.geteuid() != 0 or "pidns" not in result.layers
+    finally:
+        pool.close()
+
+
 def test_no_cross_run_leakage(host):
     """Files, SysV shared memory, and sockets held by a daemon (a UDP port and an abstract
     Unix name: they live in the network namespace that a root server's runs share) are all

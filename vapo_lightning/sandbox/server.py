@@ -4,9 +4,8 @@ Started by the host as ``python -I -S -B server.py`` with an empty environment (
 candidate's inherited memory and /proc/self/environ hold no secrets), before the trainer starts
 CUDA or threads; fork() from here is cheap and safe. Process tree of one request:
 
-    server (real uid, child subreaper)          deadline, byte caps, SIGKILL, reaping;
-     │                                           as root: its own empty network namespace
-     └─ C   uid 65534, new user/mnt/pid/ipc/uts (+ net unless root) namespaces; reports P2
+    server (real uid, child subreaper)          deadline, byte caps, SIGKILL, reaping
+     └─ C   uid 65534, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
          └─ P2  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; rlimits,
              │  no capabilities, Landlock, scrubbed env, then `runner`
              └─ P3 ...  stdin mode: one child per test
@@ -113,24 +112,15 @@ class Server:
         self.is_root = os.geteuid() == 0
         self.abi = L.landlock_abi() if opts.get("landlock", True) else 0
         self.namespaces = opts.get("namespaces", True)
-        # As root, the server moves once into a fresh network namespace, which it never
-        # configures: only `lo`, down, and only root of the initial user namespace could bring
-        # it up. Its sandboxes share it instead of each creating one (creating a network
-        # namespace and the kernel's deferred teardown cost ~0.5 ms of CPU per run). Runs of
-        # one server are sequential and leave no process behind (PID namespace or subreaper),
-        # so no socket of one run outlives it; the next run finds the namespace as empty.
-        self.own_netns = False
-        # As root, no user namespace is needed either: each sandbox is forked straight into a
-        # new PID namespace (`unshare(CLONE_NEWPID)` here, undone by `setns` after the fork),
-        # makes its own mount/IPC/UTS namespaces and then drops to uid 65534. One process
-        # fewer per run than the unprivileged path through C (~0.8 ms of CPU).
+        # As root, each sandbox is forked straight into a new PID namespace (`unshare
+        # (CLONE_NEWPID)` here, undone by `setns` after the fork), makes its own mount, IPC,
+        # UTS and network namespaces as root, drops to uid 65534 and then enters a user
+        # namespace of its own (per-user kernel state: keyrings, RLIMIT_NPROC's count). One
+        # process fewer per run than the unprivileged path through C (~0.8 ms of CPU). Not a
+        # network namespace shared by a server's runs: its counters (/proc/net/snmp) and
+        # sockets still in flight carry data from one run to the next.
         self.direct = False
         if self.is_root and self.namespaces and not opts.get("via_userns", False):
-            try:
-                L.unshare(L.CLONE_NEWNET)
-                self.own_netns = True
-            except OSError:
-                pass
             self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 L.unshare(L.CLONE_NEWPID)
@@ -171,7 +161,8 @@ class Server:
             with contextlib.suppress(OSError):
                 L.unshare(L.CLONE_NEWNS | L.CLONE_NEWIPC | L.CLONE_NEWUTS)
                 active.append("mountns")
-            if self.own_netns:
+            with contextlib.suppress(OSError):
+                L.unshare(L.CLONE_NEWNET)
                 active.append("netns")
         except BaseException as err:
             os.write(ctl_w, f"X P2 {type(err).__name__}: {err}\n".encode()[:500])
@@ -193,13 +184,10 @@ class Server:
                 uid, gid = os.getuid(), os.getgid()
             if self.namespaces:
                 try:
-                    L.enter_namespaces(uid, gid, net=not self.own_netns)
-                    active += ["userns", "pidns", "mountns"]
-                    active += [] if self.own_netns else ["netns"]
+                    L.enter_namespaces(uid, gid, net=True)
+                    active += ["userns", "netns", "pidns", "mountns"]
                 except OSError:
                     pass
-            if self.own_netns:
-                active.append("netns")
             p2 = os.fork()
             if p2 == 0:
                 self._p2(ctl_w, res_w, req_r, host_dir, tmp_mb, active)
@@ -227,6 +215,10 @@ class Server:
             if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
                 L.drop_privileges(L.NOBODY, L.NOBODY)
                 active.append("uid_drop")
+                L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)  # (cleared by the uid change)
+                with contextlib.suppress(OSError):  # unprivileged now; may be refused
+                    L.enter_namespaces(L.NOBODY, L.NOBODY, flags=L.CLONE_NEWUSER)
+                    active.append("userns")
             if "mountns" in active:
                 os.mkdir("/tmp/work", 0o700)
                 workdir = "/tmp/work"
@@ -334,7 +326,12 @@ class Server:
         gc.freeze()  # the sandbox's collections skip (and so do not copy) the server's objects
         if self.direct:
             L.unshare(L.CLONE_NEWPID)  # our next child is pid 1 of a new PID namespace
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except BaseException:
+            if self.direct:  # else every later unshare fails, and every fork once it died
+                L.setns(self.own_pid_ns, L.CLONE_NEWPID)
+            raise
         if pid == 0:
             os.close(ctl_r)
             os.close(res_r)
