@@ -9,7 +9,10 @@ broadcasts rank 0's weights. Training stops before the first step (`max_steps=0`
 `on_fit_start` every rank writes `rank{R}.pt` with its gathered full state dicts, its buffers,
 greedy tokens from one sharded `generate`, the critic's values, and what it held before
 sharding: how many `from_pretrained` calls it made and how many parameter elements it had off
-the meta device.
+the meta device. Last, greedy responses from the project's sampler (`rollout.generate`, one
+sequence per call) with a different number of prompts per rank, as DAPO's later dynamic-sampling
+rounds have: rank 0 two prompts, rank 1 one, so rank 1 must make a dummy call to keep the
+sharded forwards in lock step (without it, rank 0 waits forever in its second call).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from vapo_lightning.data import PromptDataModule
 from vapo_lightning.distributed import VAPOStrategy
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
-from vapo_lightning.rollout import GenerationConfig
+from vapo_lightning.rollout import GenerationConfig, generate
 
 PROMPTS = [[5, 17, 42, 9, 88], [120, 7, 33]]  # left-padded to one batch
 NEW_TOKENS = 8
@@ -56,6 +59,13 @@ def record_building() -> None:
         return shard(model, *args, **kwargs)
 
     vapo_distributed.shard = recorded_shard
+
+
+UNEVEN = GenerationConfig(n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1)
+
+
+def uneven_prompts(rank: int) -> list[list[int]]:
+    return PROMPTS if rank == 0 else PROMPTS[:1]
 
 
 def greedy_tokens(policy: torch.nn.Module, pad_token_id: int) -> torch.Tensor:
@@ -90,6 +100,11 @@ class Inspect(L.Callback):
             "numel_before_sharding": NUMEL_BEFORE_SHARDING,
             "local_numel_after_sharding": local,
         }
+        tok = module.tokenizer
+        uneven = generate(
+            policy, uneven_prompts(trainer.global_rank), UNEVEN, tok.pad_token_id, tok.eos_token_id
+        )
+        record["uneven_responses"] = uneven.responses
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -113,11 +113,14 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     `from_pretrained`, rank 1 builds on the meta device and receives rank 0's weights into its
     shards. Each rank's gathered weights, its rotary buffers (not in the state dict) and one
     sharded greedy `generate` equal a single-process load; the critic (the policy's backbone
-    and a fresh value head, seed 0 as in the worker) too."""
+    and a fresh value head, seed 0 as in the worker) too. The ranks' greedy responses from
+    our sampler, two prompts on rank 0 and one on rank 1 at one sequence per call, equal the
+    single process's (and the run does not hang: rank 1 makes a dummy call)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.load_worker import PROMPTS, greedy_tokens
+    from tests.load_worker import PROMPTS, UNEVEN, greedy_tokens, uneven_prompts
     from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
+    from vapo_lightning.rollout import generate
 
     ckpt = tmp_path / "ckpt"
     tok = load_tokenizer(str(build_tokenizer(ckpt)))
@@ -139,6 +142,10 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     policy = build_policy(ModelSpec(name_or_path=str(ckpt)), tok)
     critic = build_critic(None, policy, tok)
     expected_tokens = greedy_tokens(policy, tok.pad_token_id)
+    expected_uneven = [
+        generate(policy, uneven_prompts(r), UNEVEN, tok.pad_token_id, tok.eos_token_id).responses
+        for r in range(2)
+    ]
     generated = expected_tokens[:, max(map(len, PROMPTS)) :]
     assert generated.shape[1] > 1 and len(generated.unique()) > 4  # varied tokens, not one repeated
     with torch.no_grad():
@@ -160,6 +167,7 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
             torch.testing.assert_close(got["buffers"][key], tensor, rtol=0, atol=0, msg=key)
         assert got["tied"]
         assert torch.equal(got["tokens"], expected_tokens), rank
+        assert torch.equal(got["uneven_responses"], expected_uneven[rank]), rank
         torch.testing.assert_close(got["values"], expected_values, rtol=1e-6, atol=1e-7)
         assert 0 < got["local_numel_after_sharding"] < 0.6 * full  # about half: shards only
 

@@ -109,6 +109,26 @@ def next_tokens(logits: Tensor, temperature: float, top_p: float) -> Tensor:
 
 
 @torch.no_grad()
+def is_lock_step(model: torch.nn.Module) -> bool:
+    """A sharded (FSDP) model under several ranks: each forward gathers weights from all of
+    them, so every rank must make the same forwards."""
+    return (
+        getattr(model, "_is_fsdp_managed_module", False)
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
+def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
+    """How many `sample_responses` calls this rank must make: the most any rank makes."""
+    if not is_lock_step(model):
+        return calls
+    most = torch.tensor(calls, device=next(model.parameters()).device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
+
+
 def sample_responses(
     model: PreTrainedModel,
     input_ids: Tensor,
@@ -132,12 +152,7 @@ def sample_responses(
     device, B = input_ids.device, input_ids.shape[0]
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    synced = (
-        getattr(model, "_is_fsdp_managed_module", False)
-        and dist.is_available()
-        and dist.is_initialized()
-        and dist.get_world_size() > 1
-    )
+    synced = is_lock_step(model)
     capacity = input_ids.shape[1] + max_new_tokens  # never grows, never over-allocates
     cache = Cache(layer_class_to_replicate=partial(GrowingLayer, capacity=capacity))
     # transformers >= 5.2x names the argument `cache`; earlier 5.x `past_key_values`.

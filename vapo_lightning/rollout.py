@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.generation import calls_in_lock_step, sample_responses
 from vapo_lightning.rewards.base import Sample
 
 __all__ = [
@@ -152,11 +152,12 @@ def generate(
     ids, attn = ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
     stop = sorted({eos_token_id, *cfg.stop_token_ids})
     chunk = cfg.max_batch_size or len(ids)
-    parts = [
-        sample_responses(
+
+    def sample(rows: slice) -> Tensor:
+        return sample_responses(
             policy,
-            ids[i : i + chunk],
-            attn[i : i + chunk],
+            ids[rows],
+            attn[rows],
             max_new_tokens=cfg.max_new_tokens,
             min_new_tokens=cfg.min_new_tokens,
             temperature=cfg.temperature,
@@ -164,8 +165,14 @@ def generate(
             stop_token_ids=stop,
             pad_token_id=pad_token_id,
         )
-        for i in range(0, len(ids), chunk)
-    ]
+
+    starts = range(0, len(ids), chunk)
+    # Sharded: ranks with fewer prompts (DAPO's later rounds) make the extra calls of the
+    # busiest rank on one row, discarded, so that every rank makes the same forwards.
+    extra = calls_in_lock_step(policy, len(starts)) - len(starts)
+    parts = [sample(slice(i, i + chunk)) for i in starts]
+    for _ in range(extra):
+        sample(slice(0, 1))
     T = max(p.shape[1] for p in parts)
     response = torch.cat(  # (B, T); chunks stop at different lengths
         [torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_token_id) for p in parts]
