@@ -2,13 +2,18 @@
 
 Started by the host as ``python -I -S -B server.py`` with an empty environment (so that the
 candidate's inherited memory and /proc/self/environ hold no secrets), before the trainer starts
-CUDA or threads; fork() from here is cheap and safe. Process tree of one request:
+CUDA or threads; fork() from here is cheap and safe. Process tree of one request, as an
+unprivileged user (or as root with ``via_userns``):
 
     server (real uid, child subreaper)          deadline, byte caps, SIGKILL, reaping
      └─ C   uid 65534, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
          └─ P2  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; rlimits,
              │  no capabilities, Landlock, scrubbed env, then `runner`
              └─ P3 ...  stdin mode: one child per test
+
+As root (the default there) there is no C: the server forks P2 straight into a new PID
+namespace; P2 makes its mount/IPC/UTS/net namespaces and mounts as root, then drops to uid
+65534 and enters a user namespace of its own before anything else.
 
 When P2 exits, the kernel kills everything left in its PID namespace (double-fork daemons
 included); without a PID namespace the server, as subreaper, kills its leftover descendants.
