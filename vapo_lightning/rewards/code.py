@@ -53,10 +53,11 @@ _HOW_TO = {
     "not_root": "candidate code would run as root: the server could not setresuid(65534)",
     "filesystem": "Landlock (Linux >= 5.13 with 'landlock' in /sys/kernel/security/lsm; add "
     "lsm=landlock,... to the kernel command line)",
-    "network": "a network namespace, which needs unprivileged user namespaces: on Ubuntu >= "
-    "23.10 `sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "
-    "`sysctl kernel.unprivileged_userns_clone=1`; in Docker use "
-    "`--security-opt seccomp=unconfined` (or run on a VM)",
+    "network": "a network namespace: as root it needs CAP_SYS_ADMIN (in Docker "
+    "`--cap-add SYS_ADMIN --security-opt seccomp=unconfined`, or run on a VM); otherwise "
+    "unprivileged user namespaces: on Ubuntu >= 23.10 "
+    "`sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "
+    "`sysctl kernel.unprivileged_userns_clone=1`",
     "private_tmp": "a mount namespace (same requirement as the network namespace)",
     "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
     "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
