@@ -153,3 +153,21 @@ def test_sampling_end_to_end_matches_the_model_distribution(model):
         p = (model(input_ids=ids).logits[0, -1] / temperature).softmax(-1)
     freq = torch.bincount(out[:, 0], minlength=V) / n
     assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()
+
+
+def test_sampling_records_no_autograd_graph(model, monkeypatch):
+    """`sample_responses` is also called directly (benchmarks): its forwards must run without
+    autograd whatever the caller's grad mode, or the KV cache would hold a graph of every step."""
+    grad_modes = []
+    forward = model.forward
+
+    def recording_forward(*args, **kwargs):
+        grad_modes.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recording_forward)
+    ids, mask = left_pad([[5, 6, 7], [8, 9]])
+    assert torch.is_grad_enabled()
+    sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,
+                     stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+    assert grad_modes and not any(grad_modes)

@@ -108,7 +108,6 @@ def next_tokens(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
 
 
-@torch.no_grad()
 def is_lock_step(model: torch.nn.Module) -> bool:
     """A sharded (FSDP) model under several ranks: each forward gathers weights from all of
     them, so every rank must make the same forwards."""
@@ -129,6 +128,7 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
     return int(most)
 
 
+@torch.no_grad()
 def sample_responses(
     model: PreTrainedModel,
     input_ids: Tensor,

@@ -142,6 +142,8 @@ def generate(
     temperature 0 means greedy. Tokens after the first stop token become padding.
     """
     n = cfg.n if n is None else n
+    if not prompt_ids:  # (sharded, the other ranks would wait for this one forever)
+        raise ValueError("generate: no prompts (every rank must sample at least one)")
     device = next(policy.parameters()).device
     P = max(len(p) for p in prompt_ids)
     ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)
