@@ -103,7 +103,7 @@ def mean_std(xs: list[float]) -> str:
 PANELS = [  # (tag, y label, scale, moving-average window)
     ("val/accuracy", "val/accuracy (%), mean over seeds", 100, 1),
     ("rollout/accuracy", "rollout/accuracy (%), mean over seeds, 5-step average", 100, 5),
-    ("response_length/mean", "response_length/mean (tokens), 5-step average", 1, 5),
+    ("response_length/mean", "response_length/mean (tokens), mean over seeds, 5-step average", 1, 5),
 ]
 
 
@@ -166,7 +166,8 @@ def main() -> None:
         f"Each run: `vapo fit -c {BASE} [-c <layer>] --seed_everything=<seed>`; val/accuracy is "
         "mean@4 at temperature 1.0 on the 200 validation problems.\n",
         "| run | paper (AIME24) | start % | final % (mean ± std) | best % | gain (points) "
-        "| rollout acc., last 5 steps % | response length, last 5 steps | minutes per run |",
+        "| rollout acc., last 5 steps % | response length, last 5 steps (mean over seeds) "
+        "| minutes per run |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, _, paper in runs:
@@ -185,7 +186,12 @@ def main() -> None:
             f"| {mean_std(best)} | {mean_std(gain)} | {mean_std(last5['rollout/accuracy'])} "
             f"| {statistics.mean(last5['response_length/mean']):.1f} | {mins:.1f} |"
         )
-    out.append("\n![val/accuracy vs rollout step](learning_curves.png)\n")
+    out.append(
+        "\nDAPO's rollout accuracy and length are over the groups its dynamic sampling keeps "
+        "(not all right, not all wrong): not comparable with the other rows."
+    )
+    out.append("\n![val/accuracy, rollout accuracy and response length vs rollout step]"
+               "(learning_curves.png)\n")  # fmt: skip
     text = "\n".join(out) + "\n"
     if args.out:
         args.out.write_text(text)

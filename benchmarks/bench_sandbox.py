@@ -34,10 +34,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat: user, nice,
+    system, irq, softirq (not idle, iowait or steal; guest time is already inside user)."""
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return (sum(ticks[0:3]) + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
 
 
 def overhead(runs: int, namespaces: bool, landlock: bool, via_userns: bool = False) -> dict:
@@ -136,8 +137,8 @@ def main() -> None:
         f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, uid {os.geteuid()}. Load average (1/5/15 min) at the "
         f"start {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f}, at the end "
-        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
-        + (": other jobs shared the machine." if max(load_start[0], load[0]) > 1.5 else "."),
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the end includes this benchmark's own "
+        "workers)" + (": other jobs shared the machine." if load_start[0] > 1.0 else "."),
         "",
         f"Every number is the median over {args.repeats} whole repeats (each value listed).",
         "",

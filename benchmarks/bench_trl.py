@@ -205,8 +205,8 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w("# Throughput vs TRL: one rollout step, same work (issue 8)\n")
     w(f"Command: `{cmd}`  ")
     w(f"Machine: {facts[0]}; {facts[1]}  ")
-    w(f"Load average (1/5/15 min) at start: {load_start}; at end: {load_end} (the machine is shared "
-      f"with other engineers' jobs; this is one run, {wall / 60:.1f} min wall in all)  ")  # fmt: skip
+    w(f"Load average (1/5/15 min) at start: {load_start}; at end: {load_end} (the end includes "
+      f"the benchmark's own children; this is one run, {wall / 60:.1f} min wall in all)  ")  # fmt: skip
     vers = {s: children[s].steps[0].get("versions", {}) for s in order}
     w("Versions: " + "; ".join(f"{NAMES[s]}: " + ", ".join(f"{k} {v}" for k, v in vers[s].items())
                               for s in order) + "\n")  # fmt: skip
