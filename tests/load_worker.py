@@ -61,7 +61,15 @@ def record_building() -> None:
     vapo_distributed.shard = recorded_shard
 
 
-UNEVEN = GenerationConfig(n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1)
+def uneven_config(policy, tok) -> GenerationConfig:
+    """Greedy, one sequence per call, stopping at the second token greedy decoding gives the
+    first prompt: rank 1's calls (that prompt, then a dummy on it) end after two tokens while
+    rank 0's call on the second prompt goes on, so the ranks also decode in lock step across
+    calls of different lengths."""
+    probe = GenerationConfig(n=1, max_new_tokens=2, temperature=0.0)
+    second = generate(policy, PROMPTS[:1], probe, tok.pad_token_id, tok.eos_token_id)
+    return GenerationConfig(n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1,
+                            stop_token_ids=[int(second.responses[0, 1])])  # fmt: skip
 
 
 def uneven_prompts(rank: int) -> list[list[int]]:
@@ -101,8 +109,9 @@ class Inspect(L.Callback):
             "local_numel_after_sharding": local,
         }
         tok = module.tokenizer
+        cfg = uneven_config(policy, tok)
         uneven = generate(
-            policy, uneven_prompts(trainer.global_rank), UNEVEN, tok.pad_token_id, tok.eos_token_id
+            policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id, tok.eos_token_id
         )
         record["uneven_responses"] = uneven.responses
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")

@@ -118,7 +118,7 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     single process's (and the run does not hang: rank 1 makes a dummy call)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.load_worker import PROMPTS, UNEVEN, greedy_tokens, uneven_prompts
+    from tests.load_worker import PROMPTS, greedy_tokens, uneven_config, uneven_prompts
     from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
     from vapo_lightning.rollout import generate
 
@@ -142,10 +142,15 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     policy = build_policy(ModelSpec(name_or_path=str(ckpt)), tok)
     critic = build_critic(None, policy, tok)
     expected_tokens = greedy_tokens(policy, tok.pad_token_id)
+    uneven = uneven_config(policy, tok)
     expected_uneven = [
-        generate(policy, uneven_prompts(r), UNEVEN, tok.pad_token_id, tok.eos_token_id).responses
+        generate(policy, uneven_prompts(r), uneven, tok.pad_token_id, tok.eos_token_id)
         for r in range(2)
     ]
+    # rank 0's second prompt decodes longer than the first prompt (rank 1's only one)
+    lengths = [r.response_mask.sum(-1).tolist() for r in expected_uneven]
+    assert lengths[1] == [2] and lengths[0][0] == 2 and lengths[0][1] > 2, lengths
+    expected_uneven = [r.responses for r in expected_uneven]
     generated = expected_tokens[:, max(map(len, PROMPTS)) :]
     assert generated.shape[1] > 1 and len(generated.unique()) > 4  # varied tokens, not one repeated
     with torch.no_grad():
