@@ -42,6 +42,9 @@ RUNS = [
     ("w/o token-level loss", "configs/ablations/vapo_wo_token_level_loss.yaml", 53),
     ("w/o positive-example LM loss", "configs/ablations/vapo_wo_positive_example_nll.yaml", 54),
     ("w/o group-sampling", "configs/ablations/vapo_wo_group_sampling.yaml", 55),
+    # not in Table 1: VAPO's critic and advantages with GRPO's policy loss (seq-level, clip
+    # 0.2, no NLL), to tell the loss from the advantage estimator where PPO/GRPO beat VAPO
+    ("VAPO with GRPO's loss", "configs/ablations/vapo_with_grpo_loss.yaml", None),
 ]
 
 
