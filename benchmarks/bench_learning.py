@@ -45,6 +45,8 @@ RUNS = [
     # not in Table 1: VAPO's critic and advantages with GRPO's policy loss (seq-level, clip
     # 0.2, no NLL), to tell the loss from the advantage estimator where PPO/GRPO beat VAPO
     ("VAPO with GRPO's loss", "configs/ablations/vapo_with_grpo_loss.yaml", None),
+    ("VAPO with GRPO's loss, token-level", "configs/ablations/vapo_with_grpo_loss_token_level.yaml", None),
+    ("VAPO with GRPO's loss, Clip-Higher", "configs/ablations/vapo_with_grpo_loss_clip_higher.yaml", None),
 ]
 
 
