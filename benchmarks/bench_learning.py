@@ -9,7 +9,7 @@ Runs already finished under `--root` are read, not rerun, so the study can be re
 extended seed by seed. `--jobs 2` runs two fits at a time with one thread each.
 
     .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 --out benchmarks/results/learning.md
-    .venv/bin/python benchmarks/bench_learning.py --seeds 0 --jobs 2 --root runs/learning50 \
+    .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 --jobs 2 --root runs/learning50 \
         --out benchmarks/results/learning.md -- --trainer.max_steps=50      # what was run
 """
 
@@ -62,10 +62,6 @@ def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
         if tag in acc.Tags()["scalars"]:
             points.update((e.step, e.value) for e in acc.Scalars(tag))
     return sorted(points.items())
-
-
-def val_curve(run_dir: Path) -> list[tuple[int, float]]:
-    return scalar_curve(run_dir, "val/accuracy")
 
 
 def mean_curve(runs: list[list[tuple[int, float]]], window: int = 1) -> tuple[list, list]:
@@ -191,10 +187,11 @@ def main() -> None:
             f"| {mean_std(best)} | {mean_std(gain)} | {mean_std(last5['rollout/accuracy'])} "
             f"| {statistics.mean(last5['response_length/mean']):.1f} | {mins:.1f} |"
         )
-    out.append(
-        "\nDAPO's rollout accuracy and length are over the groups its dynamic sampling keeps "
-        "(not all right, not all wrong): not comparable with the other rows."
-    )
+    if any(name == "DAPO" for name, _, _ in runs):
+        out.append(
+            "\nDAPO's rollout accuracy and length are over the groups its dynamic sampling keeps "
+            "(not all right, not all wrong): not comparable with the other rows."
+        )
     out.append("\n![val/accuracy, rollout accuracy and response length vs rollout step]"
                "(learning_curves.png)\n")  # fmt: skip
     text = "\n".join(out) + "\n"

@@ -158,7 +158,7 @@ class Pool:
     need the reduced paths); the result's `layers` always says what was active.
     `via_userns=True` makes a root server take the unprivileged path (namespaces created from
     a user namespace, one more process per run) instead of forking each sandbox straight into
-    its namespaces and sharing one network namespace per server.
+    a new PID namespace and making the others there.
     """
 
     def __init__(

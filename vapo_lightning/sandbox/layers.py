@@ -85,16 +85,18 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def enter_namespaces(uid: int, gid: int, net: bool = True, flags: int | None = None) -> int:
-    """unshare user (+ mount, pid, ipc, uts and optionally net) namespaces; maps uid to itself.
+ALL_NAMESPACES = (
+    CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
+)
+
+
+def enter_namespaces(uid: int, gid: int, flags: int = ALL_NAMESPACES) -> int:
+    """unshare a user namespace (+ the other namespaces in `flags`); maps uid to itself.
 
     The caller keeps its uid outside; inside it has every capability of the new namespace
-    until `drop_capabilities`. The new PID namespace applies to the caller's next child.
-    `flags` replaces the set (it must include CLONE_NEWUSER). Returns the flags unshared.
+    until `drop_capabilities`. A new PID namespace applies to the caller's next child.
+    `flags` must include CLONE_NEWUSER. Returns the flags unshared.
     """
-    if flags is None:
-        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-        flags |= CLONE_NEWNET if net else 0
     unshare(flags)
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"{uid} {uid} 1\n")

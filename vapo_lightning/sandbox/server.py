@@ -189,7 +189,7 @@ class Server:
                 uid, gid = os.getuid(), os.getgid()
             if self.namespaces:
                 try:
-                    L.enter_namespaces(uid, gid, net=True)
+                    L.enter_namespaces(uid, gid)
                     active += ["userns", "netns", "pidns", "mountns"]
                 except OSError:
                     pass
