@@ -97,6 +97,5 @@ def tiny_trainer(tmp: Path, max_steps: int = 2, callbacks=(), **kwargs) -> L.Tra
         num_sanity_val_steps=0,
         enable_progress_bar=False,
         enable_model_summary=False,
-        accelerator="cpu",
-        **kwargs,
+        **{"accelerator": "cpu", **kwargs},
     )

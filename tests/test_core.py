@@ -184,6 +184,21 @@ def test_entropy_and_logprobs_match_log_softmax():
     )
 
 
+def test_logprobs_and_entropy_of_bf16_logits_are_fp32():
+    """Mixed precision hands the loss bf16 logits; log-probs of bf16 logits rounded to bf16
+    would put errors of ~0.01 into exp(logp - logp_old)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 5, 300, generator=g) * 4).bfloat16()
+    labels = torch.randint(0, 300, (2, 5), generator=g)
+    logp = torch.log_softmax(logits.double(), -1)  # the reference: exact math on the bf16 values
+    lp = core.logprobs_from_logits(logits, labels, chunk_rows=3)
+    ent = core.entropy_from_logits(logits, chunk_rows=3)
+    assert lp.dtype == ent.dtype == torch.float32
+    ref_lp = logp.gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- critic-free baselines
 
 

@@ -117,6 +117,21 @@ def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
     assert all(0.0 <= v <= 1.0 for v in acc)
 
 
+def test_bf16_mixed_precision_fit_updates_both_models(tok, tmp_path):
+    """`--trainer.precision=bf16-mixed` (what a GPU user runs; here on the CPU, the same
+    autocast): logits come out bf16, log-probs and values must still land in fp32 buffers."""
+    L.seed_everything(0)
+    module = tiny_module(tok)
+    module.configure_model()
+    policy0, critic0 = snapshot(module.policy), snapshot(module.critic)
+    trainer = tiny_trainer(tmp_path, max_steps=2, precision="bf16-mixed")
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert trainer.global_step == 2
+    assert changed(policy0, module.policy) == set(policy0)
+    assert changed(critic0, module.critic) == set(critic0)
+    assert torch.isfinite(trainer.callback_metrics["actor/pg_loss"])
+
+
 def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
     L.seed_everything(1)
     module = tiny_module(tok)

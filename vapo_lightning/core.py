@@ -209,29 +209,35 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> 
 # --------------------------------------------------------------------------- per-token quantities
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 4096) -> Tensor:
-    """log p(label) for (B, T, V) logits and (B, T) labels -> (B, T).
+    """log p(label) for (B, T, V) logits and (B, T) labels -> (B, T), at least fp32.
 
     gather - logsumexp, `chunk_rows` positions at a time: never a full (B, T, V)
-    log_softmax, at most a (chunk_rows, V) temporary.
+    log_softmax, at most a (chunk_rows, V) temporary. bf16 / fp16 logits (mixed precision)
+    are upcast chunk by chunk: PPO's ratio exp(logp - logp_old) needs fp32 log-probs.
     """
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
-    parts = [
-        rows.gather(-1, lab).squeeze(-1) - torch.logsumexp(rows, dim=-1)
-        for rows, lab in zip(flat.split(chunk_rows), flat_labels.split(chunk_rows))
-    ]
+    parts = []
+    for rows, lab in zip(flat.split(chunk_rows), flat_labels.split(chunk_rows)):
+        rows = _at_least_fp32(rows)
+        parts.append(rows.gather(-1, lab).squeeze(-1) - torch.logsumexp(rows, dim=-1))
     return torch.cat(parts).reshape(labels.shape)
 
 
 def entropy_from_logits(logits: Tensor, chunk_rows: int = 4096) -> Tensor:
-    """Per-token entropy H = logsumexp(z) - sum softmax(z) * z, (..., V) -> (...).
+    """Per-token entropy H = logsumexp(z) - sum softmax(z) * z, (..., V) -> (...), at least fp32.
 
-    Works in the logits' own precision, `chunk_rows` positions at a time, so at most a
-    (chunk_rows, V) temporary exists besides the logits (never a float64 (B, T, V) copy).
+    `chunk_rows` positions at a time, upcast chunk by chunk like `logprobs_from_logits`, so at
+    most a (chunk_rows, V) temporary exists besides the logits (never a (B, T, V) copy).
     """
     flat = logits.reshape(-1, logits.shape[-1])
     parts = []
     for rows in flat.split(chunk_rows):
+        rows = _at_least_fp32(rows)
         p = torch.softmax(rows, dim=-1)
         parts.append(torch.logsumexp(rows, dim=-1) - (p * rows).sum(-1))
     return torch.cat(parts).reshape(logits.shape[:-1])
