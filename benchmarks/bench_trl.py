@@ -36,8 +36,12 @@ VENVS = BENCH / ".venvs"
 CHILDREN = BENCH / "trl_children"
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
 PROMPTS_FILE = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
-POLICY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512}  # fmt: skip
+SHAPES = {  # the policy's shape; critic, reward and value models share its backbone
+    "quickstart": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+                   "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512},
+    "gpt2-small": {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                   "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 512},
+}  # fmt: skip
 TRL = {"trl_ppo": "1.12.0", "trl_grpo": "1.16.0"}
 NAMES = {"vapo": "VAPO (vapo-lightning)", "trl_ppo": "TRL PPOTrainer 1.12.0",
          "trl_grpo": "TRL GRPOTrainer 1.16.0"}  # fmt: skip
@@ -54,8 +58,8 @@ def loadavg() -> str:
 # ---------------------------------------------------------------- environments
 
 
-def venv_python(system: str) -> Path:
-    if system == "vapo":
+def venv_python(system: str, sites: dict[str, str]) -> Path:
+    if system == "vapo" or system in sites:
         return Path(sys.executable)
     return VENVS / f"trl-{TRL[system]}" / "bin" / "python"
 
@@ -81,7 +85,9 @@ def ensure_venv(version: str) -> None:
 # ---------------------------------------------------------------- shared artefacts
 
 
-def write_artefacts(out: Path, prompts: int, n: int, T: int, threads: int) -> dict:
+def write_artefacts(
+    out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str
+) -> dict:
     """The one set of inputs all three systems load (save_pretrained, safetensors, fp32)."""
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -91,7 +97,7 @@ def write_artefacts(out: Path, prompts: int, n: int, T: int, threads: int) -> di
 
     torch.manual_seed(0)
     tok = load_tokenizer(str(TOKENIZER))
-    policy = build_policy(ModelSpec(config=POLICY), tok)  # vocab = len(tok), special ids aligned
+    policy = build_policy(ModelSpec(config=SHAPES[shape]), tok)  # vocab = len(tok), special ids aligned
     policy.save_pretrained(out / "policy")
     tok.save_pretrained(out / "policy")
     heads = {}
@@ -112,7 +118,7 @@ def write_artefacts(out: Path, prompts: int, n: int, T: int, threads: int) -> di
     rows = rows[:prompts]
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lens = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
-    bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads}
+    bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads, "device": device}
     (out / "bench.json").write_text(json.dumps(bench))
     return {
         "policy_params": sum(p.numel() for p in policy.parameters()),
@@ -126,14 +132,18 @@ def write_artefacts(out: Path, prompts: int, n: int, T: int, threads: int) -> di
 
 
 class Child:
-    def __init__(self, system: str, artefacts: Path, steps: int, logdir: Path, threads: int):
+    def __init__(
+        self, system: str, artefacts: Path, steps: int, logdir: Path, threads: int, site: str | None
+    ):
         self.system = system
         self.log_path = logdir / f"{system}.log"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1"}  # fmt: skip
         env.pop("VIRTUAL_ENV", None)
-        cmd = [str(venv_python(system)), str(CHILDREN / f"{system}.py"),
+        if site:  # this TRL release installed in a folder (--trl-site), not in a venv
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+        cmd = [str(venv_python(system, {system: site} if site else {})), str(CHILDREN / f"{system}.py"),
                "--artefacts", str(artefacts), "--steps", str(steps)]  # fmt: skip
         self.stderr = self.log_path.open("w")
         self.started = time.perf_counter()
@@ -177,12 +187,12 @@ def fmt3(xs: list[float], digits: int = 2) -> str:
     return f"{lo:.{digits}f} / **{med:.{digits}f}** / {hi:.{digits}f}"
 
 
-def machine_facts() -> list[str]:
+def machine_facts(gpu: str | None) -> list[str]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     mem = next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                if line.startswith("MemTotal"))  # fmt: skip
-    return [f"{cpu}, {os.cpu_count()} logical CPUs, {int(mem) / 2**20:.1f} GiB RAM, no GPU",
+    return [f"{cpu}, {os.cpu_count()} logical CPUs, {int(mem) / 2**20:.1f} GiB RAM, {gpu or 'no GPU'}",
             f"{platform.platform()}, Python {platform.python_version()}"]  # fmt: skip
 
 
@@ -192,6 +202,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     secs = {s: [m["seconds"] for m in meas[s]] for s in order}
     tps = {s: [m["gen_tokens"] / m["seconds"] for m in meas[s]] for s in order}
     rss = {s: children[s].steps[-1]["peak_rss_mib"] for s in order}
+    gpu_mem = {s: children[s].steps[-1]["peak_gpu_mib"] for s in order if "peak_gpu_mib" in children[s].steps[-1]}
     med = {s: statistics.median(secs[s]) for s in order}
     lens = {s: (min(m["len_min"] for m in children[s].steps), max(m["len_max"] for m in children[s].steps))
             for s in order}  # fmt: skip
@@ -211,9 +222,12 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w("Versions: " + "; ".join(f"{NAMES[s]}: " + ", ".join(f"{k} {v}" for k, v in vers[s].items())
                               for s in order) + "\n")  # fmt: skip
     w("## The work, per rollout step (identical in all three)\n")
-    w(f"- Model: the quickstart policy's shape (Llama, 4 layers, hidden 256, 4 heads, vocab "
-      f"{art_info['vocab']}), {art_info['policy_params'] / 1e6:.2f} M parameters, random init (seed 0), "
-      "fp32, saved once with `save_pretrained` and loaded by every child; the quickstart tokenizer.")  # fmt: skip
+    shape = SHAPES[args.shape]
+    w(f"- Model: shape `{args.shape}` (Llama, {shape['num_hidden_layers']} layers, hidden "
+      f"{shape['hidden_size']}, {shape['num_attention_heads']} heads, vocab {art_info['vocab']}), "
+      f"{art_info['policy_params'] / 1e6:.2f} M parameters, random init (seed 0), fp32, saved once with "
+      "`save_pretrained` and loaded by every child; the quickstart tokenizer; "
+      + ("on the GPU (fp32 matmuls without TF32, torch's default)." if args.device == "cuda" else "on the CPU."))  # fmt: skip
     w(f"- Prompts: the first {args.prompts} prompts of `vapo_lightning/assets/arithmetic/train.jsonl` "
       f"({art_info['prompt_tokens'][0]}–{art_info['prompt_tokens'][1]} tokens), the same {args.prompts} "
       f"every step, × {args.n} samples = {args.prompts * args.n} responses.")  # fmt: skip
@@ -234,10 +248,12 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w("## Results\n")
     w(
         "| system | s / rollout step, min / **median** / max | generated tokens/s, min / **median** / max | peak RSS MiB |"
+        + (" peak GPU MiB (allocated) |" if gpu_mem else "")
     )
-    w("|---|---|---|---|")
+    w("|---|---|---|---|" + ("---|" if gpu_mem else ""))
     for s in order:
-        w(f"| {NAMES[s]} | {fmt3(secs[s])} | {fmt3(tps[s], 0)} | {rss[s]:.0f} |")
+        w(f"| {NAMES[s]} | {fmt3(secs[s])} | {fmt3(tps[s], 0)} | {rss[s]:.0f} |"
+          + (f" {gpu_mem[s]:.0f} |" if gpu_mem else ""))  # fmt: skip
     w("")
     r_ppo, r_grpo = med["vapo"] / med["trl_ppo"], med["vapo"] / med["trl_grpo"]
     w(f"Ratios of medians: **VAPO / TRL PPO = {r_ppo:.3f}**, **VAPO / TRL GRPO = {r_grpo:.3f}**  ")
@@ -304,7 +320,9 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
         "the forwards and backwards on these shapes."
     )
     w(
-        f"- Threads: {args.threads} torch thread(s) per child, for all three. On this shared 2-core "
+        f"- Threads: {args.threads} torch thread(s) per child, for all three"
+        + (" (CPU-side work only: the model runs on the GPU)." if args.device == "cuda" else ".")
+        + " On this shared 2-core "
         "machine under load (other engineers' jobs), 2 OpenMP threads per process were pathological "
         "in a probe before this run: `generate` took ~0.35 s per token instead of ~0.02 s with 1 "
         "thread (a descheduled peer stalls every parallel region of the many tiny ops), which would "
@@ -335,24 +353,43 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per child (see the report)"
     )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="quickstart", help="the policy's shape")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--trl-site",
+        action="append",
+        default=[],
+        metavar="SYSTEM=DIR",
+        help="run trl_ppo / trl_grpo with this interpreter and DIR on PYTHONPATH (the TRL release "
+        "installed there with pip --target) instead of a venv: for machines without a registry",
+    )
     p.add_argument("--out", default=str(BENCH / "results" / "trl.md"))
     p.add_argument("--keep", action="store_true", help="keep the artefacts and child logs")
     args = p.parse_args()
-    cmd = ".venv/bin/python benchmarks/bench_trl.py" + "".join(
+    in_venv = Path(sys.executable).is_relative_to(ROOT / ".venv")
+    cmd = (".venv/bin/python" if in_venv else "python3") + " benchmarks/bench_trl.py" + "".join(
         f" --{k} {getattr(args, k)}"
-        for k, d in [("reps", 8), ("prompts", 16), ("n", 4), ("tokens", 128), ("threads", 1)]
+        for k, d in [("reps", 8), ("prompts", 16), ("n", 4), ("tokens", 128), ("threads", 1),
+                     ("shape", "quickstart"), ("device", "cpu")]
         if getattr(args, k) != d
-    )
-    for version in TRL.values():
-        ensure_venv(version)
+    )  # fmt: skip
+    cmd += "".join(f" --trl-site {item}" for item in args.trl_site)
+    sites = dict(item.split("=", 1) for item in args.trl_site)
+    if unknown := set(sites) - set(TRL):
+        p.error(f"--trl-site: unknown system(s) {sorted(unknown)}; expected {sorted(TRL)}")
+    for system, version in TRL.items():
+        if system not in sites:
+            ensure_venv(version)
     load_start, t_start = loadavg(), time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench_trl_"))
     try:
-        art_info = write_artefacts(work, args.prompts, args.n, args.tokens, args.threads)
+        art_info = write_artefacts(
+            work, args.prompts, args.n, args.tokens, args.threads, args.shape, args.device
+        )
         children: dict[str, Child] = {}
         order = ["vapo", "trl_ppo", "trl_grpo"]
         for s in order:  # start one at a time: loading and warm-up never overlap another step
-            children[s] = Child(s, work, args.reps + 1, work, args.threads)
+            children[s] = Child(s, work, args.reps + 1, work, args.threads, sites.get(s))
             m = children[s].read()
             log(f"{s}: warm-up step {m['seconds']:.2f} s, lengths {m['len_min']}-{m['len_max']}")
         for r in range(args.reps):
@@ -362,7 +399,8 @@ def main() -> None:
         for c in children.values():
             c.close()
         wall = time.perf_counter() - t_start
-        text = report(args, machine_facts(), art_info, children, load_start, loadavg(), wall, cmd)
+        gpu = children["vapo"].steps[0].get("versions", {}).get("gpu")
+        text = report(args, machine_facts(gpu), art_info, children, load_start, loadavg(), wall, cmd)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
         print(text)

@@ -29,6 +29,15 @@ def common_setup(threads: int) -> None:
     torch.manual_seed(0)
 
 
+def device_versions(device: str) -> dict[str, str]:
+    """The GPU's name and CUDA version, where the benchmark runs on one."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
+
+
 class StepDriver:
     def __init__(self, total: int, static: dict[str, Any] | None = None) -> None:
         self.total, self.static = total, static or {}
@@ -39,12 +48,16 @@ class StepDriver:
         self.t0 = time.perf_counter()
 
     def end(self, **info: Any) -> None:
-        seconds = time.perf_counter() - self.t0
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
         import torch
 
+        if torch.cuda.is_initialized():  # the step's kernels have finished, not just queued
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.t0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
         msg = {"step": self.step, "seconds": seconds, "peak_rss_mib": rss,
                "torch_threads": torch.get_num_threads(), **info}  # fmt: skip
+        if torch.cuda.is_initialized():
+            msg["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
         if self.step == 0:
             msg.update(self.static)
         _proto.write(json.dumps(msg) + "\n")

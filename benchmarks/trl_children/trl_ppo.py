@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _protocol import StepDriver, common_setup, versions
+from _protocol import StepDriver, common_setup, device_versions, versions
 
 
 def main() -> None:
@@ -63,7 +63,9 @@ def main() -> None:
     ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in prompts]
     dataset = Dataset.from_dict({"input_ids": [x for x in ids for _ in range(n)]})  # prompts × n
 
-    driver = StepDriver(args.steps, versions("torch", "transformers", "trl", "accelerate"))
+    static = versions("torch", "transformers", "trl", "accelerate")
+    static["versions"].update(device_versions(cfg["device"]))
+    driver = StepDriver(args.steps, static)
 
     class Report(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
@@ -93,7 +95,7 @@ def main() -> None:
         gradient_checkpointing=False,
         bf16=False,
         fp16=False,
-        use_cpu=True,
+        use_cpu=cfg["device"] == "cpu",
         report_to="none",
         save_strategy="no",
         logging_steps=1,

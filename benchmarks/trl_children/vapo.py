@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from _protocol import StepDriver, common_setup, versions
+from _protocol import StepDriver, common_setup, device_versions, versions
 
 
 def main() -> None:
@@ -32,7 +32,9 @@ def main() -> None:
     from vapo_lightning.rollout import GenerationConfig
 
     batch, T = cfg["prompts"] * cfg["n"], cfg["max_new_tokens"]
-    driver = StepDriver(args.steps, versions("torch", "transformers", "lightning"))
+    static = versions("torch", "transformers", "lightning")
+    static["versions"].update(device_versions(cfg["device"]))
+    driver = StepDriver(args.steps, static)
 
     class Report(L.Callback):
         def on_train_start(self, trainer, pl_module):
@@ -60,7 +62,8 @@ def main() -> None:
     data = PromptDataModule(train=str(art / "prompts.jsonl"), prompts_per_step=cfg["prompts"])
     trainer = L.Trainer(
         max_steps=args.steps,
-        accelerator="cpu",
+        accelerator="gpu" if cfg["device"] == "cuda" else "cpu",
+        devices=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a machine with one NVIDIA GPU and no package registry:
+#   1. tests/test_cuda.py (+ the core math tests) on the GPU;
+#   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
+#   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape.
+# Python packages the machine lacks travel as wheels in .whl/ (git-ignored; see
+# benchmarks/RESULTS.md, "On a GPU", for the download commands). Results land in $OUT
+# (or ./gpu_out). Each part has its own time limit, so one hang cannot take the others.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
+install /tmp/site .whl/common/*.whl || exit 1
+install /tmp/trl112 .whl/trl112/*.whl || exit 1
+install /tmp/trl116 .whl/trl116/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, lightning, pyarrow, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__)"
+
+echo "== 1. pytest on the GPU"
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_core.py 2>&1 | tee "$OUT/pytest.log" | tail -15
+
+echo "== 2. quickstart config, CLI, GPU, bf16-mixed, 7 rollout steps (5 of value pretraining)"
+timeout 110 python3 -m vapo_lightning.cli fit -c configs/quickstart.yaml --trainer.accelerator=gpu \
+  --trainer.precision=bf16-mixed --trainer.max_steps=7 --trainer.default_root_dir=/tmp/qs \
+  --trainer.enable_progress_bar=false --model.hf_export_dir=/tmp/qs/hf > "$OUT/cli_fit.log" 2>&1
+echo "exit $?"; grep -E "val/accuracy|Error|error" "$OUT/cli_fit.log" | tail -5
+python3 - <<'EOF'
+import glob
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+for f in glob.glob("/tmp/qs/**/events.out.tfevents.*", recursive=True):
+    acc = EventAccumulator(f); acc.Reload()
+    for tag in ("timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/update_critic",
+                "actor/pg_loss", "critic/vf_loss", "rollout/accuracy", "val/accuracy"):
+        if tag in acc.Tags()["scalars"]:
+            print(tag, [round(e.value, 4) for e in acc.Scalars(tag)])
+EOF
+
+sites="--trl-site trl_ppo=/tmp/trl112 --trl-site trl_grpo=/tmp/trl116"
+echo "== 3a. bench_trl, GPU, quickstart shape"
+timeout 170 python3 benchmarks/bench_trl.py --device cuda --reps 5 $sites \
+  --out "$OUT/trl_gpu_quickstart.md" > "$OUT/trl_gpu_quickstart.log" 2>&1
+echo "exit $?"; grep -A6 "^## Results" "$OUT/trl_gpu_quickstart.md"; grep -A3 "^VAPO's phases" "$OUT/trl_gpu_quickstart.md"
+tail -3 "$OUT/trl_gpu_quickstart.log"
+echo "== 3b. bench_trl, GPU, gpt2-small shape"
+timeout 200 python3 benchmarks/bench_trl.py --device cuda --shape gpt2-small --reps 5 $sites \
+  --out "$OUT/trl_gpu_gpt2small.md" > "$OUT/trl_gpu_gpt2small.log" 2>&1
+echo "exit $?"; grep -A6 "^## Results" "$OUT/trl_gpu_gpt2small.md"; grep -A3 "^VAPO's phases" "$OUT/trl_gpu_gpt2small.md"
+tail -3 "$OUT/trl_gpu_gpt2small.log"
