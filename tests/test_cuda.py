@@ -77,6 +77,15 @@ def test_sampler_on_cuda_scores_like_cpu(tok):
     assert same_rows >= len(prompts) - 1, (cpu, gpu)
 
 
+class WhereTheModelsTrain(L.Callback):
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        for model in (pl_module.policy, pl_module.critic):
+            self.devices.add(next(model.parameters()).device.type)
+
+
 def test_bf16_fit_on_cuda_updates_both_models(tok, tmp_path):
     L.seed_everything(0)
     module = tiny_module(tok, val_generation=GenerationConfig(n=2, max_new_tokens=12))
@@ -85,15 +94,21 @@ def test_bf16_fit_on_cuda_updates_both_models(tok, tmp_path):
         name: {n: p.detach().clone() for n, p in m.named_parameters()}
         for name, m in (("policy", module.policy), ("critic", module.critic))
     }
+    seen = WhereTheModelsTrain()
     trainer = tiny_trainer(
-        tmp_path, max_steps=2, accelerator="gpu", devices=1, precision="bf16-mixed"
+        tmp_path,
+        max_steps=2,
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        callbacks=[seen],
     )
     data = tiny_data(tmp_path)
     trainer.fit(module, datamodule=data)
 
     assert trainer.global_step == 2
+    assert seen.devices == {"cuda"}  # fit moves the models back to the CPU when it ends
     for name, model in (("policy", module.policy), ("critic", module.critic)):
-        assert next(model.parameters()).device.type == "cuda"
         changed = {
             n
             for n, p in model.named_parameters()
