@@ -9,6 +9,11 @@ pays for two of its general-purpose choices on every token:
 - it decodes every sequence until the longest one stops; here finished sequences leave the
   batch (`compact`), so the cost follows the sum of the response lengths, not B × max.
 
+Decoding never uses cuDNN's attention kernel: it builds an execution plan for each new
+(batch, key length), and every decoding step is a new key length. Measured on an H200
+(torch 2.11, bf16 autocast, quickstart model, 128 × 160 tokens): 42.8 ms per step with it,
+3.6 ms in fp32, where SDPA does not pick it (benchmarks/results/gpu.md).
+
 The numbers, against `generate` on the same model and prompts:
 `python -m benchmarks.bench_generation` (benchmarks/results/generation.md).
 """
@@ -21,10 +26,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["GrowingLayer", "sample_responses"]
+__all__ = ["DECODE_ATTENTION", "GrowingLayer", "sample_responses"]
+
+# Attention kernels decoding may use: all but cuDNN's (see the module docstring).
+DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class GrowingLayer(CacheLayerMixin):
@@ -129,6 +138,7 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
 
 
 @torch.no_grad()
+@sdpa_kernel(DECODE_ATTENTION)
 def sample_responses(
     model: PreTrainedModel,
     input_ids: Tensor,
