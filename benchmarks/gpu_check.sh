@@ -2,7 +2,8 @@
 # The GPU checks, in one run on a machine with one NVIDIA GPU and no package registry:
 #   1. tests/test_cuda.py (+ the core math tests) on the GPU;
 #   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
-#   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape.
+#   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape;
+#   4. probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16.
 # Python packages the machine lacks travel as wheels in .whl/ (git-ignored; see
 # benchmarks/RESULTS.md, "On a GPU", for the download commands). Results land in $OUT
 # (or ./gpu_out). Each part has its own time limit, so one hang cannot take the others.
@@ -48,3 +49,5 @@ timeout 200 python3 benchmarks/bench_trl.py --device cuda --shape gpt2-small --r
   --out "$OUT/trl_gpu_gpt2small.md" > "$OUT/trl_gpu_gpt2small.log" 2>&1
 echo "exit $?"; grep -A6 "^## Results" "$OUT/trl_gpu_gpt2small.md"; grep -A3 "^VAPO's phases" "$OUT/trl_gpu_gpt2small.md"
 tail -3 "$OUT/trl_gpu_gpt2small.log"
+echo "== 4. decoding time per step, fp32 and bf16"
+timeout 80 python3 benchmarks/probe_decode_gpu.py 2>&1 | grep -v Warning | tee "$OUT/probe_decode.log" | grep "ms/step"
