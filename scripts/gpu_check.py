@@ -4,7 +4,7 @@ One process, world size 1, the same code path as `--trainer.strategy=fsdp
 --trainer.precision=bf16-mixed`: `distributed.shard` (fully_shard per decoder layer, then the
 root, MixedPrecisionPolicy bf16 / fp32 reduce) on a policy and a critic built with the
 project's builders, then one critic and one actor AdamW step on random tokens, sharded
-generation (tokens/s), and peak memory. Prints one JSON line.
+generation with the trainer's sampler (tokens/s), and peak memory. Prints one JSON line.
 
     python scripts/gpu_check.py                # GPU, ~0.5B-class Llama shapes
     python scripts/gpu_check.py --cpu --tiny   # smoke test on CPU (gloo), seconds
@@ -34,6 +34,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from vapo_lightning.distributed import _mixed_precision, shard
+    from vapo_lightning.generation import sample_responses
     from vapo_lightning.models import ModelSpec, build_critic, build_policy
     from vapo_lightning.tokenization import train_bpe
 
@@ -101,14 +102,14 @@ def main() -> None:
     prompt = ids[:, :P]
     sync(device)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        gen = policy.generate(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=T,
-            min_new_tokens=T, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id,
+    with torch.autocast(device.type, torch.bfloat16, enabled=not args.cpu):  # as in training
+        gen = sample_responses(
+            policy, prompt, torch.ones_like(prompt), max_new_tokens=T, min_new_tokens=T,
+            stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
         )  # fmt: skip
     sync(device)
     seconds = time.perf_counter() - t0
-    report["gen_tokens_per_s"] = round((gen.shape[1] - P) * B / seconds, 1)
+    report["gen_tokens_per_s"] = round(gen.shape[1] * B / seconds, 1)
     if device.type == "cuda":
         report["peak_gpu_mem_GiB"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     report["peak_host_rss_MB"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
