@@ -96,7 +96,12 @@ def fit(
 
 
 def run(
-    strategy: str, devices: int, steps: int, out_dir: Path, threads: int | None = None
+    strategy: str,
+    devices: int,
+    steps: int,
+    out_dir: Path,
+    threads: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> list[dict]:
     per_rank_prompts, mini = 8 // devices, 16 // devices
     args = [
@@ -104,7 +109,7 @@ def run(
         f"--model.algorithm.mini_batch_size={mini}", f"--model.algorithm.micro_batch_size={mini}",
         "--model.generation.min_new_tokens=32",  # fixed-length responses: comparable steps
         "--trainer.callbacks+=benchmarks.bench_distributed.Probe",
-        f"--trainer.callbacks.out_dir={out_dir}",
+        f"--trainer.callbacks.out_dir={out_dir}", *extra,
     ]  # fmt: skip
     if devices > 1:
         args.append(f"--trainer.strategy={strategy}")
@@ -178,14 +183,17 @@ def main() -> None:
             Path(args.out).write_text("\n".join(lines) + "\n")
         return
     rows = []
-    for strategy, devices, threads in [
-        ("single", 1, None),
-        ("single", 1, 1),
-        ("ddp", 2, None),
-        ("fsdp", 2, None),
+    for strategy, devices, threads, extra in [
+        ("single", 1, None, ()),
+        ("single", 1, 1, ()),
+        ("ddp", 2, None, ()),
+        ("fsdp", 2, None, ()),  # sampling gathers the policy's weights once per rollout
+        ("fsdp", 2, None, ("--model.generation.gather_weights=false",)),  # per layer per step
     ]:
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = run(strategy, devices, args.steps, Path(tmp), threads)
+            ranks = run(strategy, devices, args.steps, Path(tmp), threads, extra)
+        if extra:
+            strategy += ", gather_weights=false"
         step = max(statistics.median(r["times"][1:]) for r in ranks)
         rss = [round(r["peak_rss_mb"]) for r in ranks]
         rows.append((strategy, devices, step, rss, ranks[0]["threads"]))

@@ -17,12 +17,16 @@ sharded forwards in lock step (without it, rank 0 waits forever in its second ca
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 import vapo_lightning.distributed as vapo_distributed
@@ -86,6 +90,22 @@ def greedy_tokens(policy: torch.nn.Module, pad_token_id: int) -> torch.Tensor:
         )
 
 
+@contextlib.contextmanager
+def count_all_gathers():
+    """Counts FSDP2's all-gathers (one per unit it gathers) while the block runs."""
+    calls, original = [0], dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_gather_single = original
+
+
 class Inspect(L.Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
@@ -110,10 +130,16 @@ class Inspect(L.Callback):
         }
         tok = module.tokenizer
         cfg = uneven_config(policy, tok)
-        uneven = generate(
-            policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id, tok.eos_token_id
-        )
-        record["uneven_responses"] = uneven.responses
+        for gather in (False, True):  # per layer per decoding step / once per rollout
+            with count_all_gathers() as calls:
+                uneven = generate(
+                    policy, uneven_prompts(trainer.global_rank),
+                    dataclasses.replace(cfg, gather_weights=gather),
+                    tok.pad_token_id, tok.eos_token_id,
+                )  # fmt: skip
+            record[f"uneven_responses_gather_{gather}"] = uneven.responses
+            record[f"all_gathers_gather_{gather}"] = calls[0]
+        record["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in policy.modules())
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
 

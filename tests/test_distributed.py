@@ -115,7 +115,8 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     sharded greedy `generate` equal a single-process load; the critic (the policy's backbone
     and a fresh value head, seed 0 as in the worker) too. The ranks' greedy responses from
     our sampler, two prompts on rank 0 and one on rank 1 at one sequence per call, equal the
-    single process's (and the run does not hang: rank 1 makes a dummy call)."""
+    single process's, with the weights gathered once per rollout and with them left sharded
+    (rank 1 then makes a dummy call so that the run does not hang)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.load_worker import PROMPTS, greedy_tokens, uneven_config, uneven_prompts
@@ -172,7 +173,16 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
             torch.testing.assert_close(got["buffers"][key], tensor, rtol=0, atol=0, msg=key)
         assert got["tied"]
         assert torch.equal(got["tokens"], expected_tokens), rank
-        assert torch.equal(got["uneven_responses"], expected_uneven[rank]), rank
+        for gather in (False, True):
+            responses = got[f"uneven_responses_gather_{gather}"]
+            assert torch.equal(responses, expected_uneven[rank]), (rank, gather)
+        # Gathered once per rollout: one all-gather per FSDP unit (2 layers + root), however
+        # many tokens; left sharded: one per unit per forward, the same count on both ranks.
+        units = got["fsdp_units"]
+        assert units == 3 and got["all_gathers_gather_True"] == units
+        per_step = got["all_gathers_gather_False"]
+        assert per_step % units == 0 and per_step >= 8 * units, per_step
+        assert per_step == ranks[0]["all_gathers_gather_False"]
         torch.testing.assert_close(got["values"], expected_values, rtol=1e-6, atol=1e-7)
         assert 0 < got["local_numel_after_sharding"] < 0.6 * full  # about half: shards only
 

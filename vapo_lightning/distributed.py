@@ -167,7 +167,8 @@ def shard(model: nn.Module, mesh: Any, mp: Any, reshard_after_forward: bool = Tr
     """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head).
 
     Marks the model FSDP-managed for Hugging Face `generate`, which then keeps every rank
-    decoding (`synced_gpus`) until all ranks have finished, as each step gathers weights.
+    decoding (`synced_gpus`) until all ranks have finished, as each step gathers weights (our
+    sampler gathers them once per rollout instead: `generation.gathered_weights`).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -175,6 +176,7 @@ def shard(model: nn.Module, mesh: Any, mp: Any, reshard_after_forward: bool = Tr
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     model._is_fsdp_managed_module = True
+    model.reshard_after_forward = reshard_after_forward  # restored by `gathered_weights`
 
 
 def shard_from_rank0(

@@ -20,7 +20,9 @@ The numbers, against `generate` on the same model and prompts:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -30,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["DECODE_ATTENTION", "GrowingLayer", "sample_responses"]
+__all__ = ["DECODE_ATTENTION", "GrowingLayer", "gathered_weights", "sample_responses"]
 
 # Attention kernels decoding may use: all but cuDNN's (see the module docstring).
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -128,6 +130,37 @@ def is_lock_step(model: torch.nn.Module) -> bool:
     )
 
 
+@contextlib.contextmanager
+def gathered_weights(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
+    """FSDP2: all-gathers a sharded model's weights once, for many forwards (a rollout),
+    instead of once per decoder layer per forward (every decoding step), then frees them.
+
+    Memory: one full copy of the weights per device, in FSDP's parameter dtype, while the
+    block runs. Yields whether the forwards inside still need every rank in lock step: False
+    once gathered (they make no collective), True for a sharded model left sharded
+    (`enabled=False`), False for a model that is not sharded. Collective: every rank enters.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not enabled or not units:
+        yield is_lock_step(model)
+        return
+    # Every unit (the root too: `distributed.shard` passes it reshard_after_forward, so
+    # FSDP2's keep-the-root heuristic is off) keeps its weights after each forward, then
+    # returns to what `distributed.shard` set.
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in units:
+            m.unshard()
+        yield False
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(getattr(model, "reshard_after_forward", True), recurse=False)
+
+
 def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
     """How many `sample_responses` calls this rank must make: the most any rank makes."""
     if not is_lock_step(model):
@@ -151,18 +184,20 @@ def sample_responses(
     top_p: float = 1.0,
     min_new_tokens: int = 0,
     compact_fraction: float = 0.25,
+    lock_step: bool | None = None,
 ) -> Tensor:
     """Samples one response per left-padded prompt row: (B, T) token ids, T <= max_new_tokens,
     each row ending at its first stop token and padded after it with `pad_token_id`.
 
     Finished rows keep being fed (and ignored) until they make up `compact_fraction` of the
     batch, then leave it: few cache copies, little wasted compute. A sharded (FSDP) model
-    gathers weights in every forward, so its ranks all decode until every rank is done.
+    gathers weights in every forward, so its ranks all decode until every rank is done
+    (`lock_step`; None: whenever the model is sharded; `gathered_weights` says when not).
     """
     device, B = input_ids.device, input_ids.shape[0]
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    synced = is_lock_step(model)
+    synced = is_lock_step(model) if lock_step is None else lock_step
     capacity = input_ids.shape[1] + max_new_tokens  # never grows, never over-allocates
     cache = Cache(layer_class_to_replicate=partial(GrowingLayer, capacity=capacity))
     # transformers >= 5.2x names the argument `cache`; earlier 5.x `past_key_values`.

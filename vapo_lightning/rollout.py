@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from vapo_lightning.generation import calls_in_lock_step, sample_responses
+from vapo_lightning.generation import calls_in_lock_step, gathered_weights, sample_responses
 from vapo_lightning.rewards.base import Sample
 
 __all__ = [
@@ -45,6 +45,10 @@ class GenerationConfig:
     """Sequences per `generate` call; bounds the KV cache (None: the whole rollout at once)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a response besides the tokenizer's EOS (e.g. Qwen's <|im_end|>)."""
+    gather_weights: bool = True
+    """FSDP: gather the policy's full weights once per rollout (one copy per device in the
+    parameter dtype while sampling) instead of all-gathering every layer at every decoding
+    step; false where the full weights do not fit beside the sharded training state."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -155,7 +159,7 @@ def generate(
     stop = sorted({eos_token_id, *cfg.stop_token_ids})
     chunk = cfg.max_batch_size or len(ids)
 
-    def sample(rows: slice) -> Tensor:
+    def sample(rows: slice, lock_step: bool) -> Tensor:
         return sample_responses(
             policy,
             ids[rows],
@@ -166,15 +170,17 @@ def generate(
             top_p=cfg.top_p,
             stop_token_ids=stop,
             pad_token_id=pad_token_id,
+            lock_step=lock_step,
         )
 
     starts = range(0, len(ids), chunk)
-    # Sharded: ranks with fewer prompts (DAPO's later rounds) make the extra calls of the
-    # busiest rank on one row, discarded, so that every rank makes the same forwards.
-    extra = calls_in_lock_step(policy, len(starts)) - len(starts)
-    parts = [sample(slice(i, i + chunk)) for i in starts]
-    for _ in range(extra):
-        sample(slice(0, 1))
+    with gathered_weights(policy, cfg.gather_weights) as lock_step:
+        # Sharded and not gathered: ranks with fewer prompts (DAPO's later rounds) make the
+        # extra calls of the busiest rank on one row, discarded: every rank, the same forwards.
+        extra = calls_in_lock_step(policy, len(starts)) - len(starts) if lock_step else 0
+        parts = [sample(slice(i, i + chunk), lock_step) for i in starts]
+        for _ in range(extra):
+            sample(slice(0, 1), lock_step)
     T = max(p.shape[1] for p in parts)
     response = torch.cat(  # (B, T); chunks stop at different lengths
         [torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_token_id) for p in parts]
