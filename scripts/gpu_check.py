@@ -34,7 +34,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from vapo_lightning.distributed import _mixed_precision, shard
-    from vapo_lightning.generation import sample_responses
+    from vapo_lightning.generation import gathered_weights, sample_responses
     from vapo_lightning.models import ModelSpec, build_critic, build_policy
     from vapo_lightning.tokenization import train_bpe
 
@@ -102,7 +102,10 @@ def main() -> None:
     prompt = ids[:, :P]
     sync(device)
     t0 = time.perf_counter()
-    with torch.autocast(device.type, torch.bfloat16, enabled=not args.cpu):  # as in training
+    with (
+        torch.autocast(device.type, torch.bfloat16, enabled=not args.cpu),  # as in training
+        gathered_weights(policy),  # as `rollout.generate` samples (generation.gather_weights)
+    ):
         gen = sample_responses(
             policy, prompt, torch.ones_like(prompt), max_new_tokens=T, min_new_tokens=T,
             stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,

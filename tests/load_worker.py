@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 import vapo_lightning.distributed as vapo_distributed
@@ -90,6 +91,12 @@ def greedy_tokens(policy: torch.nn.Module, pad_token_id: int) -> torch.Tensor:
         )
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 holds a sharded parameter as a DTensor and swaps in plain full tensors while the
+    weights are gathered."""
+    return all(isinstance(p, DTensor) for p in model.parameters())
+
+
 @contextlib.contextmanager
 def count_all_gathers():
     """Counts FSDP2's all-gathers (one per unit it gathers) while the block runs."""
@@ -140,6 +147,28 @@ class Inspect(L.Callback):
             record[f"uneven_responses_gather_{gather}"] = uneven.responses
             record[f"all_gathers_gather_{gather}"] = calls[0]
         record["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in policy.modules())
+        record["sharded_after"] = is_sharded(policy)
+        # A forward that fails inside the gathered block (both ranks, the same forward): the
+        # weights are freed, FSDP's iteration state cleared, and the next rollout is the same.
+        mlp = policy.model.layers[1].mlp
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        mlp.forward, failed = boom, False
+        try:
+            generate(policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id,
+                     tok.eos_token_id)  # fmt: skip
+        except RuntimeError:
+            failed = True
+        finally:
+            del mlp.forward
+        record["failed_inside"] = failed
+        record["sharded_after_error"] = is_sharded(policy)
+        again = generate(
+            policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id, tok.eos_token_id
+        )
+        record["responses_after_error"] = again.responses
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
 

@@ -183,6 +183,9 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
         per_step = got["all_gathers_gather_False"]
         assert per_step % units == 0 and per_step >= 8 * units, per_step
         assert per_step == ranks[0]["all_gathers_gather_False"]
+        assert got["sharded_after"]  # the gathered weights were freed after sampling
+        assert got["failed_inside"] and got["sharded_after_error"]
+        assert torch.equal(got["responses_after_error"], expected_uneven[rank])
         torch.testing.assert_close(got["values"], expected_values, rtol=1e-6, atol=1e-7)
         assert 0 < got["local_numel_after_sharding"] < 0.6 * full  # about half: shards only
 

@@ -174,8 +174,9 @@ def test_sampling_records_no_autograd_graph(model, monkeypatch):
 
 
 def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
-    """cuDNN's attention re-plans for every new key length, i.e. every decoding step
-    (42.8 vs ~4 ms per step on an H200 in bf16): the sampler's forwards run without it."""
+    """cuDNN's attention re-planned at nearly every decoding step once rows had left the batch
+    (42.8 vs 5.0 ms per step on an H200 in bf16): the sampler's forwards run without it, the
+    other kernels stay as the caller set them, and the flags come back even after an error."""
     allowed = []
     forward = model.forward
 
@@ -190,3 +191,20 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
                      stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
     assert allowed and not any(allowed)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored for training
+
+    torch.backends.cuda.enable_flash_sdp(False)  # a caller's choice the sampler must keep
+    flash = []
+
+    def failing_forward(*args, **kwargs):
+        flash.append(torch.backends.cuda.flash_sdp_enabled())
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,
+                             stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    assert flash == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -9,10 +9,10 @@ pays for two of its general-purpose choices on every token:
 - it decodes every sequence until the longest one stops; here finished sequences leave the
   batch (`compact`), so the cost follows the sum of the response lengths, not B × max.
 
-Decoding never uses cuDNN's attention kernel: it builds an execution plan for each new
-(batch, key length), and every decoding step is a new key length. Measured on an H200
-(torch 2.11, bf16 autocast, quickstart model, 128 × 160 tokens): 42.8 ms per step with it,
-3.6 ms in fp32, where SDPA does not pick it (benchmarks/results/gpu.md).
+Decoding never uses cuDNN's attention kernel. On an H200 (torch 2.11, bf16 autocast,
+quickstart model, 128 rows, up to 160 tokens) SDPA picked it once finished rows had left the
+batch, and it built a new execution plan at nearly every step (18.7 ms of CPU per call):
+42.8 ms per decoding step with it allowed, 5.0 ms without (benchmarks/results/gpu.md).
 
 The numbers, against `generate` on the same model and prompts:
 `python -m benchmarks.bench_generation` (benchmarks/results/generation.md).
@@ -28,14 +28,23 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["DECODE_ATTENTION", "GrowingLayer", "gathered_weights", "sample_responses"]
+__all__ = ["GrowingLayer", "gathered_weights", "sample_responses", "without_cudnn_attention"]
 
-# Attention kernels decoding may use: all but cuDNN's (see the module docstring).
-DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def without_cudnn_attention() -> Iterator[None]:
+    """SDPA may use any kernel the caller allows except cuDNN's (see the module docstring);
+    the flag is restored on exit. Process-global, like every `torch.backends` switch."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
 
 
 class GrowingLayer(CacheLayerMixin):
@@ -143,22 +152,35 @@ def gathered_weights(model: torch.nn.Module, enabled: bool = True) -> Iterator[b
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if getattr(model, "_weights_gathered", False):  # nested: the outer block owns them
+        yield False
+        return
     if not enabled or not units:
         yield is_lock_step(model)
         return
     # Every unit (the root too: `distributed.shard` passes it reshard_after_forward, so
     # FSDP2's keep-the-root heuristic is off) keeps its weights after each forward, then
-    # returns to what `distributed.shard` set.
+    # returns to what `distributed.shard` set (a bool; anything else: FSDP2's default).
+    after = getattr(model, "reshard_after_forward", True)
+    after = after if isinstance(after, bool) else True
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
+    model._weights_gathered = True
     try:
         for m in units:
             m.unshard()
         yield False
+    except BaseException:
+        # A forward aborted mid-way leaves FSDP's per-iteration state behind (units in
+        # FORWARD, the root's iteration marker): cleared, so the next training step runs.
+        if isinstance(model, FSDPModule) and hasattr(model, "reset_iter_state"):
+            model.reset_iter_state()
+        raise
     finally:
-        for m in units:
+        model._weights_gathered = False
+        for m in units:  # the setting first: a unit still in FORWARD only reshards with it
+            m.set_reshard_after_forward(after, recurse=False)
             m.reshard()
-            m.set_reshard_after_forward(getattr(model, "reshard_after_forward", True), recurse=False)
 
 
 def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
@@ -171,7 +193,7 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
 
 
 @torch.no_grad()
-@sdpa_kernel(DECODE_ATTENTION)
+@without_cudnn_attention()
 def sample_responses(
     model: PreTrainedModel,
     input_ids: Tensor,
