@@ -199,6 +199,54 @@ def test_logprobs_and_entropy_of_bf16_logits_are_fp32():
     torch.testing.assert_close(ent.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=1e-5)
 
 
+def test_logprob_and_entropy_gradients_match_autograd_of_the_plain_formula():
+    """Hand-written backwards (chunked, temperature applied inside) against float64 gradcheck
+    and against autograd through log_softmax."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(10, 7, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    labels = torch.randint(0, 7, (10,), generator=g)
+    for tau in (1.0, 0.7):
+        assert torch.autograd.gradcheck(
+            lambda z, tau=tau: core.logprobs_from_logits(z, labels, tau, chunk_rows=3), (logits,)
+        )
+        assert torch.autograd.gradcheck(
+            lambda z, tau=tau: core.entropy_from_logits(z, tau, chunk_rows=3), (logits,)
+        )
+        w = torch.randn(10, generator=g, dtype=torch.float64)  # a weighted sum, like the losses
+        logp = torch.log_softmax(logits / tau, -1)
+        ref_lp = logp.gather(-1, labels[:, None]).squeeze(-1)
+        ref_ent = -(logp.exp() * logp).sum(-1)
+        for ours, ref in [
+            (core.logprobs_from_logits(logits, labels, tau, chunk_rows=3), ref_lp),
+            (core.entropy_from_logits(logits, tau, chunk_rows=3), ref_ent),
+        ]:
+            torch.testing.assert_close(ours, ref)
+            (g_ours,) = torch.autograd.grad((ours * w).sum(), logits)
+            (g_ref,) = torch.autograd.grad((ref * w).sum(), logits, retain_graph=True)
+            torch.testing.assert_close(g_ours, g_ref)
+
+
+def test_bf16_logits_are_not_copied_to_fp32_for_the_backward():
+    """The saved tensors are the bf16 logits themselves and per-row statistics: an fp32 copy
+    of (B, T, V) logits (152k vocab, 8k tokens: 5 GB per sequence) would double the memory."""
+    logits = torch.randn(64, 40, 500).bfloat16().requires_grad_()
+    labels = torch.randint(0, 500, (64, 40))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = core.logprobs_from_logits(logits, labels, 0.9, chunk_rows=256)
+        ent = core.entropy_from_logits(logits, 0.9, chunk_rows=256)
+    logit_bytes = logits.numel() * logits.element_size()
+    per_row = 64 * 40 * 8  # int64 labels or fp32 statistics
+    assert sum(saved) <= 2 * logit_bytes + 4 * per_row, (sum(saved), logit_bytes)
+    (lp.sum() + ent.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad).all()
+
+
 # --------------------------------------------------------------------------- critic-free baselines
 
 

@@ -347,8 +347,8 @@ def poison_actor_logits(monkeypatch, steps):
 
     real = updates.policy_logits
 
-    def logits(policy, r, temperature=1.0):
-        out = real(policy, r, temperature)
+    def logits(policy, r):
+        out = real(policy, r)
         return out * float("nan") if poison_actor_logits.step in steps else out
 
     poison_actor_logits.step = 0

@@ -209,38 +209,94 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> 
 # --------------------------------------------------------------------------- per-token quantities
 
 
-def _at_least_fp32(x: Tensor) -> Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+def _at_least_fp32(x: Tensor, tau: float = 1.0) -> Tensor:
+    """x / tau in fp32 (or x's dtype if wider); x itself (no copy) when nothing changes."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x if tau == 1.0 else x / tau
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 4096) -> Tensor:
-    """log p(label) for (B, T, V) logits and (B, T) labels -> (B, T), at least fp32.
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(z / tau)[label] per row of (N, V) logits, chunk by chunk in >= fp32.
 
-    gather - logsumexp, `chunk_rows` positions at a time: never a full (B, T, V)
-    log_softmax, at most a (chunk_rows, V) temporary. bf16 / fp16 logits (mixed precision)
-    are upcast chunk by chunk: PPO's ratio exp(logp - logp_old) needs fp32 log-probs.
+    Saves the logits as given (bf16 stays bf16) and the (N,) logsumexp, not an fp32 copy of
+    the logits: the backward recomputes softmax one chunk at a time,
+    d logp / dz = (onehot(label) - softmax(z / tau)) / tau.
     """
-    flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
-    parts = []
-    for rows, lab in zip(flat.split(chunk_rows), flat_labels.split(chunk_rows)):
-        rows = _at_least_fp32(rows)
-        parts.append(rows.gather(-1, lab).squeeze(-1) - torch.logsumexp(rows, dim=-1))
-    return torch.cat(parts).reshape(labels.shape)
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, tau: float, chunk: int) -> Tensor:
+        N = logits.shape[0]
+        out = logits.new_empty(N, dtype=torch.promote_types(logits.dtype, torch.float32))
+        lse = torch.empty_like(out)
+        for i in range(0, N, chunk):
+            z = _at_least_fp32(logits[i : i + chunk], tau)
+            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
+            out[i : i + chunk] = z.gather(-1, labels[i : i + chunk, None]).squeeze(-1) - lse[i : i + chunk]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.tau, ctx.chunk = tau, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], ctx.chunk):
+            rows, g = slice(i, i + ctx.chunk), grad_out[i : i + ctx.chunk, None]
+            d = -torch.exp(_at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]) * g
+            d.scatter_add_(-1, labels[rows, None], g)
+            grad[rows] = d / ctx.tau
+        return grad, None, None, None
 
 
-def entropy_from_logits(logits: Tensor, chunk_rows: int = 4096) -> Tensor:
-    """Per-token entropy H = logsumexp(z) - sum softmax(z) * z, (..., V) -> (...), at least fp32.
+class _TokenEntropy(torch.autograd.Function):
+    """H(softmax(z / tau)) per row of (N, V) logits, chunk by chunk in >= fp32; saves the
+    logits as given plus (N,) logsumexp and entropy. dH/dz = -p * (log p + H) / tau."""
 
-    `chunk_rows` positions at a time, upcast chunk by chunk like `logprobs_from_logits`, so at
-    most a (chunk_rows, V) temporary exists besides the logits (never a (B, T, V) copy).
+    @staticmethod
+    def forward(ctx, logits: Tensor, tau: float, chunk: int) -> Tensor:
+        N = logits.shape[0]
+        out = logits.new_empty(N, dtype=torch.promote_types(logits.dtype, torch.float32))
+        lse = torch.empty_like(out)
+        for i in range(0, N, chunk):
+            z = _at_least_fp32(logits[i : i + chunk], tau)
+            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
+            out[i : i + chunk] = lse[i : i + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(logits, lse, out)
+        ctx.tau, ctx.chunk = tau, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        logits, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(i, i + ctx.chunk)
+            logp = _at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]
+            d = -torch.exp(logp) * (logp + entropy[rows, None]) * grad_out[rows, None]
+            grad[rows] = d / ctx.tau
+        return grad, None, None
+
+
+def logprobs_from_logits(
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int = 4096
+) -> Tensor:
+    """log p(label) under softmax(logits / temperature): (B, T, V) logits and (B, T) labels
+    -> (B, T), in fp32 (or the logits' dtype if wider).
+
+    `chunk_rows` positions at a time: never a full (B, T, V) log_softmax, at most a
+    (chunk_rows, V) fp32 temporary, in the forward and in the backward, and no fp32 copy of
+    bf16 logits is kept for the backward. PPO's ratio exp(logp - logp_old) needs fp32
+    log-probs: mixed precision hands over bf16 logits, divided by the temperature only in fp32.
     """
     flat = logits.reshape(-1, logits.shape[-1])
-    parts = []
-    for rows in flat.split(chunk_rows):
-        rows = _at_least_fp32(rows)
-        p = torch.softmax(rows, dim=-1)
-        parts.append(torch.logsumexp(rows, dim=-1) - (p * rows).sum(-1))
-    return torch.cat(parts).reshape(logits.shape[:-1])
+    return _TokenLogProbs.apply(flat, labels.reshape(-1), temperature, chunk_rows).reshape(labels.shape)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_rows: int = 4096) -> Tensor:
+    """Per-token entropy of softmax(logits / temperature), H = logsumexp(z) - sum softmax(z) * z,
+    (..., V) -> (...), in fp32 (or wider); chunked like `logprobs_from_logits`."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _TokenEntropy.apply(flat, temperature, chunk_rows).reshape(logits.shape[:-1])
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

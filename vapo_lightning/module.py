@@ -246,13 +246,15 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         r.old_logprobs, r.entropy = self.per_token(r), self.per_token(r)
         r.ref_logprobs = self.per_token(r) if self.ref_policy is not None else None
         for idx, micro in self.micro_batches(r):
-            logits = policy_logits(self.policy, micro, temperature)
+            logits = policy_logits(self.policy, micro)
             T = logits.shape[1]
-            r.old_logprobs[idx, :T] = core.logprobs_from_logits(logits, micro.responses)
-            r.entropy[idx, :T] = core.entropy_from_logits(logits)
+            r.old_logprobs[idx, :T] = core.logprobs_from_logits(logits, micro.responses, temperature)
+            r.entropy[idx, :T] = core.entropy_from_logits(logits, temperature)
             if self.ref_policy is not None:
-                ref_logits = policy_logits(self.ref_policy, micro, temperature)
-                r.ref_logprobs[idx, :T] = core.logprobs_from_logits(ref_logits, micro.responses)
+                ref_logits = policy_logits(self.ref_policy, micro)
+                r.ref_logprobs[idx, :T] = core.logprobs_from_logits(
+                    ref_logits, micro.responses, temperature
+                )
 
     @torch.no_grad()
     def compute_values(self, r: Rollout) -> None:

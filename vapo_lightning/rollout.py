@@ -201,8 +201,9 @@ def generate(
     )
 
 
-def policy_logits(policy: PreTrainedModel, r: Rollout, temperature: float = 1.0) -> Tensor:
-    """Logits over each response token, (B, T, V), scaled by the sampling temperature."""
+def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
+    """Logits over each response token, (B, T, V), in the model's dtype, not yet divided by
+    the sampling temperature (`core.logprobs_from_logits` does that in fp32)."""
     T = r.response_mask.shape[1]
     out = policy(
         input_ids=r.input_ids,
@@ -211,8 +212,7 @@ def policy_logits(policy: PreTrainedModel, r: Rollout, temperature: float = 1.0)
         logits_to_keep=T + 1,  # positions P-1 .. P+T-1; the last one predicts past the end
         use_cache=False,
     )
-    logits = out.logits[:, :-1]
-    return logits / temperature if temperature not in (0.0, 1.0) else logits
+    return out.logits[:, :-1]
 
 
 def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:

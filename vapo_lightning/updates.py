@@ -131,6 +131,7 @@ class PPOUpdates:
             else self.global_sum(torch.tensor(len(mb), device=mask.device))
         )
         n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
+        temperature = self.gen.temperature or 1.0  # the sampling distribution's (0: greedy)
         if fresh:
             mb.old_logprobs, mb.entropy = self.per_token(mb), self.per_token(mb)
         micros = list(self.micro_batches(mb))
@@ -138,8 +139,8 @@ class PPOUpdates:
         for i, (idx, micro) in enumerate(micros):
             sync_gradients(self.policy, last=i == len(micros) - 1)
             m = micro.response_mask
-            logits = policy_logits(self.policy, micro, self.gen.temperature or 1.0)
-            logprobs = core.logprobs_from_logits(logits, micro.responses)
+            logits = policy_logits(self.policy, micro)
+            logprobs = core.logprobs_from_logits(logits, micro.responses, temperature)
             if fresh:
                 micro.old_logprobs = logprobs.detach()
                 mb.old_logprobs[idx, : m.shape[1]] = micro.old_logprobs
@@ -154,7 +155,7 @@ class PPOUpdates:
                 acc["actor/nll_loss"] += nll.detach()
             # With an entropy bonus the entropy needs its graph; otherwise only its value.
             with torch.set_grad_enabled(a.entropy_coef > 0):
-                entropy = core.entropy_from_logits(logits)  # (B, T)
+                entropy = core.entropy_from_logits(logits, temperature)  # (B, T)
             if fresh:
                 mb.entropy[idx, : m.shape[1]] = entropy.detach()
             if a.entropy_coef > 0:
