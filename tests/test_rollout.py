@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TINY_LLAMA
-from vapo_lightning.rollout import GenerationConfig, generate
+from vapo_lightning.rollout import GenerationConfig, generate, policy_logits
 
 PAD, EOS = 0, 2
 
@@ -57,3 +57,14 @@ def test_stop_token_ids_end_responses_like_eos(policy):
 def test_bad_generation_settings_are_rejected():
     with pytest.raises(ValueError, match="max_batch_size"):
         GenerationConfig(max_batch_size=0)
+
+
+def test_policy_logits_are_the_response_positions_of_a_full_forward(policy):
+    r = generate(policy, PROMPTS, GenerationConfig(n=2, max_new_tokens=6), PAD, EOS)
+    T = r.response_mask.shape[1]
+    with torch.no_grad():
+        full = policy(input_ids=r.input_ids, attention_mask=r.attention_mask,
+                      position_ids=r.position_ids).logits  # fmt: skip
+        logits = policy_logits(policy, r)
+    assert logits.is_contiguous() and logits.shape == (len(r), T, full.shape[-1])
+    torch.testing.assert_close(logits, full[:, -T - 1 : -1])

@@ -215,6 +215,19 @@ def _at_least_fp32(x: Tensor, tau: float = 1.0) -> Tensor:
     return x if tau == 1.0 else x / tau
 
 
+def _per_row(logits: Tensor, tau: float, chunk: int, f) -> tuple[Tensor, Tensor]:
+    """(f(rows, z, lse), lse) for each chunk of rows of (N, V) logits: z = logits / tau in
+    >= fp32 and lse = logsumexp(z) (N,); one (chunk, V) temporary at a time."""
+    out = logits.new_empty(logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.empty_like(out)
+    for i in range(0, logits.shape[0], chunk):
+        rows = slice(i, i + chunk)
+        z = _at_least_fp32(logits[rows], tau)
+        lse[rows] = torch.logsumexp(z, dim=-1)
+        out[rows] = f(rows, z, lse[rows])
+    return out, lse
+
+
 class _TokenLogProbs(torch.autograd.Function):
     """log softmax(z / tau)[label] per row of (N, V) logits, chunk by chunk in >= fp32.
 
@@ -225,13 +238,9 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, tau: float, chunk: int) -> Tensor:
-        N = logits.shape[0]
-        out = logits.new_empty(N, dtype=torch.promote_types(logits.dtype, torch.float32))
-        lse = torch.empty_like(out)
-        for i in range(0, N, chunk):
-            z = _at_least_fp32(logits[i : i + chunk], tau)
-            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
-            out[i : i + chunk] = z.gather(-1, labels[i : i + chunk, None]).squeeze(-1) - lse[i : i + chunk]
+        out, lse = _per_row(
+            logits, tau, chunk, lambda rows, z, m: z.gather(-1, labels[rows, None]).squeeze(-1) - m
+        )
         ctx.save_for_backward(logits, labels, lse)
         ctx.tau, ctx.chunk = tau, chunk
         return out
@@ -254,13 +263,9 @@ class _TokenEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, tau: float, chunk: int) -> Tensor:
-        N = logits.shape[0]
-        out = logits.new_empty(N, dtype=torch.promote_types(logits.dtype, torch.float32))
-        lse = torch.empty_like(out)
-        for i in range(0, N, chunk):
-            z = _at_least_fp32(logits[i : i + chunk], tau)
-            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
-            out[i : i + chunk] = lse[i : i + chunk] - (torch.softmax(z, dim=-1) * z).sum(-1)
+        out, lse = _per_row(
+            logits, tau, chunk, lambda rows, z, m: m - (torch.softmax(z, dim=-1) * z).sum(-1)
+        )
         ctx.save_for_backward(logits, lse, out)
         ctx.tau, ctx.chunk = tau, chunk
         return out

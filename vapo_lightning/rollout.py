@@ -203,16 +203,21 @@ def generate(
 
 def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
     """Logits over each response token, (B, T, V), in the model's dtype, not yet divided by
-    the sampling temperature (`core.logprobs_from_logits` does that in fp32)."""
-    T = r.response_mask.shape[1]
+    the sampling temperature (`core.logprobs_from_logits` does that in fp32).
+
+    Only positions P-1 .. P+T-2 (each predicts the next token, a response token) go through
+    the LM head, and the result is contiguous: slicing a (B, T+1, V) output would make the
+    log-prob functions reshape it into a second full copy.
+    """
+    L, T = r.input_ids.shape[1], r.response_mask.shape[1]
     out = policy(
         input_ids=r.input_ids,
         attention_mask=r.attention_mask,
         position_ids=r.position_ids,
-        logits_to_keep=T + 1,  # positions P-1 .. P+T-1; the last one predicts past the end
+        logits_to_keep=torch.arange(L - T - 1, L - 1, device=r.input_ids.device),
         use_cache=False,
     )
-    return out.logits[:, :-1]
+    return out.logits
 
 
 def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
