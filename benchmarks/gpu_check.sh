@@ -4,9 +4,17 @@
 #   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
 #   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape;
 #   4. probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16.
-# Python packages the machine lacks travel as wheels in .whl/ (git-ignored; see
-# benchmarks/RESULTS.md, "On a GPU", for the download commands). Results land in $OUT
-# (or ./gpu_out). Each part has its own time limit, so one hang cannot take the others.
+# Python packages the machine lacks travel as wheels in .whl/ (git-ignored), fetched where
+# a registry is reachable, for the GPU machine's Python (3.12 here):
+#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+#   pip download $P -d .whl/common datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+#     jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 math-verify==0.9.0 \
+#     latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 fsspec==2026.9.0
+#   pip download $P -d .whl/trl112 trl==1.12.0;  pip download $P -d .whl/trl116 trl==1.16.0
+# (torch, transformers, lightning, torchmetrics, tensorboard, accelerate and pyarrow were on
+# the machine.) Results land in $OUT (or ./gpu_out). Each part has its own time limit, so one
+# hang cannot take the others.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
