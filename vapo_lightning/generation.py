@@ -149,15 +149,15 @@ def gathered_weights(model: torch.nn.Module, enabled: bool = True) -> Iterator[b
     once gathered (they make no collective), True for a sharded model left sharded
     (`enabled=False`), False for a model that is not sharded. Collective: every rank enters.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if getattr(model, "_weights_gathered", False):  # nested: the outer block owns them
         yield False
         return
-    if not enabled or not units:
+    if not enabled or not getattr(model, "_is_fsdp_managed_module", False):
         yield is_lock_step(model)
         return
+    from torch.distributed.fsdp import FSDPModule  # (FSDP2, torch >= 2.6, as `shard`)
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     # Every unit (the root too: `distributed.shard` passes it reshard_after_forward, so
     # FSDP2's keep-the-root heuristic is off) keeps its weights after each forward, then
     # returns to what `distributed.shard` set (a bool; anything else: FSDP2's default).
