@@ -155,17 +155,22 @@ def test_sampling_end_to_end_matches_the_model_distribution(model):
     assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()
 
 
-def test_sampling_records_no_autograd_graph(model, monkeypatch):
-    """`sample_responses` is also called directly (benchmarks): its forwards must run without
-    autograd whatever the caller's grad mode, or the KV cache would hold a graph of every step."""
-    grad_modes = []
-    forward = model.forward
+def record_in_forwards(monkeypatch, model, probe) -> list:
+    """Calls `probe()` at every forward of `model`; returns the list the values land in."""
+    seen, forward = [], model.forward
 
     def recording_forward(*args, **kwargs):
-        grad_modes.append(torch.is_grad_enabled())
+        seen.append(probe())
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", recording_forward)
+    return seen
+
+
+def test_sampling_records_no_autograd_graph(model, monkeypatch):
+    """`sample_responses` is also called directly (benchmarks): its forwards must run without
+    autograd whatever the caller's grad mode, or the KV cache would hold a graph of every step."""
+    grad_modes = record_in_forwards(monkeypatch, model, torch.is_grad_enabled)
     ids, mask = left_pad([[5, 6, 7], [8, 9]])
     assert torch.is_grad_enabled()
     sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,
@@ -177,14 +182,7 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
     """cuDNN's attention re-planned at nearly every decoding step once rows had left the batch
     (42.8 vs 5.0 ms per step on an H200 in bf16): the sampler's forwards run without it, the
     other kernels stay as the caller set them, and the flags come back even after an error."""
-    allowed = []
-    forward = model.forward
-
-    def recording_forward(*args, **kwargs):
-        allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", recording_forward)
+    allowed = record_in_forwards(monkeypatch, model, torch.backends.cuda.cudnn_sdp_enabled)
     ids, mask = left_pad([[5, 6, 7], [8, 9]])
     assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default
     sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,

@@ -250,7 +250,8 @@ class _TokenLogProbs(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for i in range(0, logits.shape[0], ctx.chunk):
-            rows, g = slice(i, i + ctx.chunk), grad_out[i : i + ctx.chunk, None]
+            rows = slice(i, i + ctx.chunk)
+            g = grad_out[rows, None]
             d = -torch.exp(_at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]) * g
             d.scatter_add_(-1, labels[rows, None], g)
             grad[rows] = d / ctx.tau

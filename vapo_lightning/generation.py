@@ -34,7 +34,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 __all__ = ["GrowingLayer", "gathered_weights", "sample_responses", "without_cudnn_attention"]
 
 
-
 @contextlib.contextmanager
 def without_cudnn_attention() -> Iterator[None]:
     """SDPA may use any kernel the caller allows except cuDNN's (see the module docstring);
