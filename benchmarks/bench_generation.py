@@ -56,7 +56,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: both samplers under bf16 autocast (fp32 weights), as in bf16-mixed training")  # fmt: skip
     args = ap.parse_args()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     tok = load_tokenizer(str(MODEL))
     model = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
     rows = [json.loads(line) for line in PROMPTS.open()][:16]
@@ -67,11 +70,14 @@ def main() -> None:
     samplers = {"transformers generate": hf_generate, "vapo sample_responses": lean}
     workloads = {"free (stop at EOS, max 160)": (160, 0), "forced 128 tokens": (128, 128)}
     print("# Rollout sampler vs transformers generate\n")
-    print("Command: `.venv/bin/python -m benchmarks.bench_generation`  ")
+    flags = "" if args.threads == [1, 2] else " --threads " + " ".join(map(str, args.threads))
+    flags += "" if args.precision == "fp32" else f" --precision {args.precision}"
+    print(f"Command: `.venv/bin/python -m benchmarks.bench_generation{flags}`  ")
     print(f"Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
           f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}  ")  # fmt: skip
     print(f"Model: quickstart SFT policy; 16 prompts × 8 samples = {len(ids)} responses, "
-          f"temperature 1, no top-k/top-p; {args.reps} runs per cell after one warm-up, alternating.\n")  # fmt: skip
+          f"temperature 1, no top-k/top-p; {args.reps} runs per cell after one warm-up, alternating; "
+          + ("fp32.\n" if args.precision == "fp32" else "bf16 autocast around both samplers (fp32 weights).\n"))  # fmt: skip
     print("| threads | workload | sampler | s per call, min / **median** / max | generated tokens/s (median) | speed-up |")
     print("|---|---|---|---|---|---|")
     for threads in args.threads:
@@ -80,12 +86,14 @@ def main() -> None:
             times = {k: [] for k in samplers}
             counts = {k: [] for k in samplers}
             for fn in samplers.values():  # warm-up
-                fn(model, ids, mask, tok, max_new, min_new)
+                with autocast:
+                    fn(model, ids, mask, tok, max_new, min_new)
             for rep in range(args.reps):
                 for k, fn in samplers.items():
                     torch.manual_seed(rep)
                     t0 = time.perf_counter()
-                    out = fn(model, ids, mask, tok, max_new, min_new)
+                    with autocast:
+                        out = fn(model, ids, mask, tok, max_new, min_new)
                     times[k].append(time.perf_counter() - t0)
                     counts[k].append(tokens(out, tok))
             base = statistics.median(times["transformers generate"])

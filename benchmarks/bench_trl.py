@@ -43,6 +43,12 @@ SHAPES = {  # the policy's shape; critic, reward and value models share its back
                    "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 512},
 }  # fmt: skip
 TRL = {"trl_ppo": "1.12.0", "trl_grpo": "1.16.0"}
+PRECISION = {
+    "fp32": "fp32 (`bf16=False`: TRL's configs default bf16 to True)",
+    "bf16": "bf16 mixed precision in all three: fp32 weights and optimizer, bf16 autocast around "
+    "the forwards (VAPO: Lightning `precision='bf16-mixed'`; TRL: `bf16=True`, its default, "
+    "through accelerate)",
+}
 NAMES = {"vapo": "VAPO (vapo-lightning)", "trl_ppo": "TRL PPOTrainer 1.12.0",
          "trl_grpo": "TRL GRPOTrainer 1.16.0"}  # fmt: skip
 
@@ -86,7 +92,7 @@ def ensure_venv(version: str) -> None:
 
 
 def write_artefacts(
-    out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str
+    out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str, precision: str
 ) -> dict:
     """The one set of inputs all three systems load (save_pretrained, safetensors, fp32)."""
     import torch
@@ -118,7 +124,8 @@ def write_artefacts(
     rows = rows[:prompts]
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lens = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
-    bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads, "device": device}
+    bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads, "device": device,
+             "precision": precision}  # fmt: skip
     (out / "bench.json").write_text(json.dumps(bench))
     return {
         "policy_params": sum(p.numel() for p in policy.parameters()),
@@ -237,7 +244,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
       + "; generated tokens per step: " + "; ".join(f"{NAMES[s]} {tokens[s]}" for s in order) + ".")  # fmt: skip
     w(f"- One epoch, one mini-batch of {args.prompts * args.n} (one optimizer step per model per "
       "rollout), AdamW (`torch.optim.AdamW` everywhere: TRL with `optim='adamw_torch'`), grad-norm "
-      f"clipping 1.0, fp32 (`bf16=False`: TRL's configs default bf16 to True), {args.threads} torch "
+      f"clipping 1.0, {PRECISION[args.precision]}, {args.threads} torch "
       "thread(s) per child, gradient checkpointing OFF in all three (TRL's default is ON; it "
       "would add a recomputed forward to its updates).")  # fmt: skip
     w(f"- Timing: seconds from the parent's \"go\" to the end of the step, measured inside each "
@@ -356,6 +363,13 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="quickstart", help="the policy's shape")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: mixed precision in all three (fp32 weights, bf16 autocast): VAPO "
+        "--trainer.precision=bf16-mixed, TRL bf16=True (its default)",
+    )
+    p.add_argument(
         "--trl-site",
         action="append",
         default=[],
@@ -370,7 +384,7 @@ def main() -> None:
     cmd = (".venv/bin/python" if in_venv else "python3") + " benchmarks/bench_trl.py" + "".join(
         f" --{k} {getattr(args, k)}"
         for k, d in [("reps", 8), ("prompts", 16), ("n", 4), ("tokens", 128), ("threads", 1),
-                     ("shape", "quickstart"), ("device", "cpu")]
+                     ("shape", "quickstart"), ("device", "cpu"), ("precision", "fp32")]
         if getattr(args, k) != d
     )  # fmt: skip
     cmd += "".join(f" --trl-site {item}" for item in args.trl_site)
@@ -384,7 +398,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_trl_"))
     try:
         art_info = write_artefacts(
-            work, args.prompts, args.n, args.tokens, args.threads, args.shape, args.device
+            work, args.prompts, args.n, args.tokens, args.threads, args.shape, args.device,
+            args.precision,
         )
         children: dict[str, Child] = {}
         order = ["vapo", "trl_ppo", "trl_grpo"]

@@ -206,3 +206,35 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
         torch.backends.cuda.enable_flash_sdp(True)
     assert flash == [False]
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypatch):
+    """Under bf16 autocast the keys reach the cache in fp32 (rotary embedding) and SDPA cast
+    the whole cache to bf16 at every step. Stored in bf16 once: half the bytes, and the same
+    greedy tokens as the fp32 cache that SDPA casts itself. Without autocast: fp32."""
+    import vapo_lightning.generation as generation
+
+    dtypes, init = [], GrowingLayer.lazy_initialization
+
+    def recording_init(self, k, v):
+        init(self, k, v)
+        dtypes.append(self._k.dtype)
+
+    monkeypatch.setattr(GrowingLayer, "lazy_initialization", recording_init)
+    ids, mask = left_pad(PROMPTS)
+
+    def decode():
+        return sample_responses(model, ids, mask, max_new_tokens=30, min_new_tokens=30,
+                                stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+
+    decode()
+    assert dtypes and set(dtypes) == {torch.float32}
+    dtypes.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = decode()
+        assert dtypes and set(dtypes) == {torch.bfloat16}
+        monkeypatch.setattr(generation, "cache_dtype", lambda k: k.dtype)  # the old fp32 cache
+        dtypes.clear()
+        slow = decode()
+        assert set(dtypes) == {torch.float32}
+    assert torch.equal(fast, slow)

@@ -81,7 +81,7 @@ def main() -> None:
         learning_rate=1e-5,
         optim="adamw_torch",
         gradient_checkpointing=False,
-        bf16=False,
+        bf16=cfg.get("precision") == "bf16",
         fp16=False,
         use_cpu=cfg["device"] == "cpu",
         report_to="none",

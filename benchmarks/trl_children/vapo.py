@@ -64,6 +64,7 @@ def main() -> None:
         max_steps=args.steps,
         accelerator="gpu" if cfg["device"] == "cuda" else "cpu",
         devices=1,
+        precision="bf16-mixed" if cfg.get("precision") == "bf16" else "32-true",
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
