@@ -31,6 +31,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from vapo_lightning.attention import SDPA
+
 __all__ = ["ModelSpec", "build_critic", "build_policy", "load_tokenizer"]
 
 
@@ -179,6 +181,8 @@ def _saved_generation_config(path: str, model: PreTrainedModel) -> GenerationCon
 
 
 def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:
+    if model.config._attn_implementation == "sdpa":  # fp32 attention backward on the CPU
+        model.set_attn_implementation(SDPA)
     if spec is not None and spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.float()
