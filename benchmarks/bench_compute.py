@@ -1,7 +1,7 @@
 """Compute study (issue 8): the machine's matmul rate, the fraction of it VAPO's training
 phase reaches, and how the rollout step grows with response length (64 → 512 tokens).
 
-All in one process, one run: first the matmul rate (fp32, the threads torch uses), then
+All in one process, one run: first the matmul rate (fp32 and bf16, the threads torch uses), then
 VAPOModule rollout steps at each response length (fixed length: `min_new_tokens` =
 `max_new_tokens`) on the shapes of `bench_trainer.py` (Llama 3 × 256, 16 prompts × 4
 samples, one mini-batch). The training phase's FLOPs are counted by
@@ -9,6 +9,10 @@ samples, one mini-batch). The training phase's FLOPs are counted by
 (policy and critic), so the achieved rate is counted work / measured update time.
 
     .venv/bin/python benchmarks/bench_compute.py --out benchmarks/results/compute.md
+    .venv/bin/python benchmarks/bench_compute.py --precision bf16 --out benchmarks/results/compute_bf16.md
+
+`--precision bf16` trains in Lightning's bf16-mixed (fp32 weights, bf16 autocast) and measures
+the fraction of the bf16 matmul rate.
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ LENGTHS = (64, 128, 256, 512)
 PHASES = ("gen", "old_log_prob", "values", "update_critic", "update_actor")
 
 
-def matmul_rate(size: int, repeats: int = 10) -> float:
-    """Best GFLOP/s of an fp32 (size × size) @ (size × size) product."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_rate(size: int, dtype: torch.dtype = torch.float32, repeats: int = 10) -> float:
+    """Best GFLOP/s of a (size × size) @ (size × size) product in `dtype`."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -64,7 +68,7 @@ class StepRecorder(L.Callback):
                            if k.startswith("timing_s/")})  # fmt: skip
 
 
-def run(T: int, steps: int) -> tuple[VAPOModule, list[dict[str, float]]]:
+def run(T: int, steps: int, precision: str) -> tuple[VAPOModule, list[dict[str, float]]]:
     L.seed_everything(0, verbose=False)
     module = VAPOModule(
         policy=ModelSpec(config=POLICY, tokenizer=str(TOKENIZER)),
@@ -78,6 +82,7 @@ def run(T: int, steps: int) -> tuple[VAPOModule, list[dict[str, float]]]:
         train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS
     )
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        precision="bf16-mixed" if precision == "bf16" else "32-true",
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[MathReward(num_workers=1), recorder])  # fmt: skip
     trainer.fit(module, datamodule=data)
@@ -100,7 +105,7 @@ def update_flops(module: VAPOModule, T: int) -> int:
     return counter.get_total_flops()
 
 
-def plot(rows: list[dict], out_png: Path) -> None:
+def plot(rows: list[dict], out_png: Path, precision: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,7 +120,7 @@ def plot(rows: list[dict], out_png: Path) -> None:
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("response length (tokens, fixed)")
     ax.set_ylabel("seconds per rollout step (median)")
-    ax.set_title(f"VAPO rollout step vs response length ({PROMPTS}x{N} responses, CPU fp32)")
+    ax.set_title(f"VAPO rollout step vs response length ({PROMPTS}x{N} responses, CPU {precision})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
@@ -128,37 +133,44 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="markdown file (default: stdout)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (matmul and trainer)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="the trainer's: fp32, or bf16 mixed precision (bf16 autocast)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    peak = {size: matmul_rate(size) for size in (512, 1024, 2048)}
-    best = max(peak.values())
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peak = {(p, size): matmul_rate(size, dt) for p, dt in dtypes.items() for size in (512, 1024, 2048)}
+    best = max(r for (p, _), r in peak.items() if p == args.precision)
     rows = []
     for T in LENGTHS:
-        module, steps = run(T, args.steps)
+        module, steps = run(T, args.steps, args.precision)
         phases = {p: statistics.median(s.get(p, 0.0) for s in steps) for p in PHASES}
         step = statistics.median(s["step"] for s in steps)
         flops = update_flops(module, T)
         update = phases["update_critic"] + phases["update_actor"]
         rows.append({"T": T, "step": step, "phases": phases, "flops": flops, "update": update})
-    peak_after = matmul_rate(2048)
+    peak_after = matmul_rate(2048, dtypes[args.precision])
 
     out = [
         "# Compute study: matmul rate, training-phase utilisation, step time vs response length\n",
         f"Command: `.venv/bin/python benchmarks/bench_compute.py --threads {args.threads} "
-        "--out benchmarks/results/compute.md`  ",
+        + ("" if args.precision == "fp32" else f"--precision {args.precision} ")
+        + f"--out {args.out}`  ",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
         f"load average before {load_before}, after {Path('/proc/loadavg').read_text().split()[:3]}  ",
         f"Shapes: Llama 3 × 256 policy and critic, {PROMPTS} prompts × {N} samples, fixed-length "
-        f"responses, one mini-batch, fp32; median of {args.steps - 1} steps per length.\n",
-        "## Matmul rate (fp32 square products, best of 10)\n",
-        "| size | GFLOP/s |\n|---|---|",
-        *[f"| {s} | {r:.1f} |" for s, r in peak.items()],
-        f"| 2048, after the trainer runs | {peak_after:.1f} |",
+        "responses, one mini-batch, "
+        + ("fp32" if args.precision == "fp32" else "bf16 mixed precision (fp32 weights, bf16 autocast)")
+        + f"; median of {args.steps - 1} steps per length.\n",
+        "## Matmul rate (square products, best of 10)\n",
+        "| size | fp32 GFLOP/s | bf16 GFLOP/s |\n|---|---|---|",
+        *[f"| {s} | {peak['fp32', s]:.1f} | {peak['bf16', s]:.1f} |" for s in (512, 1024, 2048)],
+        "| 2048, after the trainer runs | "
+        + (f"{peak_after:.1f} | |" if args.precision == "fp32" else f" | {peak_after:.1f} |"),
         "\n## Step time by phase and training-phase utilisation\n",
         "| response tokens | step s | "
         + " | ".join(f"{p} s" for p in PHASES)
-        + " | update GFLOP | update GFLOP/s | fraction of matmul peak |",
+        + f" | update GFLOP | update GFLOP/s | fraction of the {args.precision} matmul peak |",
         "|---" * (len(PHASES) + 5) + "|",
     ]
     for r in rows:
@@ -175,12 +187,15 @@ def main() -> None:
         "forward + backward of each model (the optimiser step is not counted). One epoch over one "
         "mini-batch runs no separate no-grad forwards (pi_old and V_old come from the updates' own "
         "forwards), so old_log_prob and values are 0 here.",
-        "\n![step time vs response length](compute_step_time.png)",
+        "\n![step time vs response length](compute_step_time"
+        + ("" if args.precision == "fp32" else f"_{args.precision}")
+        + ".png)",
     ]
     text = "\n".join(out) + "\n"
     if args.out:
         args.out.write_text(text)
-        plot(rows, args.out.parent / "compute_step_time.png")
+        suffix = "" if args.precision == "fp32" else f"_{args.precision}"
+        plot(rows, args.out.parent / f"compute_step_time{suffix}.png", args.precision)
     print(text)
 
 

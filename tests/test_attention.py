@@ -1,6 +1,6 @@
 """The CPU-aware SDPA attention (`vapo_lightning.attention`): the same outputs and masks as
-transformers' SDPA, fp32 inputs to the kernel under CPU autocast while autograd records, and
-nothing of it saved with the model."""
+transformers' SDPA, an fp32 kernel under CPU autocast except while decoding, and nothing of it
+saved with the model."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import TINY_LLAMA
-from vapo_lightning.attention import SDPA
+from vapo_lightning.attention import SDPA, decoding
+from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_critic, build_policy
 
 PAD = 0
@@ -69,28 +71,42 @@ def test_fp32_outputs_and_padding_masks_equal_transformers_sdpa(models):
     torch.testing.assert_close(got[1, -2:], alone[0], rtol=1e-5, atol=1e-5)
 
 
-def test_under_cpu_autocast_the_kernel_gets_fp32_only_while_autograd_records(models, monkeypatch):
+class KernelDtypes(TorchDispatchMode):
+    """The dtypes SDPA's kernel really runs in (after autocast's casts), one set per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[set[torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.__name__ and "backward" not in func.__name__:
+            self.seen.append({a.dtype for a in args[:3]})
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_cpu_autocast_attention_runs_in_fp32_except_while_decoding(models):
+    """The forwards that give pi_old (no grad) and the update's log-probs (grad) run the same
+    fp32 kernel, so the PPO ratio starts at exactly 1; only decoding's run in bf16."""
     policy, plain = models
-    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
-
-    def recording(q, k, v, *args, **kwargs):
-        # the dtypes the kernel runs in: autocast casts q, k, v to bf16 inside the call
-        bf16 = torch.is_autocast_enabled("cpu")
-        seen.append({torch.bfloat16} if bf16 else {q.dtype, k.dtype, v.dtype})
-        return sdpa(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     ids, mask = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = policy(input_ids=ids, attention_mask=mask).logits.float().logsumexp(-1).mean()
-        assert seen and all(s == {torch.float32} for s in seen)
-        seen.clear()
-        with torch.no_grad():  # decoding, no-grad forwards: bf16 (faster forward)
+        with KernelDtypes() as k:
+            train = policy(input_ids=ids, attention_mask=mask).logits
+        assert k.seen and all(s == {torch.float32} for s in k.seen)
+        with KernelDtypes() as k, torch.no_grad():
+            old = policy(input_ids=ids, attention_mask=mask).logits
+        assert k.seen and all(s == {torch.float32} for s in k.seen)
+        assert torch.equal(train.detach(), old)
+        with KernelDtypes() as k, torch.no_grad(), decoding():
             policy(input_ids=ids, attention_mask=mask)
-        assert seen and all(s == {torch.bfloat16} for s in seen)
-        seen.clear()
-        plain(input_ids=ids, attention_mask=mask)  # transformers' SDPA: bf16 either way
-        assert seen and all(s == {torch.bfloat16} for s in seen)
+        assert k.seen and all(s == {torch.bfloat16} for s in k.seen)
+        with KernelDtypes() as k:
+            plain(input_ids=ids, attention_mask=mask)  # transformers' SDPA: bf16
+        assert k.seen and all(s == {torch.bfloat16} for s in k.seen)
+        with KernelDtypes() as k:
+            sample_responses(policy, ids, mask, max_new_tokens=2, stop_token_ids=[2], pad_token_id=PAD)
+        assert k.seen and all(s == {torch.bfloat16} for s in k.seen)  # the sampler decodes in bf16
+    loss = train.float().logsumexp(-1).mean()
     loss.backward()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)
@@ -98,3 +114,10 @@ def test_under_cpu_autocast_the_kernel_gets_fp32_only_while_autograd_records(mod
     for n, p in policy.named_parameters():  # bf16 matmuls: close to the fp32 gradients
         torch.testing.assert_close(got[n], p.grad, rtol=0.1, atol=0.05 * p.grad.abs().max().item())
     policy.zero_grad(set_to_none=True)
+
+
+def test_only_standard_model_types_use_it():
+    """Some architectures test the name "sdpa" in their own code: they keep it."""
+    gpt2 = build_policy(ModelSpec(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 32,
+                                          "n_head": 2, "n_positions": 64}), Tok())  # fmt: skip
+    assert gpt2.config._attn_implementation == "sdpa"

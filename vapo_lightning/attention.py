@@ -1,30 +1,51 @@
 """Attention for bf16 mixed precision on the CPU.
 
 Under CPU autocast, SDPA runs in bf16, and torch's bf16 flash-attention *backward* on the CPU
-is slower than the fp32 one: in one actor update of the TRL benchmark's shapes (64 × 183
-tokens, 1 thread) it took 535 ms against 233 ms, and the whole update 1.86 s against 1.41 s
-with attention in fp32 (`benchmarks/results/trl_bf16.md`). `SDPA` below is transformers'
-SDPA attention, except that on the CPU, under autocast, while autograd records, it runs in
-fp32 (faster there, and more accurate). Everywhere else (GPUs, fp32 training, no-grad
-forwards such as decoding, whose bf16 forward is faster) it is transformers' own function.
+is slower than the fp32 one (535 against 233 ms in a torch profile of one actor update at the
+TRL benchmark's shapes, 64 × 183 tokens). The whole update with attention in fp32: 1.50 ->
+1.18 s with 2 threads, 2.57 -> 2.12 s with 1 (`python benchmarks/probe_attention_cpu.py`,
+`benchmarks/results/attention_cpu.md`). `SDPA` below is transformers' SDPA attention,
+except that on the CPU under autocast it runs in fp32 (faster there for training, and more
+accurate), in every forward but decoding's: the sampler's single-token forwards only read the
+KV cache, and bf16 halves the bytes they read (`decoding()`). So the forwards that give
+pi_old, V and the updates' log-probs all use the same kernel, whatever the grad mode.
+On GPUs, and without autocast, it is transformers' own function.
 
-`models._finish` selects it for every model whose attention is transformers' SDPA. The choice
-is not saved with the model (`save_pretrained` writes no attention implementation).
+`models._finish` selects it for the model types listed in `STANDARD_SDPA` (their modeling code
+calls attention only through transformers' interface; some others test the name "sdpa"
+themselves). The choice is not saved with the model (`save_pretrained` writes none).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["SDPA", "sdpa_fp32_backward_on_cpu"]
+__all__ = ["SDPA", "STANDARD_SDPA", "decoding", "sdpa_fp32_on_cpu"]
 
 SDPA = "vapo_sdpa"
+STANDARD_SDPA = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+_decoding = contextvars.ContextVar("vapo_decoding", default=False)
 
 
-def sdpa_fp32_backward_on_cpu(
+@contextlib.contextmanager
+def decoding() -> Iterator[None]:
+    """Forwards inside run attention in the autocast dtype (the sampler's)."""
+    token = _decoding.set(True)
+    try:
+        yield
+    finally:
+        _decoding.reset(token)
+
+
+def sdpa_fp32_on_cpu(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -33,8 +54,8 @@ def sdpa_fp32_backward_on_cpu(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """(B, H, L, D) query, key and value -> (B, L, H, D) attention output, as transformers'
-    `sdpa_attention_forward`; in fp32 on the CPU under autocast while autograd records."""
-    if query.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
+    `sdpa_attention_forward`; in fp32 on the CPU under autocast, except while decoding."""
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not _decoding.get():
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention_forward(
                 module, query.float(), key.float(), value.float(), attention_mask, **kwargs
@@ -42,5 +63,5 @@ def sdpa_fp32_backward_on_cpu(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-AttentionInterface.register(SDPA, sdpa_fp32_backward_on_cpu)
+AttentionInterface.register(SDPA, sdpa_fp32_on_cpu)
 AttentionMaskInterface.register(SDPA, sdpa_mask)  # the same masks as "sdpa"

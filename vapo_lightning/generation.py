@@ -31,6 +31,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from vapo_lightning.attention import decoding
+
 __all__ = ["GrowingLayer", "gathered_weights", "sample_responses", "without_cudnn_attention"]
 
 
@@ -116,15 +118,17 @@ class GrowingLayer(CacheLayerMixin):
 
 def cache_dtype(key_states: Tensor) -> torch.dtype:
     """Under autocast (bf16-mixed) a Llama's keys come out of the rotary embedding in fp32,
-    and SDPA casts the whole cache to the autocast dtype at every step: 36 % of a bf16
-    decoding step on the CPU (`benchmarks/results/trl_bf16.md`). Stored in that dtype once,
-    the attention reads the same values and half the bytes. Otherwise: the keys' dtype."""
+    and SDPA cast the whole key cache to the autocast dtype at every step: 36 % of the
+    sampler's CPU time (`benchmarks/results/generation_bf16.md`). Stored in that dtype once,
+    attention reads the same values and half the key bytes (values already come out of
+    `v_proj` in it). Otherwise, and on devices without autocast: the keys' dtype."""
     device = key_states.device.type
-    if key_states.is_floating_point() and torch.is_autocast_enabled(device):
-        low = torch.get_autocast_dtype(device)
-        if low.itemsize < key_states.dtype.itemsize:
-            return low
-    return key_states.dtype
+    try:
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except RuntimeError:  # a device type autocast does not know (e.g. mps on torch 2.4)
+        low = None
+    wider = key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
+    return low if wider else key_states.dtype
 
 
 def next_tokens(logits: Tensor, temperature: float, top_p: float) -> Tensor:
@@ -207,6 +211,7 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
 
 @torch.no_grad()
 @without_cudnn_attention()
+@decoding()  # attention in the autocast dtype, like the cache (`attention.py`)
 def sample_responses(
     model: PreTrainedModel,
     input_ids: Tensor,

@@ -31,7 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from vapo_lightning.attention import SDPA
+from vapo_lightning.attention import SDPA, STANDARD_SDPA
 
 __all__ = ["ModelSpec", "build_critic", "build_policy", "load_tokenizer"]
 
@@ -181,8 +181,9 @@ def _saved_generation_config(path: str, model: PreTrainedModel) -> GenerationCon
 
 
 def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:
-    if model.config._attn_implementation == "sdpa":  # fp32 attention backward on the CPU
-        model.set_attn_implementation(SDPA)
+    cfg = model.config
+    if cfg._attn_implementation == "sdpa" and cfg.model_type in STANDARD_SDPA:
+        model.set_attn_implementation(SDPA)  # fp32 attention on the CPU under autocast
     if spec is not None and spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.float()
