@@ -46,8 +46,10 @@ TRL = {"trl_ppo": "1.12.0", "trl_grpo": "1.16.0"}
 PRECISION = {
     "fp32": "fp32 (`bf16=False`: TRL's configs default bf16 to True)",
     "bf16": "bf16 mixed precision in all three: fp32 weights and optimizer, bf16 autocast around "
-    "the forwards (VAPO: Lightning `precision='bf16-mixed'`; TRL: `bf16=True`, its default, "
-    "through accelerate)",
+    "every forward (VAPO: Lightning `precision='bf16-mixed'`; TRL: `bf16=True`, its default, "
+    "through accelerate; that reaches only the forward of the model accelerate prepared, so TRL "
+    "PPO's generation and reference, reward and value forwards would stay fp32: its child runs "
+    "the whole step under `torch.autocast` as well)",
 }
 NAMES = {"vapo": "VAPO (vapo-lightning)", "trl_ppo": "TRL PPOTrainer 1.12.0",
          "trl_grpo": "TRL GRPOTrainer 1.16.0"}  # fmt: skip

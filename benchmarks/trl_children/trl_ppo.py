@@ -113,7 +113,12 @@ def main() -> None:
         train_dataset=dataset,
         callbacks=[Report()],
     )
-    trainer.train()
+    # bf16=True autocasts only the forward of the model accelerate prepared (the policy-and-value
+    # wrapper: the training forward); generation and the reference, reward and value rollout
+    # forwards call its submodules directly and would stay fp32. The whole step runs under
+    # autocast here, as in the other two systems, so that all of them do the same work in bf16.
+    with torch.autocast(cfg["device"], dtype=torch.bfloat16, enabled=cfg.get("precision") == "bf16"):
+        trainer.train()
 
 
 if __name__ == "__main__":
