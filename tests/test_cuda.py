@@ -121,3 +121,36 @@ def test_bf16_fit_on_cuda_updates_both_models(tok, tmp_path):
     assert 0.0 <= module.initial_val_accuracy <= 1.0  # scored before training, on the GPU
     (val,) = trainer.validate(module, datamodule=data, verbose=False)
     assert 0.0 <= val["val/accuracy"] <= 1.0
+
+
+def test_bf16_autocast_decoding_keeps_a_bf16_cache_on_cuda(tok, monkeypatch):
+    """The CPU test of the same name in test_generation.py, on the GPU: under CUDA autocast
+    the cache is bf16 and greedy tokens equal those of the fp32 cache SDPA casts itself."""
+    import vapo_lightning.generation as generation
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(str(tok))
+    policy = build_policy(ModelSpec(config=TINY_LLAMA), tokenizer).eval().cuda()
+    enc = tokenizer([f"What is {a} + 2?" for a in range(6)], return_tensors="pt", padding=True,
+                    padding_side="left").to("cuda")  # fmt: skip
+    dtypes, init = [], generation.GrowingLayer.lazy_initialization
+
+    def recording_init(self, k, v):
+        init(self, k, v)
+        dtypes.append(self._k.dtype)
+
+    monkeypatch.setattr(generation.GrowingLayer, "lazy_initialization", recording_init)
+
+    def decode():
+        return sample_responses(policy, enc.input_ids, enc.attention_mask, max_new_tokens=16,
+                                min_new_tokens=16, stop_token_ids=[tokenizer.eos_token_id],
+                                pad_token_id=tokenizer.pad_token_id, temperature=0.0)  # fmt: skip
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fast = decode()
+        assert set(dtypes) == {torch.bfloat16}
+        monkeypatch.setattr(generation, "cache_dtype", lambda k: k.dtype)
+        dtypes.clear()
+        slow = decode()
+        assert set(dtypes) == {torch.float32}
+    assert torch.equal(fast, slow)
