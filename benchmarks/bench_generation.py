@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from vapo_lightning.attention import decoding
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
@@ -30,6 +31,11 @@ PROMPTS = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
 
 
 def hf_generate(model, ids, mask, tok, max_new, min_new):
+    with decoding():  # attention as transformers' own SDPA runs it (bf16 under autocast)
+        return _generate(model, ids, mask, tok, max_new, min_new)
+
+
+def _generate(model, ids, mask, tok, max_new, min_new):
     out = model.generate(
         input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
         max_new_tokens=max_new, min_new_tokens=min_new or None,

@@ -316,6 +316,15 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
         "`generate` in `benchmarks/results/generation.md`); both TRL trainers call `transformers`' "
         "`generate`. This is part of what is compared: each system's own rollout path."
     )
+    if args.precision == "bf16":
+        w(
+            "- **Attention under bf16 autocast**: VAPO's models run attention in fp32 on the CPU in "
+            "every forward but decoding's (`vapo_lightning/attention.py`: torch's bf16 "
+            "flash-attention backward is the slower one there) and keep the sampler's KV cache "
+            "in bf16 (`generation.cache_dtype`); both TRL trainers run transformers' SDPA as it "
+            "comes (bf16 under autocast, an fp32 key cache cast at every decoding step). These "
+            "are VAPO's own optimisations, compared as part of each system's path."
+        )
     w(
         "- Rewards: VAPO runs its MathReward (math-verify in 1 worker process; random-init responses "
         "hold no `\\boxed{}`, so it reduces to answer extraction); GRPO a regex `\\boxed{}` check in "

@@ -69,6 +69,13 @@ def test_fp32_outputs_and_padding_masks_equal_transformers_sdpa(models):
         alone = policy(input_ids=ids[1:2, -2:]).logits  # row 1 without its padding
     assert torch.equal(got, want)
     torch.testing.assert_close(got[1, -2:], alone[0], rtol=1e-5, atol=1e-5)
+    # Under CPU autocast (the fp32 branch with its own casts): a padded row still attends to
+    # its own tokens only, and the output is close to fp32 (bf16 matmuls around it).
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        mixed_alone = policy(input_ids=ids[1:2, -2:]).logits.float()
+    torch.testing.assert_close(mixed[1, -2:], mixed_alone[0], rtol=0.02, atol=0.02)
+    torch.testing.assert_close(mixed, got, rtol=0.05, atol=0.05 * got.abs().max().item())
 
 
 class KernelDtypes(TorchDispatchMode):
@@ -86,7 +93,8 @@ class KernelDtypes(TorchDispatchMode):
 
 def test_under_cpu_autocast_attention_runs_in_fp32_except_while_decoding(models):
     """The forwards that give pi_old (no grad) and the update's log-probs (grad) run the same
-    fp32 kernel, so the PPO ratio starts at exactly 1; only decoding's run in bf16."""
+    fp32 kernel (the dtype checks; choosing by grad mode would fail them), and decoding's run in
+    bf16. The logits-equality and gradient checks are sanity checks, not proof of the kernel."""
     policy, plain = models
     ids, mask = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):

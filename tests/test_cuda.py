@@ -124,7 +124,8 @@ def test_bf16_fit_on_cuda_updates_both_models(tok, tmp_path):
 
 
 def test_bf16_autocast_decoding_keeps_a_bf16_cache_on_cuda(tok, monkeypatch):
-    """The CPU test of the same name in test_generation.py, on the GPU: under CUDA autocast
+    """test_generation.py's `test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype` on
+    the GPU (never run on one yet: run it on the next lent GPU): under CUDA autocast
     the cache is bf16 and greedy tokens equal those of the fp32 cache SDPA casts itself."""
     import vapo_lightning.generation as generation
 

@@ -37,7 +37,8 @@ _decoding = contextvars.ContextVar("vapo_decoding", default=False)
 
 @contextlib.contextmanager
 def decoding() -> Iterator[None]:
-    """Forwards inside run attention in the autocast dtype (the sampler's)."""
+    """Forwards inside run attention in the autocast dtype (the sampler's). A context
+    variable: threads started inside do not inherit it."""
     token = _decoding.set(True)
     try:
         yield
