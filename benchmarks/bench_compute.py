@@ -150,12 +150,13 @@ def main() -> None:
         update = phases["update_critic"] + phases["update_actor"]
         rows.append({"T": T, "step": step, "phases": phases, "flops": flops, "update": update})
     peak_after = matmul_rate(2048, dtypes[args.precision])
+    suffix = "" if args.precision == "fp32" else f"_{args.precision}"  # of the plot's file
 
     out = [
         "# Compute study: matmul rate, training-phase utilisation, step time vs response length\n",
         f"Command: `.venv/bin/python benchmarks/bench_compute.py --threads {args.threads} "
         + ("" if args.precision == "fp32" else f"--precision {args.precision} ")
-        + f"--out {args.out}`  ",
+        + (f"--out {args.out}`  " if args.out else "`  "),
         f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
         f"load average before {load_before}, after {Path('/proc/loadavg').read_text().split()[:3]}  ",
         f"Shapes: Llama 3 × 256 policy and critic, {PROMPTS} prompts × {N} samples, fixed-length "
@@ -187,14 +188,11 @@ def main() -> None:
         "forward + backward of each model (the optimiser step is not counted). One epoch over one "
         "mini-batch runs no separate no-grad forwards (pi_old and V_old come from the updates' own "
         "forwards), so old_log_prob and values are 0 here.",
-        "\n![step time vs response length](compute_step_time"
-        + ("" if args.precision == "fp32" else f"_{args.precision}")
-        + ".png)",
+        f"\n![step time vs response length](compute_step_time{suffix}.png)",
     ]
     text = "\n".join(out) + "\n"
     if args.out:
         args.out.write_text(text)
-        suffix = "" if args.precision == "fp32" else f"_{args.precision}"
         plot(rows, args.out.parent / f"compute_step_time{suffix}.png", args.precision)
     print(text)
 

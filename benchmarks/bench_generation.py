@@ -32,16 +32,11 @@ PROMPTS = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
 
 def hf_generate(model, ids, mask, tok, max_new, min_new):
     with decoding():  # attention as transformers' own SDPA runs it (bf16 under autocast)
-        return _generate(model, ids, mask, tok, max_new, min_new)
-
-
-def _generate(model, ids, mask, tok, max_new, min_new):
-    out = model.generate(
-        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=max_new, min_new_tokens=min_new or None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )[:, ids.shape[1] :]  # fmt: skip
-    return out
+        return model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=max_new, min_new_tokens=min_new or None,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )[:, ids.shape[1] :]  # fmt: skip
 
 
 def lean(model, ids, mask, tok, max_new, min_new):

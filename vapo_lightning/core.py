@@ -251,10 +251,10 @@ class _TokenLogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for i in range(0, logits.shape[0], ctx.chunk):
             rows = slice(i, i + ctx.chunk)
-            g = grad_out[rows, None]
+            g = grad_out[rows, None] / ctx.tau  # (chunk, 1): the 1/tau of dz/dlogits
             d = -torch.exp(_at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]) * g
             d.scatter_add_(-1, labels[rows, None], g)
-            grad[rows] = d / ctx.tau
+            grad[rows] = d
         return grad, None, None, None
 
 
@@ -278,8 +278,8 @@ class _TokenEntropy(torch.autograd.Function):
         for i in range(0, logits.shape[0], ctx.chunk):
             rows = slice(i, i + ctx.chunk)
             logp = _at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]
-            d = -torch.exp(logp) * (logp + entropy[rows, None]) * grad_out[rows, None]
-            grad[rows] = d / ctx.tau
+            g = grad_out[rows, None] / ctx.tau
+            grad[rows] = -torch.exp(logp) * (logp + entropy[rows, None]) * g
         return grad, None, None
 
 

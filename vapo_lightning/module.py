@@ -242,7 +242,7 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
     @torch.no_grad()
     def compute_old_logprobs(self, r: Rollout) -> None:
         self.policy.eval()
-        temperature = self.gen.temperature or 1.0
+        temperature = self.logprob_temperature
         r.old_logprobs, r.entropy = self.per_token(r), self.per_token(r)
         r.ref_logprobs = self.per_token(r) if self.ref_policy is not None else None
         for idx, micro in self.micro_batches(r):

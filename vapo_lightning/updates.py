@@ -131,7 +131,7 @@ class PPOUpdates:
             else self.global_sum(torch.tensor(len(mb), device=mask.device))
         )
         n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
-        temperature = self.gen.temperature or 1.0  # the sampling distribution's (0: greedy)
+        temperature = self.logprob_temperature
         if fresh:
             mb.old_logprobs, mb.entropy = self.per_token(mb), self.per_token(mb)
         micros = list(self.micro_batches(mb))
@@ -212,6 +212,12 @@ class PPOUpdates:
                 "model.optim learning rates or model.optim.max_grad_norm, check rewards and data, then "
                 f"resume with --ckpt_path {path}."
             )
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the rollouts were sampled from, which log-probs
+        and entropies are taken under (greedy sampling, 0: the plain softmax, 1)."""
+        return self.gen.temperature or 1.0
 
     @staticmethod
     def per_token(r: Rollout) -> Tensor:

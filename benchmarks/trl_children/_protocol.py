@@ -29,15 +29,6 @@ def common_setup(threads: int) -> None:
     torch.manual_seed(0)
 
 
-def device_versions(device: str) -> dict[str, str]:
-    """The GPU's name and CUDA version, where the benchmark runs on one."""
-    if device != "cuda":
-        return {}
-    import torch
-
-    return {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
-
-
 class StepDriver:
     def __init__(self, total: int, static: dict[str, Any] | None = None) -> None:
         self.total, self.static = total, static or {}
@@ -71,7 +62,13 @@ class StepDriver:
         self.t0 = time.perf_counter()
 
 
-def versions(*names: str) -> dict[str, str]:
+def versions(*names: str, device: str = "cpu") -> dict[str, dict[str, str]]:
+    """The packages' versions, and the GPU's name and CUDA version where it runs on one."""
     from importlib.metadata import version
 
-    return {"versions": {n: version(n) for n in names}}
+    out = {n: version(n) for n in names}
+    if device == "cuda":
+        import torch
+
+        out.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
+    return {"versions": out}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _protocol import StepDriver, common_setup, device_versions, versions
+from _protocol import StepDriver, common_setup, versions
 
 
 def main() -> None:
@@ -48,8 +48,7 @@ def main() -> None:
         {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
     )
 
-    static = versions("torch", "transformers", "trl", "accelerate")
-    static["versions"].update(device_versions(cfg["device"]))
+    static = versions("torch", "transformers", "trl", "accelerate", device=cfg["device"])
     driver = StepDriver(args.steps, static)
 
     class Report(TrainerCallback):

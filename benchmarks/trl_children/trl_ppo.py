@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _protocol import StepDriver, common_setup, device_versions, versions
+from _protocol import StepDriver, common_setup, versions
 
 
 def main() -> None:
@@ -63,8 +63,7 @@ def main() -> None:
     ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in prompts]
     dataset = Dataset.from_dict({"input_ids": [x for x in ids for _ in range(n)]})  # prompts × n
 
-    static = versions("torch", "transformers", "trl", "accelerate")
-    static["versions"].update(device_versions(cfg["device"]))
+    static = versions("torch", "transformers", "trl", "accelerate", device=cfg["device"])
     driver = StepDriver(args.steps, static)
 
     class Report(TrainerCallback):

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from _protocol import StepDriver, common_setup, device_versions, versions
+from _protocol import StepDriver, common_setup, versions
 
 
 def main() -> None:
@@ -32,8 +32,7 @@ def main() -> None:
     from vapo_lightning.rollout import GenerationConfig
 
     batch, T = cfg["prompts"] * cfg["n"], cfg["max_new_tokens"]
-    static = versions("torch", "transformers", "lightning")
-    static["versions"].update(device_versions(cfg["device"]))
+    static = versions("torch", "transformers", "lightning", device=cfg["device"])
     driver = StepDriver(args.steps, static)
 
     class Report(L.Callback):
