@@ -94,7 +94,8 @@ def ensure_venv(version: str) -> None:
 
 
 def write_artefacts(
-    out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str, precision: str
+    out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str, precision: str,
+    compile: bool = False,
 ) -> dict:
     """The one set of inputs all three systems load (save_pretrained, safetensors, fp32)."""
     import torch
@@ -127,7 +128,7 @@ def write_artefacts(
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lens = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
     bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads, "device": device,
-             "precision": precision}  # fmt: skip
+             "precision": precision, "compile": compile}  # fmt: skip
     (out / "bench.json").write_text(json.dumps(bench))
     return {
         "policy_params": sum(p.numel() for p in policy.parameters()),
@@ -249,6 +250,15 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
       f"clipping 1.0, {PRECISION[args.precision]}, {args.threads} torch "
       "thread(s) per child, gradient checkpointing OFF in all three (TRL's default is ON; it "
       "would add a recomputed forward to its updates).")  # fmt: skip
+    if args.compile:
+        w("- `torch.compile` in all three, each through its own switch (the compile itself happens "
+          "in the discarded warm-up step): VAPO `VAPOModule(torch_compile=True)` compiles the policy "
+          "and the critic for every forward but the sampler's; TRL `torch_compile=True` makes "
+          "accelerate compile the model it prepares (GRPO: the policy). PPOTrainer 1.12 ignores "
+          "that flag (it builds its own Accelerator without the Trainer's dynamo plugin), so its "
+          "child sets accelerate's `ACCELERATE_DYNAMO_BACKEND=inductor`, which compiles the "
+          "policy-and-value wrapper's training forward. `generate` and PPO's reference, reward "
+          "and rollout value forwards run eager there.")  # fmt: skip
     w(f"- Timing: seconds from the parent's \"go\" to the end of the step, measured inside each "
       "child (process start-up and model loading excluded; the trainer loop's work between "
       f"steps included). {args.reps} measured steps per system after one discarded warm-up step, "
@@ -381,6 +391,12 @@ def main() -> None:
         "--trainer.precision=bf16-mixed, TRL bf16=True (its default)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile in all three, through each system's own switch: VAPO "
+        "--model.torch_compile=true, TRL torch_compile=True",
+    )
+    p.add_argument(
         "--trl-site",
         action="append",
         default=[],
@@ -397,7 +413,7 @@ def main() -> None:
         for k, d in [("reps", 8), ("prompts", 16), ("n", 4), ("tokens", 128), ("threads", 1),
                      ("shape", "quickstart"), ("device", "cpu"), ("precision", "fp32")]
         if getattr(args, k) != d
-    )  # fmt: skip
+    ) + (" --compile" if args.compile else "")  # fmt: skip
     cmd += "".join(f" --trl-site {item}" for item in args.trl_site)
     sites = dict(item.split("=", 1) for item in args.trl_site)
     if unknown := set(sites) - set(TRL):
@@ -410,7 +426,7 @@ def main() -> None:
     try:
         art_info = write_artefacts(
             work, args.prompts, args.n, args.tokens, args.threads, args.shape, args.device,
-            args.precision,
+            args.precision, args.compile,
         )
         children: dict[str, Child] = {}
         order = ["vapo", "trl_ppo", "trl_grpo"]

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from vapo_lightning.attention import decoding
 
-__all__ = ["GrowingLayer", "gathered_weights", "sample_responses", "without_cudnn_attention"]
+__all__ = ["GrowingLayer", "eager", "gathered_weights", "sample_responses", "without_cudnn_attention"]
 
 
 @contextlib.contextmanager
@@ -114,6 +114,19 @@ class GrowingLayer(CacheLayerMixin):
         raise NotImplementedError("GrowingLayer is a decoding cache: no beam search, crop or offload")
 
     reorder_cache = crop = offload = prefetch = reset = _unsupported
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Forwards inside run eagerly even when the model is compiled (`VAPOModule(torch_compile=
+    True)`): a decoding step's cache length changes at every call, so a compiled forward would
+    recompile at each one until dynamo gave up. No-op before torch 2.6 (no `set_stance`)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
 
 
 def cache_dtype(key_states: Tensor) -> torch.dtype:
@@ -212,6 +225,7 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
 @torch.no_grad()
 @without_cudnn_attention()
 @decoding()  # attention in the autocast dtype, like the cache (`attention.py`)
+@eager()  # never compiled (`eager`)
 def sample_responses(
     model: PreTrainedModel,
     input_ids: Tensor,

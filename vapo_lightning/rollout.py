@@ -119,9 +119,9 @@ class Rollout:
         P = self.prompt_length
         first = int((self.attention_mask[:, :P].sum(0) > 0).long().argmax()) if P else 0
         T = int(self.response_lengths.max())
-        out = {
-            "input_ids": self.input_ids[:, first : P + T],
-            "attention_mask": self.attention_mask[:, first : P + T],
+        out = {  # contiguous: a compiled forward (torch_compile) guards on the strides
+            "input_ids": self.input_ids[:, first : P + T].contiguous(),
+            "attention_mask": self.attention_mask[:, first : P + T].contiguous(),
         }
         for f in fields(self):
             value = getattr(self, f.name)

@@ -81,6 +81,7 @@ def main() -> None:
         optim="adamw_torch",
         gradient_checkpointing=False,
         bf16=cfg.get("precision") == "bf16",
+        torch_compile=cfg.get("compile", False),
         fp16=False,
         use_cpu=cfg["device"] == "cpu",
         report_to="none",

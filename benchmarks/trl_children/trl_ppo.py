@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def main() -> None:
         optim="adamw_torch",
         gradient_checkpointing=False,
         bf16=cfg.get("precision") == "bf16",
+        torch_compile=cfg.get("compile", False),
         fp16=False,
         use_cpu=cfg["device"] == "cpu",
         report_to="none",
@@ -102,6 +104,12 @@ def main() -> None:
         seed=0,
         dataloader_num_workers=0,
     )
+    if cfg.get("compile"):
+        # PPOTrainer builds its own Accelerator, without the Trainer's dynamo plugin: with
+        # accelerate >= 1.2, torch_compile=True alone compiles nothing (warm-up 8 s, checked).
+        # accelerate's own variable, which that flag used to set, makes prepare() compile the
+        # policy-and-value wrapper, as GRPOTrainer's flag compiles its model.
+        os.environ["ACCELERATE_DYNAMO_BACKEND"] = "inductor"
     trainer = PPOTrainer(
         args=config,
         processing_class=tok,

@@ -57,6 +57,7 @@ def main() -> None:
         generation=GenerationConfig(n=cfg["n"], max_new_tokens=T, min_new_tokens=T),
         optim=Optim(actor_lr=1e-5, critic_lr=1e-5, warmup_steps=0),
         val_before_train=False,
+        torch_compile=cfg.get("compile", False),
     )
     data = PromptDataModule(train=str(art / "prompts.jsonl"), prompts_per_step=cfg["prompts"])
     trainer = L.Trainer(
