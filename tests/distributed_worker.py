@@ -22,6 +22,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch._dynamo.utils import counters
 
 import vapo_lightning.module as vapo_module
 from tests.helpers import TINY_LLAMA
@@ -70,7 +71,9 @@ def scripted_generate(policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=Non
     )
 
 
-def main(out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool) -> None:
+def main(
+    out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool, compiled: bool
+) -> None:
     vapo_module.generate = scripted_generate
     if broken:  # negative control: per-rank normalisers, as if nothing were all-reduced
         vapo_module.VAPOModule.global_sum = lambda self, x: x.float()
@@ -83,6 +86,7 @@ def main(out: Path, train: str, tokenizer: str, strategy: str, devices: int, bro
         generation=GenerationConfig(n=N, max_new_tokens=MAX_NEW),
         optim=Optim(actor_lr=1e-3, critic_lr=1e-3, warmup_steps=0),
         val_before_train=False,
+        torch_compile=compiled,
     )
     data = PromptDataModule(train=train, prompts_per_step=per_rank)
     trainer = L.Trainer(
@@ -105,8 +109,10 @@ def main(out: Path, train: str, tokenizer: str, strategy: str, devices: int, bro
     if trainer.is_global_zero:
         torch.save(weights, Path(out) / "weights.pt")
         metrics = {k: float(v) for k, v in trainer.logged_metrics.items()}
+        metrics["dynamo_calls_captured"] = counters["stats"]["calls_captured"]  # torch_compile
         (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5], int(sys.argv[5]), broken=sys.argv[6:] == ["--local-normalisers"])
+    flags = sys.argv[6:]
+    main(*sys.argv[1:5], int(sys.argv[5]), "--local-normalisers" in flags, "--compile" in flags)

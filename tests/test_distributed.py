@@ -241,6 +241,22 @@ def test_two_ranks_update_like_one_process_on_the_same_global_batch(parity_input
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compiled_two_ranks_update_like_one_eager_process(parity_inputs, strategy):
+    """`torch_compile=True` under ddp / fsdp (the models compiled after `parallelize`, hooks
+    included): the same step as the eager single process, at the test above's tolerances."""
+    ref, ref_metrics = one_update(parity_inputs, "single", 1)
+    got, metrics = one_update(parity_inputs, strategy, 2, "--compile")
+    assert metrics["dynamo_calls_captured"] > 0  # the forwards ran compiled
+    assert ref_metrics["dynamo_calls_captured"] == 0
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-5, msg=name)
+    for key in ["critic/grad_norm", "actor/grad_norm", "critic/vf_loss", "actor/nll_loss",
+                "actor/entropy", "response_length/mean"]:  # fmt: skip
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5), key
+
+
+@pytest.mark.slow
 def test_parity_check_fails_when_normalisers_are_per_rank(parity_inputs):
     ref, _ = one_update(parity_inputs, "single", 1)
     got, _ = one_update(parity_inputs, "ddp", 2, "--local-normalisers")
