@@ -6,16 +6,19 @@ compile included, is reported on its own.
     .venv/bin/python benchmarks/probe_compile_cpu.py > benchmarks/results/compile_cpu.md
 
 Shapes: `probe_attention_cpu.py`'s (the `quickstart` policy, 64 rows of 55 prompt + 128
-response tokens), 1 torch thread. A fresh model per case; inductor's on-disk cache
-(/tmp/torchinductor_<user>) may shorten the compile of a later run.
+response tokens), 1 torch thread. A fresh model per case, and a fresh, empty inductor
+cache for the run (so "first compiled update" is a cold compile of the policy, plus its update).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,6 +36,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
+    cache = tempfile.mkdtemp(prefix="probe_compile_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read at compile time: cold compiles
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     torch.set_num_threads(1)
     tok = load_tokenizer(str(TOKENIZER))
     torch.manual_seed(0)

@@ -109,7 +109,7 @@ def main(
     if trainer.is_global_zero:
         torch.save(weights, Path(out) / "weights.pt")
         metrics = {k: float(v) for k, v in trainer.logged_metrics.items()}
-        metrics["dynamo_calls_captured"] = counters["stats"]["calls_captured"]  # torch_compile
+        metrics["dynamo_graphs"] = counters["stats"]["unique_graphs"]  # torch_compile
         (Path(out) / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
 
 

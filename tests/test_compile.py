@@ -30,12 +30,16 @@ def captured() -> int:
     return dynamo_utils.counters["stats"]["calls_captured"]
 
 
-def fit_metrics(tok, root, torch_compile: bool) -> dict[str, list[float]]:
+def graphs() -> int:
+    """Distinct graphs dynamo has compiled since the last reset."""
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def fit_metrics(tok, root, torch_compile: bool, algorithm: Algorithm) -> dict[str, list[float]]:
     L.seed_everything(3)
     module = tiny_module(
         tok,
-        # one epoch over one mini-batch with two micro-batches: both models' grad forwards
-        algorithm=Algorithm(mini_batch_size=16, micro_batch_size=8),
+        algorithm=algorithm,
         generation=GenerationConfig(n=4, max_new_tokens=10),
         torch_compile=torch_compile,
     )
@@ -52,18 +56,40 @@ def fit_metrics(tok, root, torch_compile: bool) -> dict[str, list[float]]:
     return seen
 
 
-def test_compiled_updates_match_eager(tok, tmp_path):
-    eager = fit_metrics(tok, tmp_path / "eager", torch_compile=False)
+@pytest.mark.parametrize(
+    "algorithm,min_graphs",
+    [
+        # one epoch over one mini-batch of two micro-batches: the updates' forwards give pi_old
+        # and V_old; a grad graph per model
+        (Algorithm(mini_batch_size=16, micro_batch_size=8), 2),
+        # two epochs over two mini-batches: pi_old and V_old from no-grad eval forwards first,
+        # then a grad graph per model
+        (Algorithm(mini_batch_size=8, micro_batch_size=4, ppo_epochs=2), 4),
+    ],
+    ids=["one-pass", "epochs"],
+)
+def test_compiled_updates_match_eager(tok, tmp_path, algorithm, min_graphs):
+    eager = fit_metrics(tok, tmp_path / "eager", False, algorithm)
     assert captured() == 0
-    compiled = fit_metrics(tok, tmp_path / "compiled", torch_compile=True)
-    assert captured() > 0  # the training forwards ran compiled
+    compiled = fit_metrics(tok, tmp_path / "compiled", True, algorithm)
+    assert graphs() >= min_graphs  # both models' forwards ran compiled
     # Same rollouts (the sampler is eager in both), and the first step's losses and
     # gradient norms equal up to the compiled kernels' float reassociation.
     for key in ("response_length/mean", "critic/score/mean"):
         assert compiled[key] == eager[key], key
     for key in ("critic/vf_loss", "actor/pg_loss", "actor/nll_loss", "actor/entropy",
-                "actor/grad_norm", "critic/grad_norm"):  # fmt: skip
+                "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl"):  # fmt: skip
         assert compiled[key][0] == pytest.approx(eager[key][0], rel=1e-4, abs=1e-6), key
+
+
+def test_bf16_compiled_forward_is_one_graph(tok):
+    """Under CPU autocast `attention.sdpa_fp32_on_cpu` asks whether the sampler is decoding;
+    a compiled forward must not read that context variable (a graph break per layer)."""
+    model = build_policy(ModelSpec(config=TINY_LLAMA), load_tokenizer(str(tok)))
+    ids = torch.randint(5, 100, (2, 10))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
 def test_sampler_never_traces_a_compiled_model(tok):

@@ -244,16 +244,19 @@ def test_two_ranks_update_like_one_process_on_the_same_global_batch(parity_input
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_compiled_two_ranks_update_like_one_eager_process(parity_inputs, strategy):
     """`torch_compile=True` under ddp / fsdp (the models compiled after `parallelize`, hooks
-    included): the same step as the eager single process, at the test above's tolerances."""
+    included): the same step as the eager single process. Parameters at the test above's
+    tolerance; losses and gradient norms at rel 1e-4, as in tests/test_compile.py (compiled
+    kernels sum in another order; measured here: equal to 1.2e-7)."""
     ref, ref_metrics = one_update(parity_inputs, "single", 1)
     got, metrics = one_update(parity_inputs, strategy, 2, "--compile")
-    assert metrics["dynamo_calls_captured"] > 0  # the forwards ran compiled
-    assert ref_metrics["dynamo_calls_captured"] == 0
+    assert metrics["dynamo_graphs"] >= 2  # both models' forwards ran compiled
+    assert ref_metrics["dynamo_graphs"] == 0
+    assert got.keys() == ref.keys()  # no `_orig_mod.` or other renamed parameters
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-5, msg=name)
     for key in ["critic/grad_norm", "actor/grad_norm", "critic/vf_loss", "actor/nll_loss",
                 "actor/entropy", "response_length/mean"]:  # fmt: skip
-        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5), key
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4), key
 
 
 @pytest.mark.slow

@@ -56,7 +56,10 @@ def sdpa_fp32_on_cpu(
 ) -> tuple[torch.Tensor, None]:
     """(B, H, L, D) query, key and value -> (B, L, H, D) attention output, as transformers'
     `sdpa_attention_forward`; in fp32 on the CPU under autocast, except while decoding."""
-    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not _decoding.get():
+    # Compiled forwards never decode (the sampler runs eager), and dynamo cannot trace a
+    # ContextVar: reading it would split a compiled graph at every attention layer.
+    decode = not torch.compiler.is_compiling() and _decoding.get()
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not decode:
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention_forward(
                 module, query.float(), key.float(), value.float(), attention_mask, **kwargs

@@ -120,7 +120,8 @@ class GrowingLayer(CacheLayerMixin):
 def eager() -> Iterator[None]:
     """Forwards inside run eagerly even when the model is compiled (`VAPOModule(torch_compile=
     True)`): a decoding step's cache length changes at every call, so a compiled forward would
-    recompile at each one until dynamo gave up. No-op before torch 2.6 (no `set_stance`)."""
+    recompile at each one until dynamo gave up. The stance is process-wide (threads running
+    compiled code meanwhile run it eager too). No-op before torch 2.6 (no `set_stance`)."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:
         yield

@@ -53,10 +53,11 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         val_before_train: score the validation set once before the first update.
         hf_export_dir: at the end of fit, save policy (with tokenizer) and critic here in
             Hugging Face format (`<dir>/policy`, `<dir>/critic`).
-        torch_compile: `torch.compile` the policy and the critic (verl's use_torch_compile)
-            for every forward except the sampler's, whose KV cache grows at each step (it runs
-            eager). Fuses the elementwise work of the updates: one actor update 1.24× (fp32)
-            and 1.36× (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a
+        torch_compile: `torch.compile` the policy and the critic (whole models; verl's
+            use_torch_compile compiles only its entropy function) for every forward except
+            the sampler's, whose KV cache grows at each step (it runs
+            eager). Fuses the elementwise work of the updates: one actor update 1.21× (fp32)
+            and 1.39× (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a
             compile of tens of seconds per model at the first step and at the first new
             batch shape.
     """
@@ -92,7 +93,8 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         if torch_compile and not hasattr(torch.compiler, "set_stance"):
             raise ValueError(
                 f"model.torch_compile needs torch >= 2.6 (torch.compiler.set_stance keeps the "
-                f"sampler eager); this is torch {torch.__version__}. Upgrade torch or set it false."
+                f"sampler eager); this is torch {torch.__version__}. Upgrade torch, or set it false "
+                "(load_from_checkpoint(..., torch_compile=False) for a compiled run's checkpoint)."
             )
         self.torch_compile = torch_compile
         hparams = {"policy": policy, "critic": critic, "algorithm": self.algo, "generation": self.gen,
@@ -125,7 +127,8 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         if self.torch_compile:  # in place: same parameters and state_dict keys, hooks included
             # Policy and critic share one code object (transformers' forward wrapper), and each
             # needs a few graphs (grad / no grad, static then dynamic shapes, small / large
-            # batches): past dynamo's default limit (8) they would silently fall back to eager.
+            # batches): past dynamo's default limit (8) they would fall back to eager (one
+            # warning). Process-wide, and left raised.
             cfg = torch._dynamo.config
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
             setattr(cfg, name, max(getattr(cfg, name), 64))
