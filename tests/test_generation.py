@@ -238,3 +238,60 @@ def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypa
         slow = decode()
         assert set(dtypes) == {torch.float32}
     assert torch.equal(fast, slow)
+
+
+class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts dtype casts (`aten._to_copy`) whose input is one of `params`' storage."""
+
+    def __init__(self, params) -> None:
+        super().__init__()
+        self.ptrs = {p.data_ptr(): name for name, p in params}
+        self.casts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+            name = self.ptrs[args[0].data_ptr()]
+            self.casts[name] = self.casts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_autocast_sampler_casts_each_weight_once_per_call(model):
+    """Lightning's bf16-mixed autocast runs with the cast cache off, so each forward casts
+    every fp32 weight again: the sampler turns the cache on for its loop (one cast per weight
+    per call, not per token) and restores the flag."""
+    ids, mask = left_pad(PROMPTS)
+    weights = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with CastCounter(model.named_parameters()) as counter:
+            sample_responses(model, ids, mask, max_new_tokens=12, min_new_tokens=12,
+                             stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+        assert not torch.is_autocast_cache_enabled()
+    linear = {n for n, p in weights if "embed" not in n}  # the embedding is a lookup, not cast
+    assert linear <= set(counter.casts), sorted(linear - set(counter.casts))
+    assert max(counter.casts.values()) == 1, counter.casts
+
+
+def test_autocast_sampler_drops_its_casts(model):
+    """The cached casts leave with the call: in one autocast region (a training step that
+    samples, updates, samples again), the second call decodes with the updated weights."""
+    ids, mask = left_pad(PROMPTS)
+    head = model.get_output_embeddings().weight
+    saved = head.detach().clone()
+
+    def decode():
+        return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
+                                stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            before = decode()
+            with torch.no_grad():  # an optimizer step that changes every greedy choice
+                head.copy_(torch.randn_like(head))
+            after = decode()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fresh = decode()  # a new region: nothing cached
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
+    assert not torch.equal(before, fresh)
+    assert torch.equal(after, fresh)
