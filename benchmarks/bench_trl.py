@@ -322,7 +322,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w(
         "- **Generation**: VAPO samples with its own decoding loop over the model's forward "
         "(`generation.sample_responses`: KV cache written in place, finished responses leave the "
-        "batch; at this forced length only the first matters, 1.7-1.8x faster per token than "
+        "batch; at this forced length only the first matters, 1.6-1.7x faster per token than "
         "`generate` in `benchmarks/results/generation.md`); both TRL trainers call `transformers`' "
         "`generate`. This is part of what is compared: each system's own rollout path."
     )
