@@ -295,3 +295,28 @@ def test_autocast_sampler_drops_its_casts(model):
             head.copy_(saved)
     assert not torch.equal(before, fresh)
     assert torch.equal(after, fresh)
+
+
+def test_autocast_sampler_ignores_casts_cached_before_an_update(model):
+    """A caller's autocast region with the cache on (Lightning < 2.6, plain torch.autocast)
+    may hold casts from a forward before an in-place update: the sampler drops them on entry."""
+    ids, mask = left_pad(PROMPTS)
+    head = model.get_output_embeddings().weight
+    saved = head.detach().clone()
+
+    def decode():
+        return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
+                                stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, attention_mask=mask)  # a training forward: casts cached
+            with torch.no_grad():
+                head.copy_(torch.randn_like(head))
+            after = decode()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fresh = decode()
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
+    assert torch.equal(after, fresh)

@@ -132,6 +132,33 @@ def test_bf16_mixed_precision_fit_updates_both_models(tok, tmp_path):
     assert torch.isfinite(trainer.callback_metrics["actor/pg_loss"])
 
 
+def test_bf16_fit_is_the_same_when_autocast_caches_casts(tok, tmp_path, monkeypatch):
+    """Lightning < 2.6 runs training_step under an autocast that caches its bf16 casts of the
+    weights; the step makes several optimizer steps (2 mini-batches here), and each must drop
+    them, or the next mini-batch trains on the weights from before. Same seed, cache on or
+    off (Lightning 2.6): the same parameters after two rollout steps."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def fit(cache: bool) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(
+            MixedPrecision,
+            "autocast_context_manager",
+            lambda self: torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=cache),
+        )
+        L.seed_everything(0)
+        module = tiny_module(tok)
+        module.configure_model()
+        root = tmp_path / f"cache_{cache}"
+        root.mkdir()
+        trainer = tiny_trainer(root, max_steps=2, precision="bf16-mixed")
+        trainer.fit(module, datamodule=tiny_data(root))
+        assert module.algo.mini_batch_size < 16  # several optimizer steps per rollout
+        return {**snapshot(module.policy), **{f"critic.{k}": v for k, v in snapshot(module.critic).items()}}
+
+    uncached, cached = fit(False), fit(True)
+    assert [k for k in uncached if not torch.equal(uncached[k], cached[k])] == []
+
+
 def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
     L.seed_everything(1)
     module = tiny_module(tok)

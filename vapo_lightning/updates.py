@@ -200,6 +200,10 @@ class PPOUpdates:
             stats[f"{name}/grad_norm"].append(norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            # Under an autocast region that caches casts (Lightning < 2.6 runs training_step
+            # so), the bf16 copies cast before this step would serve the next mini-batch's
+            # forwards: stale weights. Dropped here; the next forward casts the new ones.
+            torch.clear_autocast_cache()
             return
         opt.zero_grad(set_to_none=True)
         self.bad_updates[name] += 1
