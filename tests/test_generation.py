@@ -271,52 +271,45 @@ def test_autocast_sampler_casts_each_weight_once_per_call(model):
     assert max(counter.casts.values()) == 1, counter.casts
 
 
-def test_autocast_sampler_drops_its_casts(model):
+def greedy_decode(model) -> torch.Tensor:
+    ids, mask = left_pad(PROMPTS)
+    return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
+                            stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+
+
+@pytest.fixture
+def head(model):
+    """The LM head's weight, restored after the test changes it in place."""
+    weight = model.get_output_embeddings().weight
+    saved = weight.detach().clone()
+    yield weight
+    with torch.no_grad():
+        weight.copy_(saved)
+
+
+def test_autocast_sampler_drops_its_casts(model, head):
     """The cached casts leave with the call: in one autocast region (a training step that
     samples, updates, samples again), the second call decodes with the updated weights."""
-    ids, mask = left_pad(PROMPTS)
-    head = model.get_output_embeddings().weight
-    saved = head.detach().clone()
-
-    def decode():
-        return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
-                                stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
-
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-            before = decode()
-            with torch.no_grad():  # an optimizer step that changes every greedy choice
-                head.copy_(torch.randn_like(head))
-            after = decode()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            fresh = decode()  # a new region: nothing cached
-    finally:
-        with torch.no_grad():
-            head.copy_(saved)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        before = greedy_decode(model)
+        with torch.no_grad():  # an optimizer step that changes every greedy choice
+            head.copy_(torch.randn_like(head))
+        after = greedy_decode(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = greedy_decode(model)  # a new region: nothing cached
     assert not torch.equal(before, fresh)
     assert torch.equal(after, fresh)
 
 
-def test_autocast_sampler_ignores_casts_cached_before_an_update(model):
+def test_autocast_sampler_ignores_casts_cached_before_an_update(model, head):
     """A caller's autocast region with the cache on (Lightning < 2.6, plain torch.autocast)
     may hold casts from a forward before an in-place update: the sampler drops them on entry."""
     ids, mask = left_pad(PROMPTS)
-    head = model.get_output_embeddings().weight
-    saved = head.detach().clone()
-
-    def decode():
-        return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
-                                stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
-
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(input_ids=ids, attention_mask=mask)  # a training forward: casts cached
-            with torch.no_grad():
-                head.copy_(torch.randn_like(head))
-            after = decode()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            fresh = decode()
-    finally:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, attention_mask=mask)  # a training forward: casts cached
         with torch.no_grad():
-            head.copy_(saved)
+            head.copy_(torch.randn_like(head))
+        after = greedy_decode(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = greedy_decode(model)
     assert torch.equal(after, fresh)
