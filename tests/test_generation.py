@@ -271,6 +271,18 @@ def test_autocast_sampler_casts_each_weight_once_per_call(model):
     assert max(counter.casts.values()) == 1, counter.casts
 
 
+def test_autocast_sampler_leaves_no_casts_behind(model):
+    """Its casts, made under no_grad, leave with the call: in a caller's region that caches
+    casts, the next (training) forward casts every weight afresh, with autograd history."""
+    ids, mask = left_pad(PROMPTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        greedy_decode(model)
+        with CastCounter(model.named_parameters()) as counter:
+            model(input_ids=ids, attention_mask=mask)
+    linear = {n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+    assert linear <= set(counter.casts), sorted(linear - set(counter.casts))
+
+
 def greedy_decode(model) -> torch.Tensor:
     ids, mask = left_pad(PROMPTS)
     return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
