@@ -255,19 +255,26 @@ class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def greedy_decode(model) -> torch.Tensor:
+    ids, mask = left_pad(PROMPTS)
+    return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
+                            stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+
+
+def cast_weights(model) -> set[str]:
+    """The weights autocast casts in a forward (the embedding is a lookup, not cast)."""
+    return {n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+
+
 def test_autocast_sampler_casts_each_weight_once_per_call(model):
     """Lightning's bf16-mixed autocast runs with the cast cache off, so each forward casts
     every fp32 weight again: the sampler turns the cache on for its loop (one cast per weight
     per call, not per token) and restores the flag."""
-    ids, mask = left_pad(PROMPTS)
-    weights = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         with CastCounter(model.named_parameters()) as counter:
-            sample_responses(model, ids, mask, max_new_tokens=12, min_new_tokens=12,
-                             stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+            greedy_decode(model)
         assert not torch.is_autocast_cache_enabled()
-    linear = {n for n, p in weights if "embed" not in n}  # the embedding is a lookup, not cast
-    assert linear <= set(counter.casts), sorted(linear - set(counter.casts))
+    assert cast_weights(model) <= set(counter.casts), sorted(cast_weights(model) - set(counter.casts))
     assert max(counter.casts.values()) == 1, counter.casts
 
 
@@ -279,14 +286,7 @@ def test_autocast_sampler_leaves_no_casts_behind(model):
         greedy_decode(model)
         with CastCounter(model.named_parameters()) as counter:
             model(input_ids=ids, attention_mask=mask)
-    linear = {n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
-    assert linear <= set(counter.casts), sorted(linear - set(counter.casts))
-
-
-def greedy_decode(model) -> torch.Tensor:
-    ids, mask = left_pad(PROMPTS)
-    return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
-                            stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    assert cast_weights(model) <= set(counter.casts), sorted(cast_weights(model) - set(counter.casts))
 
 
 @pytest.fixture

@@ -111,9 +111,7 @@ def test_rollout_reward_rises(tmp_path, name):
     # DAPO reaches all-correct rollouts at steps 15-19 over seeds 0-3: 20 steps left its
     # last-three mean at 0.67 on two of them, so the critic-free runs get 25. VAPO is the
     # slowest and the noisiest here (8 responses per step, the actor's advantage a one-step TD
-    # error): over seeds 0-3, 2 of 4 passed at 30 steps (0 and 3; with an inverse-CDF sampler
-    # tried in session 18, 2 and 3), so 45: seed 0 ends at 1.0 (with the CDF sampler seeds 0, 4
-    # and 5 did, and seed 1 at -0.29; with 12 warm-up steps it rises after step 35).
+    # error): over seeds 0-3 only 0 and 3 passed at 30 steps, so 45 (seed 0 ends at 1.0).
     steps, warmup = (45, 6) if name == "vapo" else (25, 0)
     got = fit(tmp_path, ALGORITHMS[name], steps=steps, warmup=warmup)
     first, last = sum(got[:3]) / 3, sum(got[-3:]) / 3
