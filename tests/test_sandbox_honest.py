@@ -54,6 +54,14 @@ def test_slow_but_in_time(pool):
     assert _score(pool, code, ADD, "add", timeout_s=10) == 3
 
 
+def test_timings_split_set_up_from_run(pool):
+    """setup_ms ends when the sandbox reports ready (its layers), run_ms is the program."""
+    code = "import time\ntime.sleep(0.3)\ndef add(a, b):\n    return a + b\n"
+    r = pool.evaluate(code, ADD, "add")
+    assert r.passed == 3
+    assert r.run_ms >= 280 and r.setup_ms < 200, (r.setup_ms, r.run_ms)
+
+
 def test_deep_recursion_with_raised_limit(pool):
     code = (
         "import sys\nsys.setrecursionlimit(200000)\n"

@@ -457,7 +457,7 @@ class Server:
                         poller.unregister(fd)
                     elif fd == sp.ctl_r:
                         ctl += chunk[:4096]
-                        if t_ready is None and b"\nL " in ctl:
+                        if t_ready is None and (ctl.startswith(b"L ") or b"\nL " in ctl):
                             t_ready = time.perf_counter()
                     else:
                         raw += chunk
