@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vapo_lightning.attention import decoding
+from vapo_lightning.attention import SDPA
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
@@ -31,12 +31,15 @@ PROMPTS = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
 
 
 def hf_generate(model, ids, mask, tok, max_new, min_new):
-    with decoding():  # attention as transformers' own SDPA runs it (bf16 under autocast)
+    model.set_attn_implementation("sdpa")  # transformers' own SDPA (bf16 under autocast)
+    try:
         return model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
             max_new_tokens=max_new, min_new_tokens=min_new or None,
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )[:, ids.shape[1] :]  # fmt: skip
+    finally:
+        model.set_attn_implementation(SDPA)
 
 
 def lean(model, ids, mask, tok, max_new, min_new):

@@ -1,6 +1,6 @@
 """The CPU-aware SDPA attention (`vapo_lightning.attention`): the same outputs and masks as
-transformers' SDPA, an fp32 kernel under CPU autocast except while decoding, and nothing of it
-saved with the model."""
+transformers' SDPA, an fp32 kernel under CPU autocast except while decoding on a CPU with AMX,
+and nothing of it saved with the model."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import TINY_LLAMA
+from vapo_lightning import attention
 from vapo_lightning.attention import SDPA, decoding
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_critic, build_policy
@@ -91,10 +92,15 @@ class KernelDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_under_cpu_autocast_attention_runs_in_fp32_except_while_decoding(models):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_under_cpu_autocast_attention_runs_in_fp32_except_while_decoding(models, amx, monkeypatch):
     """The forwards that give pi_old (no grad) and the update's log-probs (grad) run the same
     fp32 kernel (the dtype checks; choosing by grad mode would fail them), and decoding's run in
-    bf16. The logits-equality and gradient checks are sanity checks, not proof of the kernel."""
+    bf16 on a CPU with AMX, in fp32 on one without (either is simulated here, whatever this
+    machine has). The logits-equality and gradient checks are sanity checks, not proof of the
+    kernel."""
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: amx)
+    decode_dtype = torch.bfloat16 if amx else torch.float32
     policy, plain = models
     ids, mask = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -107,13 +113,13 @@ def test_under_cpu_autocast_attention_runs_in_fp32_except_while_decoding(models)
         assert torch.equal(train.detach(), old)
         with KernelDtypes() as k, torch.no_grad(), decoding():
             policy(input_ids=ids, attention_mask=mask)
-        assert k.seen and all(s == {torch.bfloat16} for s in k.seen)
+        assert k.seen and all(s == {decode_dtype} for s in k.seen)
         with KernelDtypes() as k:
             plain(input_ids=ids, attention_mask=mask)  # transformers' SDPA: bf16
         assert k.seen and all(s == {torch.bfloat16} for s in k.seen)
         with KernelDtypes() as k:
             sample_responses(policy, ids, mask, max_new_tokens=2, stop_token_ids=[2], pad_token_id=PAD)
-        assert k.seen and all(s == {torch.bfloat16} for s in k.seen)  # the sampler decodes in bf16
+        assert k.seen and all(s == {decode_dtype} for s in k.seen)  # as the sampler decodes
     loss = train.float().logsumexp(-1).mean()
     loss.backward()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}

@@ -211,8 +211,12 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
 def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypatch):
     """Under bf16 autocast the keys reach the cache in fp32 (rotary embedding) and SDPA cast
     the whole cache to bf16 at every step. Stored in bf16 once: half the bytes, and the same
-    greedy tokens as the fp32 cache that SDPA casts itself. Without autocast: fp32."""
+    greedy tokens as the fp32 cache that SDPA casts itself. Without autocast: fp32. On a CPU
+    with AMX, simulated here whatever this machine has (else: the next test)."""
+    import vapo_lightning.attention as attention
     import vapo_lightning.generation as generation
+
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: True)
 
     dtypes, init = [], GrowingLayer.lazy_initialization
 
@@ -238,6 +242,27 @@ def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypa
         slow = decode()
         assert set(dtypes) == {torch.float32}
     assert torch.equal(fast, slow)
+
+
+def test_without_amx_cpu_decoding_keeps_an_fp32_cache(model, monkeypatch):
+    """CPUs without AMX decode in fp32 under bf16 autocast (`attention.decodes_in_autocast_dtype`):
+    keys and values are cached in fp32 (test_attention.py: the kernel runs in fp32)."""
+    import vapo_lightning.attention as attention
+
+    dtypes, init = [], GrowingLayer.lazy_initialization
+
+    def recording_init(self, k, v):
+        init(self, k, v)
+        dtypes.append((self._k.dtype, self._v.dtype))
+
+    monkeypatch.setattr(GrowingLayer, "lazy_initialization", recording_init)
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)
+    ids, mask = left_pad(PROMPTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sample_responses(model, ids, mask, max_new_tokens=30, min_new_tokens=30,
+                               stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    assert dtypes and set(dtypes) == {(torch.float32, torch.float32)}
+    assert out.shape == (len(PROMPTS), 30) and bool((out != PAD).all())  # forced: 30 tokens each
 
 
 class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):

@@ -31,7 +31,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from vapo_lightning.attention import decoding
+from vapo_lightning.attention import decodes_in_autocast_dtype, decoding
 
 __all__ = [
     "GrowingLayer",
@@ -167,11 +167,15 @@ def cache_dtype(key_states: Tensor) -> torch.dtype:
     and SDPA cast the whole key cache to the autocast dtype at every step: 36 % of the
     sampler's CPU time (`benchmarks/results/generation_bf16.md`). Stored in that dtype once,
     attention reads the same values and half the key bytes (values already come out of
-    `v_proj` in it). Otherwise, and on devices without autocast: the keys' dtype."""
+    `v_proj` in it). Where decoding attends in fp32 (CPUs without AMX,
+    `attention.decodes_in_autocast_dtype`), without autocast, and on devices autocast does not
+    know: the keys' dtype."""
     device = key_states.device.type
     try:
         low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     except RuntimeError:  # a device type autocast does not know (e.g. mps on torch 2.4)
+        low = None
+    if not decodes_in_autocast_dtype(device):
         low = None
     wider = key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
     return low if wider else key_states.dtype
@@ -257,7 +261,7 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
 
 @torch.no_grad()
 @without_cudnn_attention()
-@decoding()  # attention in the autocast dtype, like the cache (`attention.py`)
+@decoding()  # attention in the cache's dtype (`attention.py`)
 @weights_cast_once()  # under autocast, one cast of each weight per call, not per token
 @eager()  # never compiled (`eager`)
 def sample_responses(
