@@ -95,7 +95,7 @@ def ensure_venv(version: str) -> None:
 
 def write_artefacts(
     out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str, precision: str,
-    compile: bool = False,
+    compile: bool = False, micro_batch: dict[str, int] | None = None,
 ) -> dict:
     """The one set of inputs all three systems load (save_pretrained, safetensors, fp32)."""
     import torch
@@ -128,7 +128,8 @@ def write_artefacts(
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lens = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
     bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads, "device": device,
-             "precision": precision, "compile": compile}  # fmt: skip
+             "precision": precision, "compile": compile,
+             "micro_batch": {s: (micro_batch or {}).get(s, prompts * n) for s in NAMES}}  # fmt: skip
     (out / "bench.json").write_text(json.dumps(bench))
     return {
         "policy_params": sum(p.numel() for p in policy.parameters()),
@@ -245,8 +246,22 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
       "TRL PPO additionally runs with `stop_token=None`). Measured lengths (min–max over all steps, "
       "warm-up included): " + "; ".join(f"{NAMES[s]} {lens[s][0]}–{lens[s][1]}" for s in order)
       + "; generated tokens per step: " + "; ".join(f"{NAMES[s]} {tokens[s]}" for s in order) + ".")  # fmt: skip
-    w(f"- One epoch, one mini-batch of {args.prompts * args.n} (one optimizer step per model per "
-      "rollout), AdamW (`torch.optim.AdamW` everywhere: TRL with `optim='adamw_torch'`), grad-norm "
+    batch = args.prompts * args.n
+    micro = {s: args.micro_batch.get(s, batch) for s in order}
+
+    def split(s: str) -> str:
+        m = micro[s]
+        if m == batch:
+            return f"{NAMES[s]} in one forward + backward per model"
+        knob = (f"`micro_batch_size={m}`" if s == "vapo" else
+                f"`per_device_train_batch_size={m}`, `gradient_accumulation_steps={batch // m}`"
+                + (f", `steps_per_generation={batch // m}` (one generation still feeds one "
+                   "optimizer step)" if s == "trl_grpo" else ""))  # fmt: skip
+        return f"{NAMES[s]} in micro-batches of {m} rows, gradients accumulated ({knob})"
+
+    w(f"- One epoch, one mini-batch of {batch} (one optimizer step per model per rollout): "
+      + "; ".join(split(s) for s in order) + ". "
+      + "AdamW (`torch.optim.AdamW` everywhere: TRL with `optim='adamw_torch'`), grad-norm "
       f"clipping 1.0, {PRECISION[args.precision]}, {args.threads} torch "
       "thread(s) per child, gradient checkpointing OFF in all three (TRL's default is ON; it "
       "would add a recomputed forward to its updates).")  # fmt: skip
@@ -397,6 +412,16 @@ def main() -> None:
         "--model.torch_compile=true, TRL torch_compile=True",
     )
     p.add_argument(
+        "--micro-batch",
+        action="append",
+        default=[],
+        metavar="[SYSTEM=]N",
+        help="rows per forward + backward in the updates, gradients accumulated over the "
+        "mini-batch (VAPO micro_batch_size; TRL per_device_train_batch_size with "
+        "gradient_accumulation_steps = mini-batch / N): N for all three, SYSTEM=N for one "
+        "(vapo, trl_ppo, trl_grpo); default: the whole mini-batch in one",
+    )
+    p.add_argument(
         "--trl-site",
         action="append",
         default=[],
@@ -414,6 +439,16 @@ def main() -> None:
                      ("shape", "quickstart"), ("device", "cpu"), ("precision", "fp32")]
         if getattr(args, k) != d
     ) + (" --compile" if args.compile else "")  # fmt: skip
+    cmd += "".join(f" --micro-batch {item}" for item in args.micro_batch)
+    micro: dict[str, int] = {}
+    for item in args.micro_batch:
+        system, _, n = item.rpartition("=")
+        if system and system not in NAMES:
+            p.error(f"--micro-batch {item}: unknown system {system!r}; expected one of {sorted(NAMES)}")
+        if not n.isdigit() or int(n) < 1 or (args.prompts * args.n) % int(n):
+            p.error(f"--micro-batch {item}: N must divide prompts × n = {args.prompts * args.n}")
+        micro.update({s: int(n) for s in ([system] if system else NAMES)})
+    args.micro_batch = micro
     cmd += "".join(f" --trl-site {item}" for item in args.trl_site)
     sites = dict(item.split("=", 1) for item in args.trl_site)
     if unknown := set(sites) - set(TRL):
@@ -426,7 +461,7 @@ def main() -> None:
     try:
         art_info = write_artefacts(
             work, args.prompts, args.n, args.tokens, args.threads, args.shape, args.device,
-            args.precision, args.compile,
+            args.precision, args.compile, args.micro_batch,
         )
         children: dict[str, Child] = {}
         order = ["vapo", "trl_ppo", "trl_grpo"]

@@ -29,6 +29,7 @@ def main() -> None:
 
     n, T = cfg["n"], cfg["max_new_tokens"]
     batch = cfg["prompts"] * n
+    micro = cfg["micro_batch"]["trl_grpo"]
     lengths: list[int] = []
 
     def boxed_reward(prompts, completions, completion_ids, answer, **kw):
@@ -63,9 +64,10 @@ def main() -> None:
     out = str(art / "trainer_out_grpo")  # removed with the artefacts
     config = GRPOConfig(
         output_dir=out,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
+        # One generation of `batch` completions feeds one optimizer step, in micro-batches.
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro,
+        steps_per_generation=batch // micro,
         num_generations=n,
         num_iterations=1,
         max_steps=args.steps,

@@ -52,6 +52,7 @@ def main() -> None:
 
     ppo_mod.batch_generation = batch_generation
 
+    micro = cfg["micro_batch"]["trl_ppo"]
     tok = AutoTokenizer.from_pretrained(art / "policy", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(art / "policy", dtype=torch.float32)
     reward = AutoModelForSequenceClassification.from_pretrained(
@@ -80,8 +81,8 @@ def main() -> None:
     out = str(art / "trainer_out_ppo")  # removed with the artefacts
     config = PPOConfig(
         output_dir=out,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro,  # one mini-batch of `batch`, in micro-batches
+        gradient_accumulation_steps=batch // micro,
         num_mini_batches=1,
         num_ppo_epochs=1,
         total_episodes=batch * args.steps,

@@ -53,7 +53,9 @@ def main() -> None:
     module = VAPOModule(
         policy=ModelSpec(name_or_path=str(art / "policy")),
         critic=ModelSpec(name_or_path=str(art / "value"), tokenizer=str(art / "policy")),
-        algorithm=Algorithm(mini_batch_size=batch, micro_batch_size=batch, ppo_epochs=1),
+        algorithm=Algorithm(
+            mini_batch_size=batch, micro_batch_size=cfg["micro_batch"]["vapo"], ppo_epochs=1
+        ),
         generation=GenerationConfig(n=cfg["n"], max_new_tokens=T, min_new_tokens=T),
         optim=Optim(actor_lr=1e-5, critic_lr=1e-5, warmup_steps=0),
         val_before_train=False,
