@@ -341,14 +341,24 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
         "`generate` in `benchmarks/results/generation.md`); both TRL trainers call `transformers`' "
         "`generate`. This is part of what is compared: each system's own rollout path."
     )
-    if args.precision == "bf16":
+    if args.precision == "bf16" and args.device == "cpu":
+        from vapo_lightning.attention import cpu_has_amx
+
+        decode = (
+            "but decoding's, which runs in bf16 over a bf16 KV cache on a CPU with AMX "
+            "(`generation.cache_dtype`); this one has AMX"
+            if cpu_has_amx()
+            else "including decoding's, over an fp32 KV cache, as on every CPU without AMX, where "
+            "torch's bf16 attention kernels are the slow ones (`attention.decodes_in_autocast_dtype`)"
+            "; this one has none"
+        )
         w(
             "- **Attention under bf16 autocast**: VAPO's models run attention in fp32 on the CPU in "
-            "every forward but decoding's (`vapo_lightning/attention.py`: torch's bf16 "
-            "flash-attention backward is the slower one there) and keep the sampler's KV cache "
-            "in bf16 (`generation.cache_dtype`); both TRL trainers run transformers' SDPA as it "
-            "comes (bf16 under autocast, an fp32 key cache cast at every decoding step). These "
-            "are VAPO's own optimisations, compared as part of each system's path."
+            f"every forward {decode} (`vapo_lightning/attention.py`: torch's bf16 "
+            "flash-attention backward is the slower one there); both TRL trainers run "
+            "transformers' SDPA as it comes (bf16 under autocast, an fp32 key cache cast at every "
+            "decoding step). These are VAPO's own optimisations, compared as part of each "
+            "system's path."
         )
     w(
         "- Rewards: VAPO runs its MathReward (math-verify in 1 worker process; random-init responses "
