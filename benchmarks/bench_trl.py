@@ -460,6 +460,8 @@ def main() -> None:
         micro.update({s: int(n) for s in ([system] if system else NAMES)})
     args.micro_batch = micro
     cmd += "".join(f" --trl-site {item}" for item in args.trl_site)
+    if Path(args.out).resolve() != (BENCH / "results" / "trl.md").resolve():
+        cmd += f" --out {os.path.relpath(Path(args.out).resolve(), ROOT)}"
     sites = dict(item.split("=", 1) for item in args.trl_site)
     if unknown := set(sites) - set(TRL):
         p.error(f"--trl-site: unknown system(s) {sorted(unknown)}; expected {sorted(TRL)}")

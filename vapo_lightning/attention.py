@@ -58,9 +58,9 @@ def decodes_in_autocast_dtype(device_type: str) -> bool:
     """Whether decoding attends in the autocast dtype and keeps its KV cache in it (GPUs, and
     CPUs with AMX), or in fp32 (other CPUs). Without AMX, torch's CPU bf16 attention is the slow
     one: one decoding attention call (64 rows, 4 heads, 183 cached keys, head dim 64, the cache's
-    strided views, 1 thread) took 3.73 ms in bf16 and 1.25 ms in fp32 on an AMD EPYC with
-    AVX512-BF16, and the TRL benchmark's bf16 sampler 1.9 s against 1.3 s with an fp32 cache
-    (benchmarks/results/RESULTS.md)."""
+    strided views, 1 thread) took 3.45 ms in bf16 and 0.95 ms in fp32 on an AMD EPYC with
+    AVX512-BF16 (benchmarks/results/decode_attention_cpu.md), and the TRL benchmark's bf16
+    sampler 1.9 s against 1.3 s with an fp32 cache (benchmarks/RESULTS.md)."""
     return device_type != "cpu" or cpu_has_amx()
 
 
