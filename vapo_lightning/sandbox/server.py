@@ -411,7 +411,8 @@ class Server:
         return [sp.c_pid for sp in self.spares]
 
     # --- outside: one request ----------------------------------------------------------------
-    def handle(self, req: dict) -> tuple[dict, bytes]:
+    def handle(self, req: dict, blob: bytes | None = None) -> tuple[dict, bytes]:
+        """Runs one request (`blob`: its JSON as received, passed on to the sandbox as is)."""
         t0 = time.perf_counter()
         deadline = t0 + float(req["timeout_s"])
         cap = int(req["limits"]["output_bytes"])
@@ -422,7 +423,8 @@ class Server:
             header.update(status="crashed", exit_code=70, raw_len=0)
             header["spare_sids"] = self._refill(sp.tmp_mb)
             return header, b""
-        blob = json.dumps(req).encode()
+        if blob is None:
+            blob = json.dumps(req).encode()
         pending = memoryview(struct.pack(">I", len(blob)) + blob)
         os.set_blocking(sp.req_w, False)
         # With a subreaper, P2 is our child and its exit ends the run; otherwise C's does.
@@ -479,7 +481,8 @@ class Server:
             os.close(watch_fd)
         if sp.p2_fd is not None:
             os.close(sp.p2_fd)
-        layers = _parse_ctl(ctl)["layers"]
+        header = _parse_ctl(ctl)
+        layers = header["layers"]
         if status is not None or "pidns" not in layers:
             self._reap_leftovers()  # orphans exist only without a PID namespace, or after kills
         for fd in (sp.ctl_r, sp.res_r, sp.req_w):
@@ -498,7 +501,6 @@ class Server:
             self.spares = []
         # The next runs' sandboxes, set up while the host judges this one.
         spare_sids = self._refill(sp.tmp_mb)
-        header = _parse_ctl(ctl)
         header.update(
             status=status,
             exit_code=code,
@@ -562,8 +564,11 @@ def _parse_ctl(ctl: bytes) -> dict:
 def _state(pid: int) -> str:
     """The one-letter state of a process ('?' when unreadable)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat = os.read(fd, 4096)
+        finally:
+            os.close(fd)
         return chr(stat[stat.rindex(b")") + 2])
     except (OSError, ValueError, IndexError):
         return "?"
@@ -645,13 +650,14 @@ def main() -> None:
     while True:
         try:
             (n,) = struct.unpack(">I", _read_exact(0, 4))
-            req = json.loads(_read_exact(0, n))
+            blob = _read_exact(0, n)
+            req = json.loads(blob)
         except EOFError:  # the host closed us: the spares go too
             for sp in server.spares:
                 server._discard(sp)
             return
         try:
-            header, raw = server.handle(req)
+            header, raw = server.handle(req, blob)
         except Exception as err:  # a server bug must not hang the host
             header, raw = {"status": "server_error", "error": repr(err), "raw_len": 0}, b""
         send(header, raw)
