@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Sandbox design experiments (issue 5), measured against the tree as it is, in one run.
+#
+#     bash benchmarks/sandbox_experiments.sh [ROUNDS]      # default 2 rounds, ~2 min
+#
+# Each patch in benchmarks/results/sandbox_experiments/ is applied to a copy of this tree and
+# `probe_sandbox_cpu.py --humaneval 5` (HumanEval's canonical solutions, two servers, two
+# threads: solutions per second and the machine CPU per solution) runs there, alternating with
+# the unpatched tree, round after round. Then the patched copies run the hostile-program
+# tests their change puts at risk. Results and what they mean: benchmarks/results/sandbox_cpu.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-2}
+py=$PWD/.venv/bin/python
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+variants=(baseline)
+for patch in benchmarks/results/sandbox_experiments/*.patch; do
+    name=$(basename "$patch" .patch)
+    mkdir -p "$work/$name"
+    cp -r vapo_lightning benchmarks tests pyproject.toml "$work/$name/"
+    (cd "$work/$name" && git apply "$OLDPWD/$patch")
+    variants+=("$name")
+done
+for round in $(seq "$rounds"); do
+    for v in "${variants[@]}"; do
+        dir=$PWD
+        [[ $v == baseline ]] || dir=$work/$v
+        printf '%s round %s: ' "$v" "$round"
+        (cd "$dir" && "$py" benchmarks/probe_sandbox_cpu.py --humaneval 5) |
+            awk '/per second/ {r=$1} /^\| ms/ {print r " solutions/s; per solution ms: wall " $4 ", machine CPU " $6 ", client " $8 ", server " $10 ", sandboxes " $12 ", kernel threads " $14}'
+    done
+done
+# What each change puts at risk (the zygote prototype covers the happy path only: no tests).
+declare -A risk=([early_reply]="" [netns_per_server]="-k test_no_kernel_state_crosses_runs")
+for v in "${!risk[@]}"; do
+    [[ -d $work/$v ]] || continue
+    echo "== $v: pytest tests/test_sandbox_hostile.py ${risk[$v]}"
+    # shellcheck disable=SC2086  # (the -k option is two words)
+    (cd "$work/$v" && HF_HUB_OFFLINE=1 "$py" -m pytest -q -p no:cacheprovider \
+        tests/test_sandbox_hostile.py ${risk[$v]} 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed") || true
+done
