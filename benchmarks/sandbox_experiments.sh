@@ -32,7 +32,7 @@ for round in $(seq "$rounds"); do
     done
 done
 # What each change puts at risk (the zygote prototype covers the happy path only: no tests).
-declare -A risk=([early_reply]="" [netns_per_server]="-k test_no_kernel_state_crosses_runs")
+declare -A risk=([early_reply]="" [netns_per_server]="-k test_no_kernel_state_crosses_runs" [mount_ns_holder]="")
 for v in "${!risk[@]}"; do
     [[ -d $work/$v ]] || continue
     echo "== $v: pytest tests/test_sandbox_hostile.py ${risk[$v]}"
