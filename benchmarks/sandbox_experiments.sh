@@ -6,8 +6,9 @@
 # Each patch in benchmarks/results/sandbox_experiments/ is applied to a copy of this tree and
 # `probe_sandbox_cpu.py --humaneval 5` (HumanEval's canonical solutions, two servers, two
 # threads: solutions per second and the machine CPU per solution) runs there, alternating with
-# the unpatched tree, round after round. Then the patched copies run the hostile-program
-# tests their change puts at risk. Results and what they mean: benchmarks/results/sandbox_cpu.md.
+# the unpatched tree, round after round, in an order that rotates each round. Then the patched
+# copies run the hostile-program tests their change puts at risk. Results and what they mean:
+# benchmarks/results/sandbox_cpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}
@@ -22,8 +23,10 @@ for patch in benchmarks/results/sandbox_experiments/*.patch; do
     (cd "$work/$name" && git apply "$OLDPWD/$patch")
     variants+=("$name")
 done
+n=${#variants[@]}
 for round in $(seq "$rounds"); do
-    for v in "${variants[@]}"; do
+    for i in $(seq 0 $((n - 1))); do  # the order rotates by one each round
+        v=${variants[$(((i + round - 1) % n))]}
         dir=$PWD
         [[ $v == baseline ]] || dir=$work/$v
         printf '%s round %s: ' "$v" "$round"
