@@ -49,6 +49,24 @@ def test_sys_exit_in_one_test_costs_only_that_test(pool):
     assert _score(pool, code, ADD, "add") == 2
 
 
+def test_asyncio_and_a_duplex_pipe_work_without_sockets(pool):
+    """The `no_sockets` filter keeps socketpair: asyncio's event loop and multiprocessing's
+    duplex pipes are built on it (stdin mode too, where the program is a child process)."""
+    code = (
+        "import asyncio, multiprocessing.connection\n"
+        "def add(a, b):\n"
+        "    async def inner():\n"
+        "        await asyncio.sleep(0)\n"
+        "        return a + b\n"
+        "    left, right = multiprocessing.connection.Pipe(duplex=True)\n"
+        "    left.send(asyncio.run(inner()))\n"
+        "    return right.recv()\n"
+    )
+    assert _score(pool, code, ADD, "add") == 3
+    stdin = "import asyncio\nasync def main():\n    print(sum(map(int, input().split())))\nasyncio.run(main())\n"
+    assert _score(pool, stdin, [{"input": "1 2\n", "output": "3\n"}]) == 1
+
+
 def test_slow_but_in_time(pool):
     code = "import time\ndef add(a, b):\n    time.sleep(0.2)\n    return a + b\n"
     assert _score(pool, code, ADD, "add", timeout_s=10) == 3

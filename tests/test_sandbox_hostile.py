@@ -564,20 +564,26 @@ KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}.get(os.uname().mach
 
 
 @pytest.mark.skipif(KEY_SYSCALLS is None, reason="add_key/keyctl numbers unknown here")
-def test_no_kernel_state_crosses_runs(host):
+@pytest.mark.parametrize("seccomp", [True, False], ids=["no_sockets", "sockets_allowed"])
+def test_no_kernel_state_crosses_runs(host, seccomp):
     """State kept by the kernel per namespace or per user, not per process: network counters
-    (/proc/net/snmp counts datagrams with no route) and the uid's user keyring. Each run has
-    its own network and user namespace, so the next run (and a fresh pool) sees neither."""
+    (/proc/net/snmp counts datagrams with no route) and the uid's user keyring. Each run has a
+    user namespace of its own, and a network namespace that either is its own (sockets allowed)
+    or that no run can write to (`no_sockets`: a server's runs share it), so the next run (and
+    a fresh pool) sees neither."""
     add_key, keyctl = KEY_SYSCALLS
     writer = (
         "import ctypes, socket\ndef f():\n"
-        "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-        "    for _ in range(37):\n"
+        "    try:\n"
+        "        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "    except PermissionError:\n"
+        "        s = None\n"
+        "    for _ in range(37 if s else 0):\n"
         "        try: s.sendto(b'x', ('127.0.0.1', 9))\n"
         "        except OSError: pass\n"
         "    libc = ctypes.CDLL(None, use_errno=True)\n"
         f"    key = libc.syscall({add_key}, b'user', b'vapo-leak', b'run-1', 5, -4)\n"
-        "    return 'written' if key > 0 else 'no key'\n"
+        "    return ['sent' if s else 'refused', 'written' if key > 0 else 'no key']\n"
     )
     probe = (
         "def probe():\n"
@@ -588,19 +594,73 @@ def test_no_kernel_state_crosses_runs(host):
         "    return [no_route, found > 0]\n"
     )
     reader = "import ctypes\n" + probe + "def f():\n    return probe()\n"
-    pool = host["pool"]
-    assert pool.evaluate(writer, [{"input": [], "output": "written"}], "f").passed == 1
-    # The check can fail: within the writer's own run, both are seen.
-    both = writer + probe + "def h():\n    f()\n    return probe()\n"
-    seen = pool.evaluate(both, [{"input": [], "output": ["37", True]}], "h")
-    assert seen.passed == 1, seen
-    fresh = Pool(size=1)
+    pool = host["pool"] if seccomp else Pool(size=1, seccomp=False)
+    fresh = Pool(size=1, seccomp=seccomp)
     try:
+        no_sockets = "no_sockets" in pool.layers
+        assert no_sockets == (seccomp and "no_sockets" in fresh.layers)
+        sent = "refused" if no_sockets else "sent"
+        result = pool.evaluate(writer, [{"input": [], "output": [sent, "written"]}], "f")
+        assert result.passed == 1, result
+        # The check can fail: within the writer's own run, both are seen (no datagram is
+        # even attempted when sockets are refused).
+        both = writer + probe + "def h():\n    f()\n    return probe()\n"
+        counted = "0" if no_sockets else "37"
+        seen = pool.evaluate(both, [{"input": [], "output": [counted, True]}], "h")
+        assert seen.passed == 1, seen
         for p in (pool, pool, pool, fresh):  # whichever server of the pool runs it, or another
             result = p.evaluate(reader, [{"input": [], "output": ["0", False]}], "f")
             assert result.passed == 1, result
     finally:
         fresh.close()
+        if not seccomp:
+            pool.close()
+    _assert_host_intact(host)
+
+
+def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
+    """The seccomp filter (`layers.no_sockets_filter`): no socket of any family, no bind,
+    connect, sendto with an address or descriptor passing, no io_uring; a socketpair and plain
+    send/recv on it work. A syscall of another ABI (x32 here) kills the process."""
+    pool = host["pool"]
+    if "no_sockets" not in pool.layers:
+        pytest.skip("no seccomp filter on this machine")
+    code = (
+        "import ctypes, errno, socket\n"
+        "def attempt(fn):\n"
+        "    try:\n"
+        "        fn()\n"
+        "        return 'ok'\n"
+        "    except OSError as e:\n"
+        "        return errno.errorcode.get(e.errno, str(e.errno))\n"
+        "def f():\n"
+        "    a, b = socket.socketpair()\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    def io_uring():\n"
+        "        if libc.syscall(425, 8, None) < 0:\n"
+        "            raise OSError(ctypes.get_errno(), 'io_uring_setup')\n"
+        "    return {\n"
+        "        'inet': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),\n"
+        "        'unix': attempt(lambda: socket.socket(socket.AF_UNIX)),\n"
+        "        'netlink': attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)),\n"
+        "        'pair_inet': attempt(lambda: socket.socketpair(socket.AF_INET)),\n"
+        "        'bind': attempt(lambda: a.bind('\\0vapo-test')),\n"
+        "        'connect': attempt(lambda: a.connect('\\0vapo-test')),\n"
+        "        'sendto': attempt(lambda: a.sendto(b'x', '\\0vapo-test')),\n"
+        "        'send_fds': attempt(lambda: socket.send_fds(a, [b'x'], [0])),\n"
+        "        'io_uring': attempt(io_uring),\n"
+        "        'pair': attempt(lambda: a.send(b'x') == 1 and b.recv(1) == b'x' or 1 / 0),\n"
+        "    }\n"
+    )
+    refused = ("inet", "unix", "netlink", "pair_inet", "bind", "connect", "sendto", "send_fds",
+               "io_uring")  # fmt: skip
+    want = dict.fromkeys(refused, "EPERM") | {"pair": "ok"}
+    result = pool.evaluate(code, [{"input": [], "output": want}], "f")
+    assert result.passed == 1, result
+    if os.uname().machine == "x86_64":  # x32 socket(): the filter's numbers would not match
+        x32 = "import ctypes\ndef f():\n    ctypes.CDLL(None).syscall(0x40000000 | 41, 2, 2, 0)\n    return 1\n"
+        result = pool.evaluate(x32, [{"input": [], "output": 1}], "f")
+        assert (result.passed, result.status) == (0, "crashed"), result
     _assert_host_intact(host)
 
 
@@ -616,11 +676,21 @@ def test_many_idle_sandboxes_do_not_starve_a_run():
         pool.close()
 
 
-def test_no_cross_run_leakage(host):
+@pytest.mark.parametrize("seccomp", [True, False], ids=["no_sockets", "sockets_allowed"])
+def test_no_cross_run_leakage(host, seccomp):
     """Files, SysV shared memory, and sockets held by a daemon (a UDP port and an abstract
-    Unix name: they live in the network namespace that a root server's runs share) are all
+    Unix name, where sockets are allowed: they live in the run's network namespace) are all
     gone for the next run."""
-    pool = host["pool"]
+    pool = host["pool"] if seccomp else Pool(size=2, seccomp=False)
+    try:
+        _no_cross_run_leakage(pool)
+    finally:
+        if not seccomp:
+            pool.close()
+    _assert_host_intact(host)
+
+
+def _no_cross_run_leakage(pool) -> None:
     writer = (
         "import ctypes, os, socket, time\n"
         "def f():\n    open('/tmp/leak', 'w').write('L')\n"
@@ -628,10 +698,14 @@ def test_no_cross_run_leakage(host):
         "    open('/dev/shm/leak', 'w').write('L')\n    open('leak', 'w').write('L')\n"
         "    r, w = os.pipe()\n"
         "    if os.fork() == 0:\n        os.setsid()\n"
-        "        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-        "        u.bind(('0.0.0.0', 45678))\n"
-        "        a = socket.socket(socket.AF_UNIX)\n        a.bind('\\0vapo-leak')\n"
-        "        a.listen()\n        os.write(w, b'k')\n        time.sleep(600)\n"
+        "        try:\n"
+        "            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "            u.bind(('0.0.0.0', 45678))\n"
+        "            a = socket.socket(socket.AF_UNIX)\n            a.bind('\\0vapo-leak')\n"
+        "            a.listen()\n"
+        "        except PermissionError:  # no_sockets: nothing to hold\n"
+        "            pass\n"
+        "        os.write(w, b'k')\n        time.sleep(600)\n"
         "    os.read(r, 1)\n"
         "    return 'written'\n"
     )
@@ -641,9 +715,12 @@ def test_no_cross_run_leakage(host):
         "def f():\n    for p in ('/tmp/leak', '/dev/shm/leak', 'leak'):\n"
         "        if os.path.exists(p): return 'L'\n"
         "    if ctypes.CDLL(None).shmget(4567, 0, 0) >= 0: return 'L'\n"
-        "    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "    try:\n"
+        "        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "        a = socket.socket(socket.AF_UNIX)\n"
+        "    except PermissionError:  # no_sockets: nothing could have been held either\n"
+        "        return 'clean'\n"
         "    u.bind(('0.0.0.0', 45678))\n"
-        "    a = socket.socket(socket.AF_UNIX)\n"
         "    try:\n        a.connect('\\0vapo-leak')\n        return 'L'\n"
         "    except OSError:\n        pass\n"
         "    a.bind('\\0vapo-leak')\n"
@@ -652,4 +729,3 @@ def test_no_cross_run_leakage(host):
     for _ in range(3):  # whichever server of the pool runs it
         result = pool.evaluate(reader, [{"input": [], "output": "clean"}], "f")
         assert result.passed == 1, result
-    _assert_host_intact(host)

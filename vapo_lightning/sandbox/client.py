@@ -36,6 +36,7 @@ ALL_LAYERS = (
     "landlock_fs",
     "landlock_tcp",
     "landlock_scope",
+    "no_sockets",
     "subreaper",
 )
 """Every layer the sandbox knows; `Result.layers` lists those that took effect."""
@@ -88,6 +89,7 @@ class WarmServer:
         landlock: bool = True,
         spares: int = 2,
         via_userns: bool = False,
+        seccomp: bool = True,
     ) -> None:
         opts = json.dumps(
             {
@@ -95,6 +97,7 @@ class WarmServer:
                 "landlock": landlock,
                 "spares": spares,
                 "via_userns": via_userns,
+                "seccomp": seccomp,
             }
         )
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing secret to inherit
@@ -158,7 +161,10 @@ class Pool:
     need the reduced paths); the result's `layers` always says what was active.
     `via_userns=True` makes a root server take the unprivileged path (namespaces created from
     a user namespace, one more process per run) instead of forking each sandbox straight into
-    a new PID namespace and making the others there.
+    a new PID namespace and making the others there. `seccomp=False` lets the candidate create
+    sockets again (`layers.no_sockets_filter`; they still reach nothing without a network
+    namespace's way out), and then each run gets a network namespace of its own instead of the
+    server's.
     """
 
     def __init__(
@@ -169,9 +175,12 @@ class Pool:
         limits: Limits | None = None,
         spares: int = 2,
         via_userns: bool = False,
+        seccomp: bool = True,
     ) -> None:
         size = size or max(1, os.cpu_count() or 1)
-        self.servers = [WarmServer(namespaces, landlock, spares, via_userns) for _ in range(size)]
+        self.servers = [
+            WarmServer(namespaces, landlock, spares, via_userns, seccomp) for _ in range(size)
+        ]
         self.idle: queue.Queue[WarmServer] = queue.Queue()
         for s in self.servers:
             self.idle.put(s)

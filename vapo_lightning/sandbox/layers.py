@@ -238,3 +238,136 @@ def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, 
         (resource.RLIMIT_MSGQUEUE, 0),
     ):
         resource.setrlimit(res, (value, value))
+
+
+# --- seccomp: no socket that could reach, or leave a mark in, a network namespace ----------
+class _SockFilter(ctypes.Structure):
+    _fields_ = (
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    )
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter)))
+
+
+# Audit arch and syscall numbers per machine (seccomp filters see raw numbers).
+_SECCOMP_ABI = (
+    {
+        "x86_64": (0xC000003E, {"socket": 41, "connect": 42, "accept": 43, "sendto": 44,
+                                "sendmsg": 46, "bind": 49, "listen": 50, "socketpair": 53,
+                                "accept4": 288, "sendmmsg": 307, "io_uring_setup": 425}),
+        "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "bind": 200, "listen": 201,
+                                 "accept": 202, "connect": 203, "sendto": 206, "sendmsg": 211,
+                                 "accept4": 242, "sendmmsg": 269, "io_uring_setup": 425}),
+    }.get(os.uname().machine)
+    if IS_LINUX
+    else None
+)  # fmt: skip
+_DENIED = ("socket", "connect", "accept", "accept4", "bind", "listen", "sendmsg", "sendmmsg",
+           "io_uring_setup")  # fmt: skip
+_LD_W_ABS, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
+_RET_ALLOW, _RET_EPERM, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
+_X32_BIT, _AF_UNIX = 0x40000000, 1
+_SECCOMP_MODE_FILTER, PR_SET_SECCOMP = 2, 22
+
+
+def _assemble(prog: list[tuple]) -> list[tuple[int, int, int, int]]:
+    """(op, k, true-label, false-label) or a label string -> BPF (code, jt, jf, k)."""
+    where, at = {}, 0
+    for ins in prog:
+        if isinstance(ins, str):
+            where[ins] = at
+        else:
+            at += 1
+    out = []
+    for ins in prog:
+        if isinstance(ins, str):
+            continue
+        op, k, jt, jf = (*ins, None, None)[:4]
+        here = len(out) + 1
+        out.append((op, where[jt] - here if jt else 0, where[jf] - here if jf else 0, k))
+    return out
+
+
+def no_sockets_filter() -> list[tuple[int, int, int, int]]:
+    """The seccomp program: EPERM for every socket a candidate could use to send a packet, bind
+    a name or pass a file descriptor — `socket()` of any family, `bind`, `connect`, `listen`,
+    `accept*`, `sendmsg`/`sendmmsg`, `sendto` with an address, `io_uring_setup` (io_uring does
+    socket operations without these syscalls) — but `socketpair(AF_UNIX)` and plain
+    send/recv on it (asyncio's self-pipe, multiprocessing's duplex pipes). Any other syscall ABI
+    (32-bit compat, x32) kills the process: its numbers would get past the checks."""
+    arch, nr = _SECCOMP_ABI
+    prog: list = [
+        (_LD_W_ABS, 4),  # seccomp_data.arch
+        (_JEQ, arch, "native", "kill"),
+        "native",
+        (_LD_W_ABS, 0),  # seccomp_data.nr
+        (_JSET, _X32_BIT, "kill", "denied"),
+        "denied",
+    ]
+    prog += [(_JEQ, nr[name], "deny", None) for name in _DENIED]
+    prog += [
+        (_JEQ, nr["socketpair"], "socketpair", None),
+        (_JEQ, nr["sendto"], "sendto", None),
+        (_RET, _RET_ALLOW),
+        "socketpair",
+        (_LD_W_ABS, 16),  # args[0] (low word): the family
+        (_JEQ, _AF_UNIX, "allow", "deny"),
+        "sendto",
+        (_LD_W_ABS, 48),  # args[4], the destination address: NULL only
+        (_JEQ, 0, "sendto_hi", "deny"),
+        "sendto_hi",
+        (_LD_W_ABS, 52),
+        (_JEQ, 0, "allow", "deny"),
+        "allow",
+        (_RET, _RET_ALLOW),
+        "deny",
+        (_RET, _RET_EPERM),
+        "kill",
+        (_RET, _RET_KILL_PROCESS),
+    ]
+    return _assemble(prog)
+
+
+def seccomp_filter_array(program: list[tuple[int, int, int, int]]) -> _SockFprog:
+    """The program as the kernel reads it (built before any fork: see `_CAP_HEADER`)."""
+    insns = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
+    fprog = _SockFprog(len(program), insns)
+    fprog._keep = insns  # the array must outlive the struct that points at it
+    return fprog
+
+
+NO_SOCKETS = seccomp_filter_array(no_sockets_filter()) if _SECCOMP_ABI else None
+
+
+def seccomp_works() -> bool:
+    """Whether `seccomp_no_sockets` can be installed here (tried in a throw-away child)."""
+    if NO_SOCKETS is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        try:
+            prctl(PR_SET_NO_NEW_PRIVS, 1)
+            seccomp_no_sockets()
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def seccomp_no_sockets() -> list[str]:
+    """Installs `no_sockets_filter` on this process and its future children (needs
+    no_new_privs or CAP_SYS_ADMIN). Returns the layer's name."""
+    if NO_SOCKETS is None:
+        raise OSError(0, "seccomp: syscall numbers unknown on this machine")
+    _check(
+        _libc.prctl(
+            PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(NO_SOCKETS), 0, 0
+        ),
+        "seccomp",
+    )
+    return ["no_sockets"]
