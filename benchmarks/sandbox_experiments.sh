@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Sandbox design experiments (issue 5), measured against the tree as it is, in one run.
+# Sandbox design experiments (issue 5), measured against the tree they were written for, in one
+# run.
 #
-#     bash benchmarks/sandbox_experiments.sh [ROUNDS]      # default 2 rounds, ~2 min
+#     bash benchmarks/sandbox_experiments.sh [ROUNDS [BASE]]   # default 2 rounds, c49d1b7; ~3 min
 #
-# Each patch in benchmarks/results/sandbox_experiments/ is applied to a copy of this tree and
+# Each patch in benchmarks/results/sandbox_experiments/ is applied to a copy of commit BASE
+# (the tree before 361a9e1 merged two of them, in their own form: the seccomp filter with one
+# network namespace per server, and the mount-namespace holder) and
 # `probe_sandbox_cpu.py --humaneval 5` (HumanEval's canonical solutions, two servers, two
 # threads: solutions per second and the machine CPU per solution) runs there, alternating with
 # the unpatched tree, round after round, in an order that rotates each round. Then the patched
@@ -12,14 +15,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}
+base=${2:-c49d1b7}
 py=$PWD/.venv/bin/python
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 variants=(baseline)
+mkdir -p "$work/baseline"
+git archive "$base" vapo_lightning benchmarks tests pyproject.toml | tar -x -C "$work/baseline"
 for patch in benchmarks/results/sandbox_experiments/*.patch; do
     name=$(basename "$patch" .patch)
-    mkdir -p "$work/$name"
-    cp -r vapo_lightning benchmarks tests pyproject.toml "$work/$name/"
+    cp -r "$work/baseline" "$work/$name"
     (cd "$work/$name" && git apply "$OLDPWD/$patch")
     variants+=("$name")
 done
@@ -27,8 +32,7 @@ n=${#variants[@]}
 for round in $(seq "$rounds"); do
     for i in $(seq 0 $((n - 1))); do  # the order rotates by one each round
         v=${variants[$(((i + round - 1) % n))]}
-        dir=$PWD
-        [[ $v == baseline ]] || dir=$work/$v
+        dir=$work/$v
         printf '%s round %s: ' "$v" "$round"
         (cd "$dir" && "$py" benchmarks/probe_sandbox_cpu.py --humaneval 5) |
             awk '/per second/ {r=$1} /^\| ms/ {print r " solutions/s; per solution ms: wall " $4 ", machine CPU " $6 ", client " $8 ", server " $10 ", sandboxes " $12 ", kernel threads " $14}'
