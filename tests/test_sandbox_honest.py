@@ -67,6 +67,21 @@ def test_asyncio_and_a_duplex_pipe_work_without_sockets(pool):
     assert _score(pool, stdin, [{"input": "1 2\n", "output": "3\n"}]) == 1
 
 
+def test_multiprocessing_with_the_programs_own_function(pool):
+    """A process pool pickles the program's own function by reference: the program runs as a
+    real module (`solution`, or `__main__` in stdin mode) that the workers can look it up in."""
+    code = (
+        "import multiprocessing\n"
+        "def square(x):\n    return x * x\n"
+        "def total(n):\n"
+        "    with multiprocessing.Pool(2) as workers:\n"
+        "        return sum(workers.map(square, range(n)))\n"
+    )
+    assert _score(pool, code, [{"input": [10], "output": 285}], "total", timeout_s=20) == 1
+    stdin = code + "if __name__ == '__main__':\n    print(total(int(input())))\n"
+    assert _score(pool, stdin, [{"input": "10\n", "output": "285\n"}], timeout_s=20) == 1
+
+
 def test_slow_but_in_time(pool):
     code = "import time\ndef add(a, b):\n    time.sleep(0.2)\n    return a + b\n"
     assert _score(pool, code, ADD, "add", timeout_s=10) == 3

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import types
 from collections.abc import Callable
 
 
@@ -54,6 +55,15 @@ def plain(x: object, depth: int = 0) -> object:
     raise TypeError(f"cannot return a {t.__name__}")
 
 
+def _as_module(name: str) -> dict:
+    """The globals of a fresh module registered in sys.modules as `name`, so that what the
+    program defines can be pickled by reference (multiprocessing sends functions that way)."""
+    module = types.ModuleType(name)
+    module.__builtins__ = __builtins__
+    sys.modules[name] = module
+    return module.__dict__
+
+
 def _find_function(namespace: dict, fn_name: str):
     if fn_name in namespace:
         return namespace[fn_name]
@@ -66,7 +76,7 @@ def _find_function(namespace: dict, fn_name: str):
 def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -> None:
     """Defines the program once, then calls `fn_name` on each test's (freshly decoded) args."""
     try:
-        namespace = {"__name__": "solution", "__builtins__": __builtins__}
+        namespace = _as_module("solution")
         exec(compile(code, "<solution>", "exec"), namespace)
         fn = _find_function(namespace, fn_name)
     except BaseException as err:  # the candidate's error, reported as every test's error
@@ -92,7 +102,7 @@ def _run_program(code: str, stdin_path: str, stdout_path: str) -> None:
     os.close(fd)
     status = 0
     try:
-        exec(compile(code, "<solution>", "exec"), {"__name__": "__main__"})
+        exec(compile(code, "<solution>", "exec"), _as_module("__main__"))
     except SystemExit as err:
         status = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     except BaseException:
