@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sysconfig
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -662,6 +663,31 @@ def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
         result = pool.evaluate(x32, [{"input": [], "output": 1}], "f")
         assert (result.passed, result.status) == (0, "crashed"), result
     _assert_host_intact(host)
+
+
+def test_closing_a_pool_leaves_none_of_its_processes():
+    """The server's children (spares, and the mount-namespace holder of a root server) all end
+    with it, and none of them keeps the host's pipes open."""
+    pool = Pool(size=1)
+    server = pool.servers[0].proc
+    pool.evaluate("def f():\n    return 1\n", [{"input": [], "output": 1}], "f")
+    time.sleep(0.3)  # the spare forked after the run has set itself up (stdio on /dev/null)
+    children = [
+        int(pid)
+        for tid in os.listdir(f"/proc/{server.pid}/task")
+        for pid in Path(f"/proc/{server.pid}/task/{tid}/children").read_text().split()
+    ]
+    assert children  # the spares at least
+    for pid in children:  # only the server may hold the pipes to the host
+        for fd in ("0", "1"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            assert not target.startswith("pipe:"), (pid, fd, target)
+    pool.close()
+    assert server.returncode is not None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in children):
+        time.sleep(0.01)
+    assert not [p for p in children if os.path.exists(f"/proc/{p}")]
 
 
 def test_many_idle_sandboxes_do_not_starve_a_run():

@@ -605,6 +605,7 @@ def _start_mount_ns_holder() -> tuple[int, int]:
         return pid, w
     try:
         L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+        _new_session()  # stdio on /dev/null: the host's pipes stay the server's alone
         _close_fds_except({r})
         own = os.stat("/proc/self/ns/mnt").st_ino
         held = None
