@@ -570,8 +570,8 @@ def test_no_kernel_state_crosses_runs(host, seccomp):
     """State kept by the kernel per namespace or per user, not per process: network counters
     (/proc/net/snmp counts datagrams with no route) and the uid's user keyring. Each run has a
     user namespace of its own, and a network namespace that either is its own (sockets allowed)
-    or that no run can write to (`no_sockets`: a server's runs share it), so the next run (and
-    a fresh pool) sees neither."""
+    or that no run can write to (`no_sockets`: a server's runs share it, and the filter refuses
+    the keyring syscalls too), so the next run (and a fresh pool) sees neither."""
     add_key, keyctl = KEY_SYSCALLS
     writer = (
         "import ctypes, socket\ndef f():\n"
@@ -600,14 +600,14 @@ def test_no_kernel_state_crosses_runs(host, seccomp):
     try:
         no_sockets = "no_sockets" in pool.layers
         assert no_sockets == (seccomp and "no_sockets" in fresh.layers)
-        sent = "refused" if no_sockets else "sent"
-        result = pool.evaluate(writer, [{"input": [], "output": [sent, "written"]}], "f")
+        wrote = ["refused", "no key"] if no_sockets else ["sent", "written"]
+        result = pool.evaluate(writer, [{"input": [], "output": wrote}], "f")
         assert result.passed == 1, result
-        # The check can fail: within the writer's own run, both are seen (no datagram is
-        # even attempted when sockets are refused).
+        # The check can fail: within the writer's own run, both are seen (with `no_sockets`
+        # neither can be written: the sockets_allowed case is the one that shows it).
         both = writer + probe + "def h():\n    f()\n    return probe()\n"
-        counted = "0" if no_sockets else "37"
-        seen = pool.evaluate(both, [{"input": [], "output": [counted, True]}], "h")
+        counted = ["0", False] if no_sockets else ["37", True]
+        seen = pool.evaluate(both, [{"input": [], "output": counted}], "h")
         assert seen.passed == 1, seen
         for p in (pool, pool, pool, fresh):  # whichever server of the pool runs it, or another
             result = p.evaluate(reader, [{"input": [], "output": ["0", False]}], "f")
@@ -621,10 +621,10 @@ def test_no_kernel_state_crosses_runs(host, seccomp):
 
 def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
     """The seccomp filter (`layers.no_sockets_filter`): no socket of any family, no bind,
-    connect, sendto with an address or descriptor passing, no io_uring; a socketpair and plain
-    send/recv on it work. A syscall of another ABI (x32 here) kills the process."""
+    connect, sendto with an address or descriptor passing, no io_uring, no keyrings; a
+    socketpair and plain send/recv on it work. A syscall of another ABI (x32 here) kills the process."""
     pool = host["pool"]
-    if "no_sockets" not in pool.layers:
+    if "no_sockets" not in pool.layers or KEY_SYSCALLS is None:
         pytest.skip("no seccomp filter on this machine")
     code = (
         "import ctypes, errno, socket\n"
@@ -640,6 +640,9 @@ def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
         "    def io_uring():\n"
         "        if libc.syscall(425, 8, None) < 0:\n"
         "            raise OSError(ctypes.get_errno(), 'io_uring_setup')\n"
+        "    def add_key():\n"
+        f"        if libc.syscall({KEY_SYSCALLS[0]}, b'user', b'k', b'v', 1, -4) < 0:\n"
+        "            raise OSError(ctypes.get_errno(), 'add_key')\n"
         "    return {\n"
         "        'inet': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),\n"
         "        'unix': attempt(lambda: socket.socket(socket.AF_UNIX)),\n"
@@ -650,11 +653,12 @@ def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
         "        'sendto': attempt(lambda: a.sendto(b'x', '\\0vapo-test')),\n"
         "        'send_fds': attempt(lambda: socket.send_fds(a, [b'x'], [0])),\n"
         "        'io_uring': attempt(io_uring),\n"
+        "        'add_key': attempt(add_key),\n"
         "        'pair': attempt(lambda: a.send(b'x') == 1 and b.recv(1) == b'x' or 1 / 0),\n"
         "    }\n"
     )
     refused = ("inet", "unix", "netlink", "pair_inet", "bind", "connect", "sendto", "send_fds",
-               "io_uring")  # fmt: skip
+               "io_uring", "add_key")  # fmt: skip
     want = dict.fromkeys(refused, "EPERM") | {"pair": "ok"}
     result = pool.evaluate(code, [{"input": [], "output": want}], "f")
     assert result.passed == 1, result

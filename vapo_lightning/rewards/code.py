@@ -36,7 +36,7 @@ _REQUIREMENTS = {
     "no_tty": ("session",),
     "not_root": ("uid_drop",),
     "filesystem": ("landlock_fs",),
-    "network": ("netns", "no_sockets"),
+    "network": ("netns",),
     "reaping": ("pidns", "subreaper"),
     "private_tmp": ("private_tmp",),
     "signals": ("pidns", "landlock_scope"),
@@ -53,9 +53,7 @@ _HOW_TO = {
     "not_root": "candidate code would run as root: the server could not setresuid(65534)",
     "filesystem": "Landlock (Linux >= 5.13 with 'landlock' in /sys/kernel/security/lsm; add "
     "lsm=landlock,... to the kernel command line)",
-    "network": "a network namespace or the seccomp filter that refuses sockets (Linux with "
-    "CONFIG_SECCOMP_FILTER, not refused by a container's own seccomp profile); a network "
-    "namespace as root needs CAP_SYS_ADMIN (in Docker "
+    "network": "a network namespace: as root it needs CAP_SYS_ADMIN (in Docker "
     "`--cap-add SYS_ADMIN --security-opt seccomp=unconfined`, or run on a VM); otherwise "
     "unprivileged user namespaces: on Ubuntu >= 23.10 "
     "`sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "

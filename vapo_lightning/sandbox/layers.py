@@ -259,16 +259,18 @@ _SECCOMP_ABI = (
     {
         "x86_64": (0xC000003E, {"socket": 41, "connect": 42, "accept": 43, "sendto": 44,
                                 "sendmsg": 46, "bind": 49, "listen": 50, "socketpair": 53,
+                                "add_key": 248, "request_key": 249, "keyctl": 250,
                                 "accept4": 288, "sendmmsg": 307, "io_uring_setup": 425}),
         "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "bind": 200, "listen": 201,
                                  "accept": 202, "connect": 203, "sendto": 206, "sendmsg": 211,
+                                 "add_key": 217, "request_key": 218, "keyctl": 219,
                                  "accept4": 242, "sendmmsg": 269, "io_uring_setup": 425}),
     }.get(os.uname().machine)
     if IS_LINUX
     else None
 )  # fmt: skip
 _DENIED = ("socket", "connect", "accept", "accept4", "bind", "listen", "sendmsg", "sendmmsg",
-           "io_uring_setup")  # fmt: skip
+           "io_uring_setup", "add_key", "request_key", "keyctl")  # fmt: skip
 _LD_W_ABS, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
 _RET_ALLOW, _RET_EPERM, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
 _X32_BIT, _AF_UNIX = 0x40000000, 1
@@ -298,7 +300,11 @@ def no_sockets_filter() -> list[tuple[int, int, int, int]]:
     a name or pass a file descriptor — `socket()` of any family, `bind`, `connect`, `listen`,
     `accept*`, `sendmsg`/`sendmmsg`, `sendto` with an address, `io_uring_setup` (io_uring does
     socket operations without these syscalls) — but `socketpair(AF_UNIX)` and plain
-    send/recv on it (asyncio's self-pipe, multiprocessing's duplex pipes). Any other syscall ABI
+    send/recv on it (asyncio's self-pipe, multiprocessing's duplex pipes). A datagram
+    socketpair can still autobind an abstract name (SO_PASSCRED); it lives as long as the
+    socket, so at most until the run's PID namespace ends, before the next run starts. Also
+    refused: the kernel keyrings (`add_key`, `request_key`, `keyctl`), whose `request_key`
+    upcalls run helpers such as the DNS resolver in the host's namespaces. Any other syscall ABI
     (32-bit compat, x32) kills the process: its numbers would get past the checks."""
     arch, nr = _SECCOMP_ABI
     prog: list = [

@@ -602,6 +602,7 @@ def _start_mount_ns_holder() -> tuple[int, int]:
     pid = os.fork()
     if pid:
         os.close(r)
+        os.set_blocking(w, False)  # a stopped holder must not stop the server: runs go on
         return pid, w
     try:
         L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
