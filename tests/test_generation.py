@@ -208,7 +208,20 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
-def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypatch):
+@pytest.fixture
+def cache_dtypes(monkeypatch) -> list[tuple[torch.dtype, torch.dtype]]:
+    """(keys, values) dtypes of every KV cache layer the sampler sets up while the test runs."""
+    dtypes, init = [], GrowingLayer.lazy_initialization
+
+    def recording_init(self, k, v):
+        init(self, k, v)
+        dtypes.append((self._k.dtype, self._v.dtype))
+
+    monkeypatch.setattr(GrowingLayer, "lazy_initialization", recording_init)
+    return dtypes
+
+
+def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypatch, cache_dtypes):
     """Under bf16 autocast the keys reach the cache in fp32 (rotary embedding) and SDPA cast
     the whole cache to bf16 at every step. Stored in bf16 once: half the bytes, and the same
     greedy tokens as the fp32 cache that SDPA casts itself. Without autocast: fp32. On a CPU
@@ -218,50 +231,31 @@ def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypa
 
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: True)
 
-    dtypes, init = [], GrowingLayer.lazy_initialization
+    def keys() -> set[torch.dtype]:
+        return {k for k, _ in cache_dtypes}
 
-    def recording_init(self, k, v):
-        init(self, k, v)
-        dtypes.append(self._k.dtype)
-
-    monkeypatch.setattr(GrowingLayer, "lazy_initialization", recording_init)
-    ids, mask = left_pad(PROMPTS)
-
-    def decode():
-        return sample_responses(model, ids, mask, max_new_tokens=30, min_new_tokens=30,
-                                stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
-
-    decode()
-    assert dtypes and set(dtypes) == {torch.float32}
-    dtypes.clear()
+    greedy_decode(model, tokens=30)
+    assert cache_dtypes and keys() == {torch.float32}
+    cache_dtypes.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fast = decode()
-        assert dtypes and set(dtypes) == {torch.bfloat16}
+        fast = greedy_decode(model, tokens=30)
+        assert cache_dtypes and keys() == {torch.bfloat16}
         monkeypatch.setattr(generation, "cache_dtype", lambda k: k.dtype)  # the old fp32 cache
-        dtypes.clear()
-        slow = decode()
-        assert set(dtypes) == {torch.float32}
+        cache_dtypes.clear()
+        slow = greedy_decode(model, tokens=30)
+        assert keys() == {torch.float32}
     assert torch.equal(fast, slow)
 
 
-def test_without_amx_cpu_decoding_keeps_an_fp32_cache(model, monkeypatch):
+def test_without_amx_cpu_decoding_keeps_an_fp32_cache(model, monkeypatch, cache_dtypes):
     """CPUs without AMX decode in fp32 under bf16 autocast (`attention.decodes_in_autocast_dtype`):
     keys and values are cached in fp32 (test_attention.py: the kernel runs in fp32)."""
     import vapo_lightning.attention as attention
 
-    dtypes, init = [], GrowingLayer.lazy_initialization
-
-    def recording_init(self, k, v):
-        init(self, k, v)
-        dtypes.append((self._k.dtype, self._v.dtype))
-
-    monkeypatch.setattr(GrowingLayer, "lazy_initialization", recording_init)
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)
-    ids, mask = left_pad(PROMPTS)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = sample_responses(model, ids, mask, max_new_tokens=30, min_new_tokens=30,
-                               stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
-    assert dtypes and set(dtypes) == {(torch.float32, torch.float32)}
+        out = greedy_decode(model, tokens=30)
+    assert cache_dtypes and set(cache_dtypes) == {(torch.float32, torch.float32)}
     # Forced: 30 tokens each, no stop token (PAD itself is a token a random model may pick).
     assert out.shape == (len(PROMPTS), 30) and not bool((out == EOS).any())
 
@@ -281,9 +275,10 @@ class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def greedy_decode(model) -> torch.Tensor:
+def greedy_decode(model, tokens: int = 10) -> torch.Tensor:
+    """Greedy responses to PROMPTS, forced to `tokens` tokens each."""
     ids, mask = left_pad(PROMPTS)
-    return sample_responses(model, ids, mask, max_new_tokens=10, min_new_tokens=10,
+    return sample_responses(model, ids, mask, max_new_tokens=tokens, min_new_tokens=tokens,
                             stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
 
 

@@ -137,11 +137,7 @@ class Server:
             else:
                 L.setns(self.own_pid_ns, L.CLONE_NEWPID)
                 self.direct = True
-        self.holder_pid, self.holder_w = (
-            _start_mount_ns_holder()
-            if self.direct and opts.get("hold_mount_ns", True)
-            else (None, None)
-        )
+        self.holder_pid, self.holder_w = _start_mount_ns_holder() if self.direct else (None, None)
         # No socket that can send a packet, bind a name or pass a descriptor (`layers.
         # no_sockets_filter`): then a network namespace can serve all of this server's runs,
         # since none can leave a mark in it (its counters cannot move), and it is made once
