@@ -15,7 +15,6 @@ from callbacks.format_reward import FormatReward
 from callbacks.overlong import OverlongPenalty
 from callbacks.sandbox_fusion import SandboxFusionReward
 from vapo_lightning.rewards import RewardCallback, RewardError, Sample, combine_rewards
-from vapo_lightning.rewards.verl import VerlReward
 
 
 def sample(response="x", ids=(1, 2), truncated=False, truth=None, source="s", **extra):
@@ -73,23 +72,64 @@ def test_no_reward_callback_is_an_error():
         combine_rewards([], SAMPLES)
 
 
-def test_verl_adapter_calls_user_files_unchanged(tmp_path):
-    path = tmp_path / "my_reward.py"
-    path.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if data_source == 'dict':\n"
-        "        return {'score': 0.25, 'acc': True}\n"
-        "    return float(solution_str.strip() == ground_truth) + extra_info.get('bonus', 0)\n"
+class Hang(RewardCallback):
+    """Blocks until `release` is set (released by the test, so no thread outlives it)."""
+
+    release = threading.Event()
+
+    def score(self, samples):
+        Hang.release.wait()
+        return [1.0] * len(samples)
+
+
+def test_one_hung_reward_neither_starves_the_others_nor_piles_up_threads():
+    hung = Hang(timeout_s=0.2, max_error_share=None)
+    healthy = Fixed([1.0, 1.0, 1.0], timeout_s=30.0)
+    try:
+        for _ in range(6):  # more batches than any shared pool would have threads
+            out = combine_rewards([hung, healthy], SAMPLES)
+            assert out.per_callback["Fixed"] == [1.0, 1.0, 1.0] and out.errors == 3
+        stuck = [t for t in threading.enumerate() if t.name == "vapo-reward-Hang"]
+        assert len(stuck) == 1 and stuck[0].daemon
+    finally:
+        Hang.release.set()
+
+
+def test_exit_does_not_wait_for_a_hung_reward():
+    script = (
+        "import threading\n"
+        "from vapo_lightning.rewards import RewardCallback, Sample, combine_rewards\n"
+        "class Hang(RewardCallback):\n"
+        "    def score(self, samples):\n"
+        "        threading.Event().wait()\n"
+        "s = [Sample('p', 'r', [1], False)]\n"
+        "print(combine_rewards([Hang(timeout_s=0.1)], s).errors)\n"
     )
-    cb = VerlReward(str(path))
-    got = cb.score(
-        [sample("42", truth="42"), sample("41", truth="42", bonus=0.5), sample("1", source="dict")]
+    # Hangs for ever (and fails on the subprocess timeout) if exit joins the reward thread.
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
-    assert got == [1.0, 0.5, 0.25]
-    with pytest.raises(AttributeError, match="has no function 'nope'"):
-        VerlReward(str(path), function="nope")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        VerlReward(str(tmp_path / "missing.py"))
+    assert done.returncode == 0 and done.stdout.strip() == "1"
+
+
+def test_failures_warn_once_per_kind_then_stop_the_run(recwarn):
+    cb = Fixed(ValueError("bad ground truth format"))  # max_error_share 0.5 over 3 batches
+    for _ in range(2):
+        assert combine_rewards([cb], SAMPLES).errors == 3
+    warned = [str(w.message) for w in recwarn]
+    assert len(warned) == 1 and "Fixed failed on 3 of 3 samples" in warned[0]
+    assert "bad ground truth format" in warned[0]
+    with pytest.raises(RewardError, match=r"more than 50% .* 3 consecutive batches.*bad ground"):
+        combine_rewards([cb], SAMPLES)
+
+
+def test_a_reward_failing_on_few_samples_or_switched_off_keeps_running(recwarn):
+    few = Fixed([1.0, None, 1.0])
+    off = Fixed(ValueError("boom"), max_error_share=None)
+    for _ in range(5):
+        combine_rewards([few], SAMPLES)
+        combine_rewards([off], SAMPLES)
+    assert len(recwarn) == 2  # one per callback and kind
 
 
 def test_format_reward():

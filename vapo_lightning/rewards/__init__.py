@@ -5,7 +5,15 @@ from vapo_lightning.rewards.base import (
     RewardError,
     RewardOutcome,
     Sample,
+    SampleError,
     combine_rewards,
 )
 
-__all__ = ["RewardCallback", "RewardError", "RewardOutcome", "Sample", "combine_rewards"]
+__all__ = [
+    "RewardCallback",
+    "RewardError",
+    "RewardOutcome",
+    "Sample",
+    "SampleError",
+    "combine_rewards",
+]

@@ -8,20 +8,31 @@ generated token. Users write a `RewardCallback` subclass whose `score` maps a ba
 A reward that raises, hangs past `timeout_s`, returns NaN / None / the wrong number of
 values is never silently turned into a zero: by `on_error` it either aborts the run with a
 message naming the callback, or gives `error_value` to the affected samples and counts them
-(logged as `reward/errors`).
+(`reward/errors`, also in the progress bar), warning once per kind of failure with the first
+message; a reward failing on more than `max_error_share` of the samples in `max_error_steps`
+consecutive batches stops the run.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["RewardCallback", "RewardError", "RewardOutcome", "Sample", "combine_rewards"]
+__all__ = [
+    "RewardCallback",
+    "RewardError",
+    "RewardOutcome",
+    "Sample",
+    "SampleError",
+    "combine_rewards",
+]
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,15 @@ class RewardError(RuntimeError):
     """A reward callback failed and the configuration says to abort."""
 
 
+class SampleError(Exception):
+    """What `score` returns for a sample it could not score: `message` is shown on the
+    console, once per callback and `kind` (e.g. the user function's exception type)."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class RewardCallback(L.Callback):
     """Base class for rewards. Subclass it and implement `score`.
 
@@ -56,9 +76,15 @@ class RewardCallback(L.Callback):
         on_error: ``"abort"`` stops the run with a clear message; ``"value"`` gives the
             affected samples `error_value` and counts them in ``reward/errors``.
         error_value: the reward given to a sample whose score failed (``on_error="value"``).
-        timeout_s: wall-clock limit for one `score` call on a whole batch (None: no limit).
-            A Python thread cannot be killed: a reward that must survive hostile inputs
-            enforces its own limit from outside its checking code (see `MathReward`).
+        timeout_s: wall-clock limit for one `score` call on a whole batch (None: no limit,
+            and `score` runs in the trainer's thread). With a limit it runs in a daemon
+            thread of its own: past the limit the batch's samples fail, and until the call
+            returns later batches fail at once instead of piling up threads. A thread cannot
+            be killed: a reward that may hang runs its checks in processes it can kill (as
+            `MathReward`, `VerlReward` do).
+        max_error_share: stop the run when more than this share of a batch's samples fail
+            in `max_error_steps` consecutive batches (None: never stop; ``on_error="value"``).
+        max_error_steps: see `max_error_share`.
     """
 
     def __init__(
@@ -67,6 +93,8 @@ class RewardCallback(L.Callback):
         on_error: Literal["abort", "value"] = "value",
         error_value: float = 0.0,
         timeout_s: float | None = 300.0,
+        max_error_share: float | None = 0.5,
+        max_error_steps: int = 3,
     ) -> None:
         if on_error not in ("abort", "value"):
             raise ValueError(
@@ -78,6 +106,11 @@ class RewardCallback(L.Callback):
         self.on_error = on_error
         self.error_value = float(error_value)
         self.timeout_s = timeout_s
+        if max_error_share is not None and not 0 <= max_error_share < 1:
+            raise ValueError(f"{type(self).__name__}.max_error_share must be in [0, 1) or None")
+        self.max_error_share, self.max_error_steps = max_error_share, max(1, int(max_error_steps))
+        self._warned_kinds: set[str] = set()
+        self._bad_batches = 0
 
     correct_threshold: float | None = None
     """Verifier rewards (math, code) set this: a score above it means "correct". It decides
@@ -88,8 +121,9 @@ class RewardCallback(L.Callback):
     def name(self) -> str:
         return type(self).__name__
 
-    def score(self, samples: Sequence[Sample]) -> Sequence[float | None]:
-        """One reward per sample, in order. None means "could not score" (an error)."""
+    def score(self, samples: Sequence[Sample]) -> Sequence[float | BaseException | None]:
+        """One reward per sample, in order. None, or an exception instance (whose message is
+        shown), means "could not score this sample" (an error)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -111,22 +145,53 @@ class RewardOutcome:
     """Number of (sample, callback) scores that failed."""
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="vapo-reward")
+class _Call:
+    """One `score` call: in the caller's thread without `timeout_s`, else in a daemon thread
+    of its own, so that a hung callback delays neither the other callbacks nor the exit."""
+
+    def __init__(self, cb: RewardCallback, samples: Sequence[Sample]) -> None:
+        self.cb, self.samples, self.box = cb, samples, {}
+        self.thread: threading.Thread | None = None
+        if cb.timeout_s is None:
+            return
+        previous = cb.__dict__.get("_hung_call")
+        if previous is not None and previous.is_alive():
+            return  # still stuck in an earlier batch: a second thread would only pile up
+        self.thread = threading.Thread(target=self._run, name=f"vapo-reward-{cb.name}", daemon=True)
+        self.deadline = time.monotonic() + cb.timeout_s
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.box["value"] = self.cb.score(self.samples)
+        except BaseException as err:  # handed to the caller by `result`
+            self.box["error"] = err
+
+    def result(self) -> Sequence[Any]:
+        cb = self.cb
+        if cb.timeout_s is None:
+            return cb.score(self.samples)
+        if self.thread is None:
+            raise TimeoutError(
+                f"its call on an earlier batch, past timeout_s={cb.timeout_s}, is still running"
+            )
+        self.thread.join(max(0.0, self.deadline - time.monotonic()))
+        if self.thread.is_alive():
+            cb._hung_call = self.thread
+            raise TimeoutError(f"took longer than timeout_s={cb.timeout_s}")
+        if "error" in self.box:
+            raise self.box["error"]
+        return self.box["value"]
 
 
-def _call_with_timeout(cb: RewardCallback, samples: Sequence[Sample]) -> Sequence[Any]:
-    if cb.timeout_s is None:
-        return cb.score(samples)
-    future = _POOL.submit(cb.score, samples)
-    try:
-        return future.result(timeout=cb.timeout_s)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise TimeoutError(f"took longer than timeout_s={cb.timeout_s}") from None
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
-def _checked_scores(cb: RewardCallback, samples: Sequence[Sample]) -> tuple[list[float], int]:
-    """Runs `cb.score` and applies its error policy; returns (scores, number of errors)."""
+def _checked_scores(
+    cb: RewardCallback, samples: Sequence[Sample], call: _Call
+) -> tuple[list[float], list[tuple[str, str]]]:
+    """`cb`'s scores with its error policy applied, and ``(kind, message)`` per failure."""
     n = len(samples)
 
     def fail(reason: str) -> None:
@@ -137,25 +202,56 @@ def _checked_scores(cb: RewardCallback, samples: Sequence[Sample]) -> tuple[list
             )
 
     try:
-        raw = list(_call_with_timeout(cb, samples))
+        raw = list(call.result())
     except Exception as err:  # the user's code: any exception is a reward failure
-        fail(f"raised {type(err).__name__}: {err}")
-        return [cb.error_value] * n, n
+        fail(f"raised {_describe(err)}")
+        return [cb.error_value] * n, [(type(err).__name__, _describe(err))] * n
     if len(raw) != n:
         fail(f"returned {len(raw)} values for {n} samples")
-        return [cb.error_value] * n, n
-    scores, errors = [], 0
+        return [cb.error_value] * n, [("wrong length", f"{len(raw)} values for {n} samples")] * n
+    scores, failures = [], []
     for i, value in enumerate(raw):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            value = math.nan
+        if isinstance(value, SampleError):
+            kind, reason, value = value.kind, str(value), math.nan
+        elif isinstance(value, BaseException):  # the callback's own per-sample error
+            kind, reason, value = type(value).__name__, _describe(value), math.nan
+        else:
+            kind, reason = "not a finite number", f"returned {value!r}"
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = math.nan
         if not math.isfinite(value):
-            fail(f"returned {raw[i]!r} for sample {i} (response {samples[i].response[:80]!r})")
-            errors += 1
+            fail(f"{reason} for sample {i} (response {samples[i].response[:80]!r})")
+            failures.append((kind, f"{reason} (sample {i}, response {samples[i].response[:80]!r})"))
             value = cb.error_value
         scores.append(value)
-    return scores, errors
+    return scores, failures
+
+
+def _report(cb: RewardCallback, failures: list[tuple[str, str]], n: int) -> None:
+    """Warns once per callback and kind of failure; stops the run when more than
+    `max_error_share` of the samples failed in `max_error_steps` consecutive batches."""
+    for kind, message in failures:
+        if kind not in cb._warned_kinds:
+            cb._warned_kinds.add(kind)
+            count = sum(k == kind for k, _ in failures)
+            rank_zero_warn(
+                f"reward callback {cb.name} failed on {count} of {n} samples ({kind}); first: "
+                f"{message}. Failed samples get error_value={cb.error_value} and are counted in "
+                "reward/errors; this warning is shown once per kind of failure"
+            )
+    if cb.max_error_share is None:
+        return
+    share = len(failures) / max(n, 1)
+    cb._bad_batches = cb._bad_batches + 1 if share > cb.max_error_share else 0
+    if cb._bad_batches >= cb.max_error_steps:
+        raise RewardError(
+            f"reward callback {cb.name} failed on more than {cb.max_error_share:.0%} of the "
+            f"samples in {cb._bad_batches} consecutive batches ({len(failures)} of {n} in the "
+            f"last; first: {failures[0][1]}). Fix the reward, or set max_error_share=null on "
+            "it to keep training with error_value for the failed samples."
+        )
 
 
 def combine_rewards(
@@ -168,9 +264,11 @@ def combine_rewards(
         )
     total = [0.0] * len(samples)
     per_callback, errors = {}, 0
-    for cb in callbacks:
-        scores, n_err = _checked_scores(cb, samples)
-        errors += n_err
+    calls = [_Call(cb, samples) for cb in callbacks]  # the threaded ones start now
+    for cb, call in zip(callbacks, calls):
+        scores, failures = _checked_scores(cb, samples, call)
+        _report(cb, failures, len(samples))
+        errors += len(failures)
         per_callback[cb.name] = scores
         total = [t + cb.weight * s for t, s in zip(total, scores)]
     return RewardOutcome(total, per_callback, errors)

@@ -1,67 +1,246 @@
-"""Bring verl reward files unchanged: `fn(data_source, solution_str, ground_truth, extra_info)`.
+"""Bring verl reward files unchanged: a file of verl's ``reward_score/``, a folder of them
+(picked per sample by data source, as verl's ``default_compute_score`` does), or a
+``custom_reward_function`` taking ``(data_source, solution_str, ground_truth, extra_info)``.
 
 --trainer.callbacks+=vapo_lightning.rewards.verl.VerlReward
 --trainer.callbacks.path=my_rewards.py --trainer.callbacks.function=compute_score
+
+The function runs in worker processes (fresh interpreters, see `verl_calls`), one sample per
+call, in the worker's main thread: ``signal.alarm`` timeouts, which math-verify and verl's
+``math_verify.py`` use, work there (off the main thread they raise, and verl's file turns the
+error into a score of 0). A call that passes `call_timeout_s` is stopped by killing its worker.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Sequence
+import os
+import selectors
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vapo_lightning.rewards.base import RewardCallback, Sample
+from vapo_lightning.rewards import verl_calls
+from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
+from vapo_lightning.rewards.verl_calls import load_reward, write_frame
 
-__all__ = ["VerlReward", "load_function"]
+__all__ = ["FunctionPool", "VerlReward", "load_reward"]
 
 
-def load_function(path: str, function: str) -> Callable[..., Any]:
-    """Imports `function` from the Python file at `path` (a verl `custom_reward_function`)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"VerlReward: reward file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"vapo_user_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, function, None)
-    if not callable(fn):
-        raise AttributeError(f"VerlReward: {path} has no function {function!r}")
-    return fn
+@dataclass
+class _Worker:
+    proc: subprocess.Popen[bytes]
+    deadline: float
+    buffer: bytes = b""
+    ready: bool = False
+    task: int | None = None
+
+
+def _stop(worker: _Worker) -> None:
+    if worker.proc.poll() is None:
+        worker.proc.kill()
+    worker.proc.wait()
+    for stream in (worker.proc.stdin, worker.proc.stdout):
+        stream.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        _stop(worker)
+    workers.clear()
+
+
+def _frames(worker: _Worker) -> list[tuple]:
+    """Complete reply frames in the worker's buffer (the rest stays buffered)."""
+    out = []
+    while len(worker.buffer) >= 8:
+        (size,) = struct.unpack("<Q", worker.buffer[:8])
+        if len(worker.buffer) < 8 + size:
+            break
+        out.append(verl_calls.pickle.loads(worker.buffer[8 : 8 + size]))
+        worker.buffer = worker.buffer[8 + size :]
+    return out
+
+
+class FunctionPool:
+    """Worker processes calling one reward; each call has a hard wall-clock limit.
+
+    Args:
+        spec: ``(path, function, sources)``, as `verl_calls.load_reward` takes them.
+        num_workers: processes (started on first use, ~0.1 s each plus the reward's imports).
+        call_timeout_s: limit of one call; past it the worker is killed and replaced.
+        startup_timeout_s: how long a worker may take to load the reward.
+    """
+
+    def __init__(
+        self,
+        spec: tuple[str, str, Mapping[str, str] | None],
+        num_workers: int = 2,
+        call_timeout_s: float = 10.0,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if num_workers < 1 or not call_timeout_s > 0:
+            raise ValueError("FunctionPool needs num_workers >= 1 and call_timeout_s > 0")
+        self.spec = (str(Path(spec[0]).resolve()), spec[1], dict(spec[2] or {}))
+        self.num_workers, self.call_timeout_s = num_workers, float(call_timeout_s)
+        self.startup_timeout_s = startup_timeout_s
+        self.timeouts = 0
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        weakref.finalize(self, _stop_all, self._workers)  # no worker outlives the pool
+
+    def _spawn(self) -> _Worker:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        proc = subprocess.Popen(
+            # -c, not the file as a script: its folder (math.py, code.py) would shadow modules
+            [
+                sys.executable,
+                "-c",
+                f"import runpy; runpy.run_path({verl_calls.__file__!r}, run_name='__main__')",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+        write_frame(proc.stdin, self.spec)
+        return _Worker(proc, deadline=time.monotonic() + self.startup_timeout_s)
+
+    def _replace(self, worker: _Worker) -> None:
+        _stop(worker)
+        self._workers[self._workers.index(worker)] = self._spawn()
+
+    def map(
+        self, calls: Sequence[tuple[str, str, Any, dict]]
+    ) -> list[tuple[float | None, tuple[str, str] | None]]:
+        """``(score, None)`` or ``(None, (kind, message))`` per ``(data_source, solution_str,
+        ground_truth, extra_info)``."""
+        with self._lock:
+            while len(self._workers) < self.num_workers:
+                self._workers.append(self._spawn())
+            return self._run(calls)
+
+    def _run(self, calls: Sequence[tuple]) -> list[tuple[float | None, tuple[str, str] | None]]:
+        queue, results = deque(range(len(calls))), {}
+        with selectors.DefaultSelector() as selector:
+            while len(results) < len(calls):
+                for w in self._workers:  # hand out work
+                    if w.ready and w.task is None and queue:
+                        k = queue.popleft()
+                        try:
+                            write_frame(w.proc.stdin, (k, *calls[k]))
+                        except OSError:  # died since its last reply: run it elsewhere
+                            queue.appendleft(k)
+                            self._replace(w)
+                            continue
+                        w.task, w.deadline = k, time.monotonic() + self.call_timeout_s
+                busy = {w.proc.stdout.fileno(): w for w in self._workers}
+                for fd, w in busy.items():
+                    selector.register(fd, selectors.EVENT_READ, w)
+                wait = min(w.deadline for w in self._workers if w.task is not None or not w.ready)
+                events = selector.select(max(0.0, wait - time.monotonic()))
+                for fd in busy:
+                    selector.unregister(fd)
+                for key, _ in events:
+                    self._read(key.data, results)
+                now = time.monotonic()
+                for w in list(self._workers):  # deadlines, enforced from outside
+                    if w.deadline > now or (w.ready and w.task is None):
+                        continue
+                    if not w.ready:
+                        raise RuntimeError(
+                            f"reward worker did not start in {self.startup_timeout_s} s"
+                        )
+                    why = f"took longer than call_timeout_s={self.call_timeout_s} (worker killed)"
+                    results[w.task] = (None, ("TimeoutError", why))
+                    self.timeouts += 1
+                    self._replace(w)
+        return [results[k] for k in range(len(calls))]
+
+    def _read(self, w: _Worker, results: dict[int, tuple]) -> None:
+        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
+        if not chunk:  # the worker died
+            if not w.ready:
+                raise RuntimeError(
+                    f"reward worker for {self.spec[0]} exited while starting; see its stderr"
+                )
+            if w.task is not None:
+                results[w.task] = (
+                    None,
+                    ("worker died", f"worker died (exit code {w.proc.wait()})"),
+                )
+            self._replace(w)
+            return
+        w.buffer += chunk
+        for task, score, error in _frames(w):
+            if task == "ready":
+                w.ready = True
+            elif task == "load-error":
+                raise RuntimeError(f"reward worker could not load {self.spec[0]}: {error}")
+            else:
+                results[task], w.task = (score, error), None
+
+    def close(self) -> None:
+        """Kills the workers at once (a hung call is not waited for); later calls start new ones."""
+        _stop_all(self._workers)
 
 
 class VerlReward(RewardCallback):
-    """Calls a verl-style reward function once per sample.
+    """Calls a verl reward function once per sample, in worker processes.
 
     Args:
-        path: the Python file holding the function.
-        function: its name (verl's default: ``compute_score``).
+        path: a Python file holding the function, or a folder of verl reward files
+            (``verl/utils/reward_score``): each sample's file is then picked by its
+            ``data_source`` as verl's ``default_compute_score`` picks it.
+        function: the function's name in a file (verl's default: ``compute_score``).
+        sources: with a folder, more ``data_source -> file stem`` entries (or overrides),
+            e.g. ``{"my_gsm8k": "gsm8k"}``.
         correct_threshold: a score above this counts as correct (accuracy metrics and the
             positive-example NLL); None: this reward is not a verifier.
-        **kwargs: `RewardCallback`'s weight, on_error, error_value, timeout_s.
+        num_workers: worker processes.
+        call_timeout_s: hard limit of one call (the worker is killed after it).
+        **kwargs: `RewardCallback`'s weight, on_error, error_value, max_error_share, ...
 
-    The function may return a float or a dict with a ``"score"`` entry (as verl allows).
+    The function is called as ``fn(data_source=, solution_str=, ground_truth=, extra_info=)``
+    when it takes ``data_source``, else as ``fn(solution_str, ground_truth)``; it may return a
+    number or a dict with a ``"score"`` entry.
     """
 
     def __init__(
         self,
         path: str,
         function: str = "compute_score",
+        sources: dict[str, str] | None = None,
         correct_threshold: float | None = 0.0,
+        num_workers: int = 2,
+        call_timeout_s: float = 10.0,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("timeout_s", None)  # each call has its own hard limit
         super().__init__(**kwargs)
-        self.fn = load_function(path, function)
+        load_reward(path, function, sources)  # fail here, not in a worker, on a wrong path
         self.correct_threshold = correct_threshold
-        self._name = f"VerlReward({Path(path).name}:{function})"
+        self.pool = FunctionPool((path, function, sources), num_workers, call_timeout_s)
+        where = Path(path).name + (f":{function}" if Path(path).is_file() else "/")
+        self._name = f"VerlReward({where})"
 
     @property
     def name(self) -> str:
         return self._name
 
-    def score(self, samples: Sequence[Sample]) -> list[float | None]:
-        out = []
-        for s in samples:
-            value = self.fn(s.data_source, s.response, s.ground_truth, dict(s.extra_info))
-            out.append(value["score"] if isinstance(value, dict) else value)
-        return out
+    def score(self, samples: Sequence[Sample]) -> list[float | SampleError]:
+        calls = [(s.data_source, s.response, s.ground_truth, dict(s.extra_info)) for s in samples]
+        return [
+            SampleError(error[1], kind=error[0]) if error is not None else score
+            for score, error in self.pool.map(calls)
+        ]
+
+    def close(self) -> None:
+        self.pool.close()
