@@ -381,7 +381,7 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         m.update({alias: m[name] for alias, name in ALIASES.items() if name in m})
         m["rollout_step"] = float(self._rollout_steps_before + 1)
         m = self.reduce_metrics(m)
-        shown = {"reward", "rollout/accuracy", "rollout_step"}  # also on the progress bar
+        shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
         self.log_dict(
             {k: v for k, v in m.items() if k not in shown},
             on_step=True,
