@@ -6,6 +6,7 @@ import pytest
 
 from vapo_lightning.sandbox import Pool
 from vapo_lightning.sandbox.compare import normalise_stdout, same_value
+from vapo_lightning.sandbox.importers import from_asserts
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +205,26 @@ def test_normalise_stdout():
     assert normalise_stdout("1 \n2\t\n\n") == normalise_stdout("1\n2")
     assert normalise_stdout(" 1") != normalise_stdout("1")
     assert normalise_stdout("1\n\n2") != normalise_stdout("1\n2")
+
+
+def test_stdin_mode_invalid_utf8_fails(pool):
+    """Bytes that are not UTF-8 fail the test; they are not read as U+FFFD."""
+    bad = "import sys\nsys.stdout.buffer.write(b'\\xff\\n')\n"
+    assert _score(pool, bad, [{"input": "", "output": "\ufffd"}]) == 0
+    good = "import sys\nsys.stdout.buffer.write('\\ufffd é\\n'.encode())\n"
+    assert _score(pool, good, [{"input": "", "output": "\ufffd é"}]) == 1
+
+
+def test_returns_an_int_past_the_int_to_str_guard(pool):
+    """Python refuses str() of ints over 4,300 digits by default; an answer may be longer."""
+    code = "def f(n):\n    return 7 ** n\n"
+    tests = [{"input": [20000], "output": 7**20000}, {"input": [3], "output": 343}]
+    assert _score(pool, code, tests, "f") == 2
+
+
+def test_a_tolerance_test_accepts_an_int(pool):
+    """`assert abs(area(2, 3) - 6.0) < 1e-6` holds for an int 6; so does the imported test."""
+    imported = from_asserts("assert abs(area(2, 3) - 6.0) < 1e-6", "area")
+    code = "def area(a, b):\n    return a * b\n"
+    assert _score(pool, code, imported.tests, "area") == 1
+    assert _score(pool, "def area(a, b):\n    return True\n", imported.tests, "area") == 0

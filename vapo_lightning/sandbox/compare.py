@@ -3,12 +3,15 @@
 Nothing the candidate controls is executed or trusted here: frames are parsed with `json.loads`
 (NaN/Infinity refused), values compared by exact type with this module's own code, so
 always-equal objects, patched builtins, exit codes and printed markers have nothing to act on.
+A frame is bytes the candidate may have written itself: whatever it holds, parsing it fails
+that test and never raises (only ASCII digits are numbers, invalid UTF-8 is not text).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 FLOAT_REL_TOL = 1e-9
 """Relative tolerance between a returned float and an expected float (a test may set 'tol')."""
@@ -18,17 +21,36 @@ def _no_constants(name: str) -> float:
     raise ValueError(f"{name} is not plain JSON")
 
 
+MAX_INT_DIGITS = 1_000_000
+"""Longest int a frame may hold (int() of n digits costs O(n^2) here; 10^6 digits ~ 0.1 s)."""
+
+
+def _int_from_digits(text: str) -> int:
+    """`int(text)` past Python's 4,300-digit int-to-str guard (which is process-wide, so not
+    lifted here), by halves: each half is a smaller int, joined with one multiplication."""
+    if len(text) <= 4000:
+        return int(text)
+    if len(text) > MAX_INT_DIGITS:
+        raise ValueError("int too long")
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text)
+    low = len(digits) // 2
+    return sign * (_int_from_digits(digits[:-low]) * 10**low + _int_from_digits(digits[-low:]))
+
+
 def decode(text: str) -> object:
-    return json.loads(text, parse_constant=_no_constants)
+    return json.loads(text, parse_constant=_no_constants, parse_int=_int_from_digits)
 
 
 def same_value(got: object, want: object, tol: float | None = None) -> bool:
-    """Type-strict equality of plain JSON values: 1 != 1.0 != True, [1] != [1.0]."""
+    """Type-strict equality of plain JSON values: 1 != 1.0 != True, [1] != [1.0].
+
+    With a tolerance (a test written as ``abs(f(x) - want) < tol``) a float is met by any real
+    number, int or float, as Python's own assert would accept it; never by a bool."""
+    if tol is not None and type(want) is float and type(got) in (int, float):
+        return abs(got - want) <= tol
     if type(got) is not type(want):
         return False
     if type(want) is float:
-        if tol is not None:
-            return abs(got - want) <= tol
         return math.isclose(got, want, rel_tol=FLOAT_REL_TOL, abs_tol=FLOAT_REL_TOL)
     if type(want) is list:
         return len(got) == len(want) and all(same_value(g, w, tol) for g, w in zip(got, want))
@@ -45,16 +67,24 @@ def normalise_stdout(text: str) -> str:
     return "\n".join(lines)
 
 
+_INDEX = re.compile(rb"[0-9]{1,9}")
+_EXIT = re.compile(r"-?[0-9]{1,9}")
+
+
 def _frames(raw: bytes, n: int) -> dict[int, tuple[str, str]]:
-    """First frame per test index: {i: (kind, rest)}; malformed lines are ignored."""
+    """First frame per test index: {i: (kind, rest)}; malformed lines (not UTF-8, no ASCII
+    index) are ignored."""
     found: dict[int, tuple[str, str]] = {}
-    for line in raw.decode("utf-8", "replace").split("\n"):
-        parts = line.split(" ", 2)
-        if len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 9:
+    for line in raw.split(b"\n"):
+        parts = line.split(b" ", 2)
+        if len(parts) != 3 or not _INDEX.fullmatch(parts[0]):
             continue
         i = int(parts[0])
-        if 0 <= i < n and i not in found:
-            found[i] = (parts[1], parts[2])
+        if i < n and i not in found:
+            try:
+                found[i] = (parts[1].decode("ascii"), parts[2].decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
     return found
 
 
@@ -71,7 +101,7 @@ def judge(
             kind, rest = frames[i]
             try:
                 ok, why = _judge_one(kind, rest, test, fn_name)
-            except (ValueError, TypeError, RecursionError):
+            except Exception:  # any frame the candidate wrote: a failed test, never an error
                 ok, why = False, "undecodable"
         passed.append(ok)
         errors.append(None if ok else why)
@@ -92,12 +122,24 @@ def _judge_one(kind: str, rest: str, test: dict, fn_name: str | None) -> tuple[b
     if kind != "O":
         return False, "bad frame"
     code, text = rest.split(" ", 1)
+    if not _EXIT.fullmatch(code):
+        return False, "bad frame"
     if int(code) != 0:
         return False, f"exit {code}"
     got = decode(text)
     if type(got) is not str:
         return False, "bad frame"
+    if not _is_utf8(got):  # the runner passes invalid bytes on as lone surrogates
+        return False, "invalid utf-8"
     want = test["output"]
     if not isinstance(want, str):
         return False, "expected output is not text"
     return (True, "") if normalise_stdout(got) == normalise_stdout(want) else (False, "wrong")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

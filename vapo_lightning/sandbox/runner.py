@@ -55,6 +55,17 @@ def plain(x: object, depth: int = 0) -> object:
     raise TypeError(f"cannot return a {t.__name__}")
 
 
+def _encode(value: object) -> str:
+    """JSON of a plain value, ints of any length included: Python's 4,300-digit int-to-str
+    guard protects a server from its input, not a program's own answer."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        return json.dumps(value, allow_nan=False)
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
 def _as_module(name: str) -> dict:
     """The globals of a fresh module registered in sys.modules as `name`, so that what the
     program defines can be pickled by reference (multiprocessing sends functions that way)."""
@@ -86,7 +97,7 @@ def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -
     for i, raw in enumerate(inputs):
         try:
             args = json.loads(raw)
-            line = f"{i} R {json.dumps(plain(fn(*args)), allow_nan=False)}\n"
+            line = f"{i} R {_encode(plain(fn(*args)))}\n"
         except BaseException as err:  # includes SystemExit: one test's failure, not the run's
             line = f"{i} E {json.dumps(type(err).__name__)}\n"
         _write_all(res_fd, line.encode())
@@ -231,7 +242,9 @@ def run_stdin_mode(
                 os.unlink(path)
         if len(out) > max_stdout:
             exit_code, out = -999, b""  # over the byte cap: reported as a failure
-        text_out = json.dumps(out.decode("utf-8", "replace"))
+        # Invalid UTF-8 travels as lone surrogates (json escapes them), which no text the
+        # host expects can equal: the host fails such output instead of reading U+FFFD.
+        text_out = json.dumps(out.decode("utf-8", "surrogateescape"))
         _write_all(res_fd, f"{i} O {exit_code} {text_out}\n".encode())
 
 

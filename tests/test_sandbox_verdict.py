@@ -1,0 +1,73 @@
+"""The host-side verdict on raw frames: whatever bytes a run sent back, `judge` returns one
+verdict per test and never raises (a raise would turn a whole batch's rewards into errors)."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+from vapo_lightning.sandbox.compare import judge
+
+FN_TESTS = [{"input": [], "output": 1}, {"input": [], "output": "é"}, {"input": [], "output": 2.5}]
+STDIN_TESTS = [{"input": "", "output": "1"}, {"input": "", "output": "\ufffd"}]
+
+# Pieces of frames a hostile program might write, valid and not.
+PIECES = [
+    b"0", b"1", b"2", b"00", b"-1", b"\xc2\xb2", b"\xd9\xa3", b"\xef\xbc\x91", b"999999999",
+    b"1" * 12, b" ", b"  ", b"\n", b"R", b"E", b"O", b"X", b'"a"', b'"\\ud800"', b"\xff",
+    b"\xc3", b"[", b"]" , b"{", b"}", b"1e999", b"NaN", b"-Infinity", b"9" * 5000, b"[" * 5000,
+    b"null", b"true", b'"\\u00e9"', b"\x00", b"0 R 1", b"1 O \xc2\xb2 \"1\"", b"0 O 0 \"1\"",
+]  # fmt: skip
+
+
+def _check(raw: bytes) -> None:
+    for tests, fn_name in ((FN_TESTS, "f"), (STDIN_TESTS, None)):
+        passed, errors = judge(raw, tests, fn_name)
+        assert len(passed) == len(errors) == len(tests)
+        assert all(type(p) is bool for p in passed)
+        assert all((e is None) == p for p, e in zip(passed, errors))
+
+
+def test_judge_never_raises_on_random_frames():
+    rng = random.Random(0)
+    for _ in range(3000):
+        if rng.random() < 0.3:
+            raw = rng.randbytes(rng.randrange(64))
+        else:
+            raw = b"".join(rng.choice(PIECES) for _ in range(rng.randrange(1, 12)))
+        _check(raw)
+
+
+def test_non_ascii_digits_are_not_indices_or_exit_codes():
+    # '²' and '٣' are digits to str.isdigit(); int() refuses the first, reads the second.
+    raw = "² R 1\n٣ R 1\n0 R 1\n".encode()
+    assert judge(raw, FN_TESTS[:1], "f") == ([True], [None])
+    assert judge('0 O ² "1"\n'.encode(), STDIN_TESTS[:1], None) == ([False], ["bad frame"])
+    assert judge('0 O ٠ "1"\n'.encode(), STDIN_TESTS[:1], None) == ([False], ["bad frame"])
+    assert judge(b'0 O 0 "1"\n', STDIN_TESTS[:1], None) == ([True], [None])
+
+
+def test_invalid_utf8_is_never_text():
+    """Invalid bytes fail: they do not become U+FFFD, which an expected output may hold."""
+    assert judge(b'0 R "\xff"\n', [{"input": [], "output": "\ufffd"}], "f")[0] == [False]
+    assert judge(b'0 O 0 "\xff"\n', [{"input": "", "output": "\ufffd"}], None)[0] == [False]
+    # The runner's encoding of stdout that was not UTF-8 (surrogateescape, then JSON).
+    assert judge(b'0 O 0 "\\udcff"\n', [{"input": "", "output": "\ufffd"}], None) == (
+        [False],
+        ["invalid utf-8"],
+    )
+    assert judge('0 R "é"\n'.encode(), [{"input": [], "output": "é"}], "f")[0] == [True]
+
+
+def test_long_ints_are_read_exactly():
+    big = 7**20000  # 16,902 digits, past Python's 4,300-digit int-to-str guard
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        digits = str(big).encode()
+    finally:
+        sys.set_int_max_str_digits(limit)
+    tests = [{"input": [], "output": big}, {"input": [], "output": -big}]
+    raw = b"0 R " + digits + b"\n1 R -" + digits + b"\n"
+    assert judge(raw, tests, "f") == ([True, True], [None, None])
+    assert judge(b"0 R " + digits[:-1] + b"0\n", tests[:1], "f")[0] == [False]
