@@ -45,8 +45,17 @@ class VAPOCLI(LightningCLI):
                 cb.dirpath = os.path.join(self.trainer.default_root_dir, "checkpoints")
 
 
+def import_from_working_directory() -> None:
+    """Plug-ins (``--trainer.callbacks+=my_rewards.MyReward``) import from the working
+    directory, as with ``python -m``: a console script's ``sys.path`` starts with its own
+    ``bin/`` folder instead."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
+    import_from_working_directory()
     if argv and argv[0] == "sft":
         from vapo_lightning.sft import sft_main
 
