@@ -230,8 +230,17 @@ def test_bad_rows_in_json_lists_and_parquet_name_the_item(tmp_path):
 def test_malformed_json_and_missing_files_stop_with_the_location(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"question": "q", "answer": "#### 1"}\n{"question": \n')
-    with pytest.raises(DataError, match=re.escape(f"{path}:2: malformed JSON")):
-        convert("gsm8k", [str(path)])
+    (error,) = convert("gsm8k", [str(path)]).errors  # a bad row like the others
+    assert error.startswith(f"{path}:2: malformed JSON")
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(SystemExit, match="1 bad rows; nothing written"):
+        main(["gsm8k", str(path), "--out", str(out)])
+    main(["gsm8k", str(path), "--out", str(out), "--skip-bad-rows"])
+    assert [json.loads(line)["answer"] for line in out.open()] == ["1"]
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"question": "q",\n')
+    with pytest.raises(DataError, match=re.escape(f"{broken}:2: malformed JSON")):
+        convert("gsm8k", [str(broken)])
     with pytest.raises(DataError, match="does not exist"):
         convert("aime2024", [str(tmp_path / "aime2024.json")])
     with pytest.raises(SystemExit, match="loading it from the hub"):  # offline in tests

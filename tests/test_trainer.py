@@ -271,6 +271,12 @@ def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
     tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
     assert dm.skipped["train/bad_rows"] == 1 and len(dm.train_rows) == 2
 
+    with path.open("a") as f:  # a line that is not JSON is skipped too
+        f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
+    dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
+    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
+    assert dm.skipped["train/bad_rows"] == 2 and len(dm.train_rows) == 2
+
 
 def test_overlong_prompts_error_or_drop(tok, tmp_path):
     rows = [*make_rows(4), {"prompt": "What is " + " + ".join(["1"] * 50) + "?", "answer": "50"}]

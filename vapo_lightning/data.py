@@ -25,9 +25,13 @@ class DataError(ValueError):
     """A data file or row is unusable; the message names the file, line and field."""
 
 
-def read_rows(source: str) -> Iterable[tuple[str, dict[str, Any]]]:
+def read_rows(
+    source: str, malformed: list[str] | None = None
+) -> Iterable[tuple[str, dict[str, Any]]]:
     """Yields (location, row) from a .jsonl / .json / .parquet file or a hub dataset
-    ("name" or "name:split"); location is "file:line" (or "file:row N") for messages."""
+    ("name" or "name:split"); location is "file:line" (or "file:row N") for messages.
+    A .jsonl line that is not JSON raises `DataError`, or, given a `malformed` list, is
+    skipped and its message appended there."""
     path = Path(source)
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
@@ -37,9 +41,11 @@ def read_rows(source: str) -> Iterable[tuple[str, dict[str, Any]]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DataError(
-                        f"{source}:{i}: malformed JSON ({err.msg} at column {err.colno})"
-                    ) from None
+                    message = f"{source}:{i}: malformed JSON ({err.msg} at column {err.colno})"
+                    if malformed is None:
+                        raise DataError(message) from None
+                    malformed.append(message)
+                    continue
                 yield f"{source}:{i}", row
     elif path.suffix == ".json":
         try:
@@ -185,7 +191,8 @@ class PromptDataModule(L.LightningDataModule):
         for source in [sources] if isinstance(sources, str) else sources:
             if not Path(source).exists() and Path(source).suffix in (".jsonl", ".json", ".parquet"):
                 raise DataError(f"data.{split}: file {source} does not exist")
-            for where, raw in read_rows(source):
+            malformed: list[str] | None = [] if hp.bad_rows == "skip" else None
+            for where, raw in read_rows(source, malformed):
                 try:
                     row = self._prepare(raw, where, tokenizer)
                 except DataError:
@@ -202,6 +209,7 @@ class PromptDataModule(L.LightningDataModule):
                     skipped["overlong_prompts"] += 1
                     continue
                 rows.append(row)
+            skipped["bad_rows"] += len(malformed or ())
         if not rows:
             raise DataError(f"data.{split}: no usable rows in {sources} (skipped: {skipped})")
         if any(skipped.values()):

@@ -222,15 +222,22 @@ def _directory_rows(path: Path) -> Iterator[tuple[str, dict]]:
             raise DataError(f"{file}:{err.lineno}: malformed JSON ({err.msg})") from None
 
 
-def iter_source(source: str, fmt: Format, config: str | None, split: str | None):
-    """Yields (location, raw row) from a local file or directory, or from the hub."""
+def iter_source(
+    source: str,
+    fmt: Format,
+    config: str | None,
+    split: str | None,
+    malformed: list[str] | None = None,
+):
+    """Yields (location, raw row) from a local file or directory, or from the hub; a .jsonl
+    line that is not JSON goes to `malformed` (see `read_rows`)."""
     path = Path(source)
     if path.is_dir():
         return _directory_rows(path)
     if path.suffix in (".jsonl", ".json", ".parquet") and not path.exists():
         raise DataError(f"{source}: file does not exist")
     if path.exists():
-        return read_rows(source)
+        return read_rows(source, malformed)
     return _hub_rows(source, config or fmt.hub_config, split or fmt.hub_split)
 
 
@@ -254,14 +261,14 @@ def convert(
     data_source: str | None = None,
 ) -> Conversion:
     """Converts `sources` (default: the format's hub dataset) to prompt rows. A row that cannot
-    be converted becomes an error message naming its file and line; a malformed file raises
-    `DataError` at once."""
+    be converted, or a .jsonl line that is not JSON, becomes an error message naming its file
+    and line; any other malformed file raises `DataError` at once."""
     if format_name not in FORMATS:
         raise ValueError(f"unknown format {format_name!r}; choose one of {sorted(FORMATS)}")
     fmt = FORMATS[format_name]
     rows, errors, seen, duplicates = [], [], set(), 0
     for source in sources or [fmt.hub]:
-        for where, raw in iter_source(source, fmt, config, split):
+        for where, raw in iter_source(source, fmt, config, split, errors):
             try:
                 if not isinstance(raw, dict):
                     raise RowError(f"expected an object, got {type(raw).__name__}")
