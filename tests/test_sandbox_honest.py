@@ -228,3 +228,29 @@ def test_a_tolerance_test_accepts_an_int(pool):
     code = "def area(a, b):\n    return a * b\n"
     assert _score(pool, code, imported.tests, "area") == 1
     assert _score(pool, "def area(a, b):\n    return True\n", imported.tests, "area") == 0
+
+
+SPAWN_CODE = """
+import multiprocessing as mp
+import sys
+
+def square(x):
+    return x * x
+
+def squares(method, n):
+    with mp.get_context(method).Pool(2) as pool:
+        return pool.map(square, range(n))
+
+if __name__ == "__main__":
+    print(squares(sys.stdin.read().strip(), 4))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_multiprocessing_spawn_and_forkserver(pool, method):
+    """Both start a fresh interpreter (the forkserver then serves forks over a Unix socket),
+    which re-imports the program: the interpreter, the stdlib and the program must be reachable
+    inside the sandbox. Function mode and stdin mode (a `__main__` guarded script)."""
+    want = [0, 1, 4, 9]
+    assert _score(pool, SPAWN_CODE, [{"input": [method, 4], "output": want}], "squares") == 1
+    assert _score(pool, SPAWN_CODE, [{"input": method, "output": str(want)}]) == 1

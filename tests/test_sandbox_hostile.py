@@ -620,9 +620,10 @@ def test_no_kernel_state_crosses_runs(host, seccomp):
 
 
 def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
-    """The seccomp filter (`layers.no_sockets_filter`): no socket of any family, no bind,
-    connect, sendto with an address or descriptor passing, no io_uring, no keyrings; a
-    socketpair and plain send/recv on it work. A syscall of another ABI (x32 here) kills the process."""
+    """The seccomp filter (`layers.sandbox_filter`): no socket but AF_UNIX ones, no io_uring,
+    no keyrings; a Unix socket works but reaches nothing of the host (the host's abstract name
+    is in another network namespace), and so do a socketpair and descriptor passing on it. A
+    syscall of another ABI (x32 here) kills the process."""
     pool = host["pool"]
     if "no_sockets" not in pool.layers or KEY_SYSCALLS is None:
         pytest.skip("no seccomp filter on this machine")
@@ -645,21 +646,23 @@ def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
         "            raise OSError(ctypes.get_errno(), 'add_key')\n"
         "    return {\n"
         "        'inet': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)),\n"
-        "        'unix': attempt(lambda: socket.socket(socket.AF_UNIX)),\n"
         "        'netlink': attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)),\n"
         "        'pair_inet': attempt(lambda: socket.socketpair(socket.AF_INET)),\n"
-        "        'bind': attempt(lambda: a.bind('\\0vapo-test')),\n"
-        "        'connect': attempt(lambda: a.connect('\\0vapo-test')),\n"
-        "        'sendto': attempt(lambda: a.sendto(b'x', '\\0vapo-test')),\n"
+        "        'host_unix': attempt(lambda: socket.socket(socket.AF_UNIX).connect(\n"
+        "            '\\0vapo-test-@TOKEN@')),\n"
         "        'send_fds': attempt(lambda: socket.send_fds(a, [b'x'], [0])),\n"
         "        'io_uring': attempt(io_uring),\n"
         "        'add_key': attempt(add_key),\n"
         "        'pair': attempt(lambda: a.send(b'x') == 1 and b.recv(1) == b'x' or 1 / 0),\n"
         "    }\n"
     )
-    refused = ("inet", "unix", "netlink", "pair_inet", "bind", "connect", "sendto", "send_fds",
-               "io_uring", "add_key")  # fmt: skip
-    want = dict.fromkeys(refused, "EPERM") | {"pair": "ok"}
+    refused = ("inet", "netlink", "pair_inet", "io_uring", "add_key")
+    want = dict.fromkeys(refused, "EPERM") | {
+        "host_unix": "ECONNREFUSED",
+        "send_fds": "ok",
+        "pair": "ok",
+    }
+    code = code.replace("@TOKEN@", TOKEN)
     result = pool.evaluate(code, [{"input": [], "output": want}], "f")
     assert result.passed == 1, result
     if os.uname().machine == "x86_64":  # x32 socket(): the filter's numbers would not match
@@ -765,3 +768,61 @@ def _no_cross_run_leakage(pool) -> None:
     for _ in range(3):  # whichever server of the pool runs it
         result = pool.evaluate(reader, [{"input": [], "output": "clean"}], "f")
         assert result.passed == 1, result
+
+
+# pidfd_getfd and ptrace syscall numbers
+TRACE_SYSCALLS = {"x86_64": (438, 101), "aarch64": (438, 117)}.get(os.uname().machine)
+
+FORGE_THROUGH_THE_RUNNER = """
+import ctypes, os, stat
+libc = ctypes.CDLL(None, use_errno=True)
+pidfd = os.pidfd_open(os.getppid())  # the runner, which holds the result pipe
+for fd in range(3, 64):
+    got = libc.syscall(@GETFD@, pidfd, fd, 0)
+    if got >= 0 and stat.S_ISFIFO(os.fstat(got).st_mode):
+        try:
+            os.write(got, b'0 O 0 "forged"\\n')
+        except OSError:
+            pass
+raise SystemExit(1)
+"""
+
+
+@pytest.mark.skipif(TRACE_SYSCALLS is None, reason="syscall numbers unknown here")
+def test_the_program_cannot_reach_into_the_runner(host):
+    """Stdin mode: the program is a child of the runner, which holds the result pipe. Taking
+    that pipe (pidfd_getfd) would let it write a frame of its own choosing (here: exit status 0
+    and the expected output, although it exits 1); ptrace-attaching would do the same."""
+    getfd, ptrace = TRACE_SYSCALLS
+    code = FORGE_THROUGH_THE_RUNNER.replace("@GETFD@", str(getfd))
+    result = host["pool"].evaluate(code, [{"input": "", "output": "forged"}])
+    assert (result.passed, result.errors) == (0, ["exit 1"]), result
+    attach = (
+        "import ctypes, os\n"
+        f"r = ctypes.CDLL(None, use_errno=True).syscall({ptrace}, 16, os.getppid(), 0, 0)\n"
+        "print('attached' if r == 0 else 'refused')\n"
+    )
+    result = host["pool"].evaluate(attach, [{"input": "", "output": "refused"}])
+    assert result.passed == 1, result
+    _assert_host_intact(host)
+
+
+def test_no_process_of_a_run_is_dumpable(host):
+    """A crashing candidate must not start a piped core_pattern helper (apport,
+    systemd-coredump), which runs in the host's namespaces: the program's process is not
+    dumpable and cannot make itself so; a child that execs (dumpable again) has RLIMIT_CORE 1,
+    at which the kernel skips core dumps, piped ones included."""
+    code = (
+        "import ctypes, resource, subprocess, sys\n"
+        "def f():\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    before = libc.prctl(3, 0, 0, 0, 0)\n"  # PR_GET_DUMPABLE
+        "    libc.prctl(4, 1, 0, 0, 0)\n"  # PR_SET_DUMPABLE, 1
+        "    after = libc.prctl(3, 0, 0, 0, 0)\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import resource; print("
+        "resource.getrlimit(resource.RLIMIT_CORE))'], capture_output=True, text=True)\n"
+        "    return [before, after, child.stdout.strip()]\n"
+    )
+    result = host["pool"].evaluate(code, [{"input": [], "output": [0, 0, "(1, 1)"]}], "f")
+    assert result.passed == 1, result
+    _assert_host_intact(host)

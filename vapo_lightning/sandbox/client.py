@@ -37,6 +37,9 @@ ALL_LAYERS = (
     "landlock_tcp",
     "landlock_scope",
     "no_sockets",
+    "no_ptrace",
+    "no_fs_watch",
+    "not_dumpable",
     "subreaper",
 )
 """Every layer the sandbox knows; `Result.layers` lists those that took effect."""
@@ -162,7 +165,7 @@ class Pool:
     `via_userns=True` makes a root server take the unprivileged path (namespaces created from
     a user namespace, one more process per run) instead of forking each sandbox straight into
     a new PID namespace and making the others there. `seccomp=False` lets the candidate create
-    sockets again (`layers.no_sockets_filter`; they still reach nothing without a network
+    sockets again (`layers.sandbox_filter`; they still reach nothing without a network
     namespace's way out), and then each run gets a network namespace of its own instead of the
     server's.
     """

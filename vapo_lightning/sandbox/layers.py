@@ -34,7 +34,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 
 PR_SET_PDEATHSIG = 1
@@ -112,6 +112,32 @@ def private_mounts(tmp_bytes: int) -> None:
     if os.path.isdir("/dev/shm"):
         mount("tmpfs", "/dev/shm", "tmpfs", opts | MS_NOEXEC, "size=1m,mode=1777")
     mount("proc", "/proc", "proc", opts | MS_NOEXEC)
+
+
+def unsearchable_ancestor(path: str) -> str | None:
+    """The highest directory on the way to `path` that others may not search (e.g. a mode-700
+    /root holding the interpreter), or None."""
+    parts = path.strip("/").split("/")
+    for i in range(1, len(parts)):
+        parent = "/" + "/".join(parts[:i])
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return parent
+    return None
+
+
+def expose_below(hidden: str, path: str) -> None:
+    """As root in a fresh mount namespace: an empty tmpfs over `hidden` (its contents no longer
+    visible), and `path` (below it) bind-mounted back read-only at its own place, so that every
+    path into it stays as it was (an interpreter's RUNPATH, sys.path) while nothing else of
+    `hidden` is there. (The bind's source must be a mount of this namespace: opened here.)"""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
+        os.makedirs(path, 0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND)
+    finally:
+        os.close(fd)
+    mount("none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 class _CapHeader(ctypes.Structure):
@@ -226,21 +252,24 @@ def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
 
 
 def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, nproc: int) -> None:
-    """Hard rlimits for the candidate (soft = hard so it cannot raise them back)."""
+    """Hard rlimits for the candidate (soft = hard so it cannot raise them back).
+
+    RLIMIT_CORE is 1, not 0: the kernel skips a piped core_pattern (apport, systemd-coredump)
+    only at 1, and it holds for children that exec (which are dumpable again)."""
     for res, value in (
         (resource.RLIMIT_CPU, cpu_s),
         (resource.RLIMIT_AS, address_space),
         (resource.RLIMIT_FSIZE, file_size),
         (resource.RLIMIT_NOFILE, open_files),
         (resource.RLIMIT_NPROC, nproc),
-        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_CORE, 1),  # 1 byte: no core file, and no piped core_pattern helper
         (resource.RLIMIT_MEMLOCK, 0),
         (resource.RLIMIT_MSGQUEUE, 0),
     ):
         resource.setrlimit(res, (value, value))
 
 
-# --- seccomp: no socket that could reach, or leave a mark in, a network namespace ----------
+# --- seccomp: no socket that could reach, or leave a mark in, a network namespace -----------
 class _SockFilter(ctypes.Structure):
     _fields_ = (
         ("code", ctypes.c_uint16),
@@ -257,20 +286,25 @@ class _SockFprog(ctypes.Structure):
 # Audit arch and syscall numbers per machine (seccomp filters see raw numbers).
 _SECCOMP_ABI = (
     {
-        "x86_64": (0xC000003E, {"socket": 41, "connect": 42, "accept": 43, "sendto": 44,
-                                "sendmsg": 46, "bind": 49, "listen": 50, "socketpair": 53,
+        "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "ptrace": 101, "prctl": 157,
                                 "add_key": 248, "request_key": 249, "keyctl": 250,
-                                "accept4": 288, "sendmmsg": 307, "io_uring_setup": 425}),
-        "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "bind": 200, "listen": 201,
-                                 "accept": 202, "connect": 203, "sendto": 206, "sendmsg": 211,
+                                "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300,
+                                "process_vm_readv": 310, "process_vm_writev": 311,
+                                "io_uring_setup": 425, "pidfd_getfd": 438}),
+        "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "ptrace": 117, "prctl": 167,
                                  "add_key": 217, "request_key": 218, "keyctl": 219,
-                                 "accept4": 242, "sendmmsg": 269, "io_uring_setup": 425}),
+                                 "inotify_init1": 26, "fanotify_init": 262,
+                                 "process_vm_readv": 270, "process_vm_writev": 271,
+                                 "io_uring_setup": 425, "pidfd_getfd": 438}),
     }.get(os.uname().machine)
     if IS_LINUX
     else None
 )  # fmt: skip
-_DENIED = ("socket", "connect", "accept", "accept4", "bind", "listen", "sendmsg", "sendmmsg",
-           "io_uring_setup", "add_key", "request_key", "keyctl")  # fmt: skip
+_DENIED_ALWAYS = {
+    "no_ptrace": ("ptrace", "pidfd_getfd", "process_vm_readv", "process_vm_writev"),
+    "no_fs_watch": ("inotify_init", "inotify_init1", "fanotify_init"),
+}
+_DENIED_NO_SOCKETS = ("io_uring_setup", "add_key", "request_key", "keyctl")
 _LD_W_ABS, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
 _RET_ALLOW, _RET_EPERM, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
 _X32_BIT, _AF_UNIX = 0x40000000, 1
@@ -295,18 +329,35 @@ def _assemble(prog: list[tuple]) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def no_sockets_filter() -> list[tuple[int, int, int, int]]:
-    """The seccomp program: EPERM for every socket a candidate could use to send a packet, bind
-    a name or pass a file descriptor — `socket()` of any family, `bind`, `connect`, `listen`,
-    `accept*`, `sendmsg`/`sendmmsg`, `sendto` with an address, `io_uring_setup` (io_uring does
-    socket operations without these syscalls) — but `socketpair(AF_UNIX)` and plain
-    send/recv on it (asyncio's self-pipe, multiprocessing's duplex pipes). A datagram
-    socketpair can still autobind an abstract name (SO_PASSCRED); it lives as long as the
-    socket, so at most until the run's PID namespace ends, before the next run starts. Also
-    refused: the kernel keyrings (`add_key`, `request_key`, `keyctl`), whose `request_key`
-    upcalls run helpers such as the DNS resolver in the host's namespaces. Any other syscall ABI
-    (32-bit compat, x32) kills the process: its numbers would get past the checks."""
+def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
+    """The seccomp program of every sandbox, and what it refuses (EPERM) and why:
+
+    - `no_ptrace`: ptrace, pidfd_getfd and process_vm_readv/writev, so that the program
+      cannot reach into another process of its run, such as the runner that holds the
+      result pipe in stdin mode (the runner is also not dumpable, which the kernel checks
+      for these calls; the filter also covers children that exec and so become dumpable).
+    - `not_dumpable`: prctl(PR_SET_DUMPABLE), so that the program cannot make itself
+      dumpable again: a crash then never starts a piped core_pattern helper in the host's
+      namespaces (RLIMIT_CORE = 1 stops that for exec'd children as well).
+    - `no_fs_watch`: inotify and fanotify, which would show a run the file opens of the
+      concurrent runs on the directories they all read (/usr, the stdlib), and whose
+      instances count against a per-user limit.
+    - `no_sockets` (when asked): every socket but AF_UNIX ones, from `socket()` or
+      `socketpair()`, and `io_uring_setup` (io_uring does socket operations without these
+      syscalls), so that nothing can send a packet or move a counter of the network
+      namespace. Unix sockets stay (asyncio's self-pipe, multiprocessing's pipes, its
+      forkserver and managers): a path name lives in the run's private /tmp, an abstract
+      name in the network namespace only as long as the socket, i.e. at most until the
+      run's PID namespace ends, before the next run of that namespace starts (a server's
+      runs take turns). Also refused then: the kernel keyrings (`add_key`, `request_key`,
+      `keyctl`), whose `request_key` upcalls run helpers such as the DNS resolver in the
+      host's namespaces.
+
+    Any other syscall ABI (32-bit compat, x32) kills the process: its numbers would get past
+    the checks."""
     arch, nr = _SECCOMP_ABI
+    denied = [name for names in _DENIED_ALWAYS.values() for name in names if name in nr]
+    denied += list(_DENIED_NO_SOCKETS) if no_sockets else []
     prog: list = [
         (_LD_W_ABS, 4),  # seccomp_data.arch
         (_JEQ, arch, "native", "kill"),
@@ -315,20 +366,18 @@ def no_sockets_filter() -> list[tuple[int, int, int, int]]:
         (_JSET, _X32_BIT, "kill", "denied"),
         "denied",
     ]
-    prog += [(_JEQ, nr[name], "deny", None) for name in _DENIED]
+    prog += [(_JEQ, nr[name], "deny", None) for name in denied]
+    prog += [(_JEQ, nr["prctl"], "prctl", None)]
+    if no_sockets:
+        prog += [
+            (_JEQ, nr["socketpair"], "unix_only", None),
+            (_JEQ, nr["socket"], "unix_only", None),
+        ]
+    prog += [(_RET, _RET_ALLOW), "prctl", (_LD_W_ABS, 16)]  # args[0] (low word): the option
+    prog += [(_JEQ, PR_SET_DUMPABLE, "deny", "allow")]
+    if no_sockets:
+        prog += ["unix_only", (_LD_W_ABS, 16), (_JEQ, _AF_UNIX, "allow", "deny")]  # family
     prog += [
-        (_JEQ, nr["socketpair"], "socketpair", None),
-        (_JEQ, nr["sendto"], "sendto", None),
-        (_RET, _RET_ALLOW),
-        "socketpair",
-        (_LD_W_ABS, 16),  # args[0] (low word): the family
-        (_JEQ, _AF_UNIX, "allow", "deny"),
-        "sendto",
-        (_LD_W_ABS, 48),  # args[4], the destination address: NULL only
-        (_JEQ, 0, "sendto_hi", "deny"),
-        "sendto_hi",
-        (_LD_W_ABS, 52),
-        (_JEQ, 0, "allow", "deny"),
         "allow",
         (_RET, _RET_ALLOW),
         "deny",
@@ -347,33 +396,36 @@ def seccomp_filter_array(program: list[tuple[int, int, int, int]]) -> _SockFprog
     return fprog
 
 
-NO_SOCKETS = seccomp_filter_array(no_sockets_filter()) if _SECCOMP_ABI else None
+FILTERS = (
+    {flag: seccomp_filter_array(sandbox_filter(flag)) for flag in (False, True)}
+    if _SECCOMP_ABI
+    else {}
+)
 
 
 def seccomp_works() -> bool:
-    """Whether `seccomp_no_sockets` can be installed here (tried in a throw-away child)."""
-    if NO_SOCKETS is None:
+    """Whether `seccomp_sandbox` can be installed here (tried in a throw-away child)."""
+    if not FILTERS:
         return False
     pid = os.fork()
     if pid == 0:
         try:
             prctl(PR_SET_NO_NEW_PRIVS, 1)
-            seccomp_no_sockets()
+            seccomp_sandbox(no_sockets=True)
         except BaseException:
             os._exit(1)
         os._exit(0)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
-def seccomp_no_sockets() -> list[str]:
-    """Installs `no_sockets_filter` on this process and its future children (needs
-    no_new_privs or CAP_SYS_ADMIN). Returns the layer's name."""
-    if NO_SOCKETS is None:
+def seccomp_sandbox(no_sockets: bool) -> list[str]:
+    """Installs `sandbox_filter` on this process and its future children (needs no_new_privs
+    or CAP_SYS_ADMIN). Returns the names of the layers it provides."""
+    if not FILTERS:
         raise OSError(0, "seccomp: syscall numbers unknown on this machine")
+    prog = FILTERS[no_sockets]
     _check(
-        _libc.prctl(
-            PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(NO_SOCKETS), 0, 0
-        ),
+        _libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
         "seccomp",
     )
-    return ["no_sockets"]
+    return [*_DENIED_ALWAYS, "not_dumpable", *(["no_sockets"] if no_sockets else [])]

@@ -66,13 +66,27 @@ def _encode(value: object) -> str:
         sys.set_int_max_str_digits(limit)
 
 
-def _as_module(name: str) -> dict:
+def _as_module(name: str, path: str | None = None) -> dict:
     """The globals of a fresh module registered in sys.modules as `name`, so that what the
-    program defines can be pickled by reference (multiprocessing sends functions that way)."""
+    program defines can be pickled by reference (multiprocessing sends functions that way).
+    `path`: where its source was written, for the interpreters that multiprocessing's spawn
+    and forkserver start, which import the program again from there."""
     module = types.ModuleType(name)
     module.__builtins__ = __builtins__
+    if path is not None:
+        module.__file__ = path
     sys.modules[name] = module
     return module.__dict__
+
+
+def _write_program(code: str, name: str) -> str:
+    """Writes the program to `name` in the working directory, which goes last on sys.path (it
+    cannot shadow the stdlib), and returns its path."""
+    path = os.path.join(os.getcwd(), name)
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(code)
+    sys.path.append(os.getcwd())
+    return path
 
 
 def _find_function(namespace: dict, fn_name: str):
@@ -87,7 +101,8 @@ def _find_function(namespace: dict, fn_name: str):
 def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -> None:
     """Defines the program once, then calls `fn_name` on each test's (freshly decoded) args."""
     try:
-        namespace = _as_module("solution")
+        _as_module("__main__")  # not the server's script: a spawned child would run it
+        namespace = _as_module("solution", _write_program(code, "solution.py"))
         exec(compile(code, "<solution>", "exec"), namespace)
         fn = _find_function(namespace, fn_name)
     except BaseException as err:  # the candidate's error, reported as every test's error
@@ -103,7 +118,7 @@ def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -
         _write_all(res_fd, line.encode())
 
 
-def _run_program(code: str, stdin_path: str, stdout_path: str) -> None:
+def _run_program(code: str, path: str, stdin_path: str, stdout_path: str) -> None:
     """Child of the runner: fd 0/1 are the test's files; runs the program as __main__."""
     fd = os.open(stdin_path, os.O_RDONLY)
     os.dup2(fd, 0)
@@ -113,7 +128,7 @@ def _run_program(code: str, stdin_path: str, stdout_path: str) -> None:
     os.close(fd)
     status = 0
     try:
-        exec(compile(code, "<solution>", "exec"), _as_module("__main__"))
+        exec(compile(code, "<solution>", "exec"), _as_module("__main__", path))
     except SystemExit as err:
         status = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     except BaseException:
@@ -212,6 +227,7 @@ def run_stdin_mode(
     must have made this process a child subreaper; pid 1 of a namespace is one anyway). `confine` runs in each child before the program (e.g.
     Landlock, applied there so that this process may still read /proc).
     """
+    path = _write_program(code, "main.py")
     for i, text in enumerate(inputs):
         stdin_path, stdout_path = f"stdin-{i}", f"stdout-{i}"
         with open(stdin_path, "w", encoding="utf-8") as f:
@@ -225,7 +241,7 @@ def run_stdin_mode(
                     confine()
             except BaseException:
                 os._exit(126)  # could not confine: the program does not run
-            _run_program(code, stdin_path, stdout_path)
+            _run_program(code, path, stdin_path, stdout_path)
         _, status = os.waitpid(pid, 0)
         if own_pid_namespace:  # kill what test i left behind (daemons); spares us, pid 1
             with contextlib.suppress(OSError):

@@ -14,7 +14,7 @@ unprivileged user (or as root with ``via_userns``):
 As root (the default there) there is no C: the server forks P2 straight into a new PID
 namespace; P2 makes its mount/IPC/UTS namespaces and mounts as root, then drops to uid 65534
 and enters a user namespace of its own before anything else. Its network namespace is the
-server's own (nothing up), made once, when the seccomp filter (`layers.no_sockets_filter`)
+server's own (nothing up), made once, when the seccomp filter (`layers.sandbox_filter`)
 keeps every run from writing to it; otherwise P2 makes one of its own too. A holder process
 (`_start_mount_ns_holder`) takes each run's mount namespace off the run's exit path.
 
@@ -138,12 +138,13 @@ class Server:
                 L.setns(self.own_pid_ns, L.CLONE_NEWPID)
                 self.direct = True
         self.holder_pid, self.holder_w = _start_mount_ns_holder() if self.direct else (None, None)
-        # No socket that can send a packet, bind a name or pass a descriptor (`layers.
-        # no_sockets_filter`): then a network namespace can serve all of this server's runs,
-        # since none can leave a mark in it (its counters cannot move), and it is made once
+        # No socket but Unix ones, which cannot send a packet (`layers.sandbox_filter`): then a
+        # network namespace can serve all of this server's runs, taking turns, since none can
+        # leave a mark in it (its counters cannot move), and it is made once
         # here instead of once per run (~0.6 ms of CPU with its teardown, the largest cost of a
         # run that isolation adds: benchmarks/results/sandbox_cpu.md).
-        self.seccomp = bool(opts.get("seccomp", True)) and L.seccomp_works()
+        self.filter_works = L.seccomp_works()
+        self.seccomp = bool(opts.get("seccomp", True)) and self.filter_works
         self.shared_netns = False
         if self.direct and self.seccomp:
             with contextlib.suppress(OSError):
@@ -153,6 +154,14 @@ class Server:
             os.open(p, os.O_PATH | os.O_CLOEXEC) for p in READ_PATHS if os.path.exists(p)
         ]
         self.dev_fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in DEVICES if os.path.exists(p)]
+        # The interpreter, reachable inside so that a program may start it (multiprocessing's
+        # spawn and forkserver, subprocess): read and execute for Landlock; when it lives below
+        # a directory the sandbox uid may not search (/root), `L.expose_below` mounts it back
+        # (a root server's direct path only: the others cannot reach it to mount it).
+        self.python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        self.prefix = os.path.realpath(sys.base_prefix)
+        self.prefix_fd = os.open(self.prefix, os.O_PATH | os.O_CLOEXEC)
+        self.hidden = L.unsearchable_ancestor(self.prefix) if self.is_root else None
         # The stdlib, opened now: after the uid drop its path may no longer be searchable.
         self.stdlib = {
             p: os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -235,6 +244,8 @@ class Server:
             if "mountns" in active:
                 L.private_mounts(int(tmp_mb) << 20)
                 active.append("private_tmp")
+                if self.hidden is not None and os.geteuid() == 0:  # (root: the direct path)
+                    L.expose_below(self.hidden, self.prefix)
             if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
                 L.drop_privileges(L.NOBODY, L.NOBODY)
                 active.append("uid_drop")
@@ -258,7 +269,7 @@ class Server:
             if self.abi:
                 work_fd = os.open(workdir, os.O_PATH)
                 everything = L.landlock_fs_all(self.abi)
-                rules = [(fd, L.LL_READ) for fd in self.read_fds]
+                rules = [(fd, L.LL_READ) for fd in (*self.read_fds, self.prefix_fd)]
                 rules += [(fd, L.LL_READ) for fd in self.stdlib.values()]
                 rules += [(fd, L.LL_FILE_RIGHTS & ~L.LL_FS_EXECUTE) for fd in self.dev_fds]
                 rules += [(work_fd, everything)]
@@ -277,9 +288,13 @@ class Server:
             if ruleset is not None:
                 keep.add(ruleset)
             _close_fds_except(keep)
-            if self.seccomp:
+            # Not dumpable (set last: namespaces and maps are written): the program cannot
+            # ptrace or take file descriptors from this process (the runner, in stdin mode),
+            # and a crash starts no core_pattern helper. The filter keeps it so.
+            L.prctl(L.PR_SET_DUMPABLE, 0)
+            if self.filter_works:
                 try:
-                    active += L.seccomp_no_sockets()
+                    active += L.seccomp_sandbox(no_sockets=self.seccomp)
                 except OSError as err:
                     if self.shared_netns:  # without the filter, the namespace would carry data
                         raise
@@ -302,6 +317,7 @@ class Server:
             active.append("rlimits")
             if caps_dropped:
                 active.append("no_caps")
+            sys.executable = sys._base_executable = self.python
             stdin_mode = req["fn_name"] is None
             own_pidns = "pidns" in active
             confine = None
