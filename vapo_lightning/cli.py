@@ -14,7 +14,9 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 
+from vapo_lightning.checkpoint import AtomicCheckpointIO
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
 from vapo_lightning.module import VAPOModule
@@ -34,8 +36,14 @@ class VAPOCLI(LightningCLI):
     FSDP refuses CPUs)."""
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        strategy = self._get(self.config_init, "trainer", default={}).get("strategy", "auto")
-        return super().instantiate_trainer(**{"strategy": resolve_strategy(strategy), **kwargs})
+        config = self._get(self.config_init, "trainer", default={})
+        strategy = resolve_strategy(config.get("strategy", "auto"))
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        sharded = getattr(strategy, "mode", None) == "fsdp"  # writes DCP folders, not files
+        if not sharded and not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins.append(AtomicCheckpointIO())
+        return super().instantiate_trainer(**{"strategy": strategy, "plugins": plugins, **kwargs})
 
     def before_fit(self) -> None:
         """Checkpoints without a `dirpath` go to `<default_root_dir>/checkpoints`, not to a

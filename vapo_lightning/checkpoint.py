@@ -1,0 +1,85 @@
+"""Checkpoint files: written atomically beside their target, read with the file's name in errors.
+
+Lightning's default writer stages a checkpoint in ``$TMPDIR`` and then moves it; when the
+checkpoints live on another file system the move is a copy, and a full disk leaves a truncated
+``last.ckpt`` behind. `AtomicCheckpointIO` writes a temporary file in the target's own folder,
+syncs it and renames it over the target, so a failed write leaves the previous checkpoint
+as it was. The CLI installs it unless the run brings its own `CheckpointIO`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+__all__ = ["AtomicCheckpointIO", "CheckpointError"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file."""
+
+
+def _is_local(path: Any) -> bool:
+    return "://" not in str(path) or str(path).startswith("file://")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` with a same-folder temporary file and a rename (local paths);
+    remote URLs are left to Lightning's fsspec writer."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None or not _is_local(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(str(path).removeprefix("file://"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            if not isinstance(err, Exception):  # Ctrl-C: nothing to explain
+                raise
+            why = f"{type(err).__name__}: {str(err)[:200]}"  # torch reports ENOSPC as RuntimeError
+            kept = "the previous one is kept" if path.exists() else "none was written"
+            raise CheckpointError(f"could not write checkpoint {path} ({why}); {kept}") from err
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if _is_local(path) and not Path(str(path)).exists():
+            raise CheckpointError(f"checkpoint {path} does not exist")
+        try:
+            return super().load_checkpoint(path, *args, **kwargs)
+        except (
+            RuntimeError,
+            EOFError,
+            OSError,
+            ValueError,
+            KeyError,
+            pickle.UnpicklingError,
+        ) as err:
+            if isinstance(err, CheckpointError):
+                raise
+            size = os.path.getsize(path) if _is_local(path) else "?"
+            raise CheckpointError(
+                f"checkpoint {path} ({size} bytes) is not a readable checkpoint: it is empty, "
+                f"truncated or not a torch file ({type(err).__name__}: {str(err)[:200]})"
+            ) from err
