@@ -826,3 +826,58 @@ def test_no_process_of_a_run_is_dumpable(host):
     result = host["pool"].evaluate(code, [{"input": [], "output": [0, 0, "(1, 1)"]}], "f")
     assert result.passed == 1, result
     _assert_host_intact(host)
+
+
+def _scanner(halves: list[tuple[str, str]]) -> str:
+    """A program that looks for each `a + b` in all of its readable memory without ever
+    building that string itself (it finds `a`, then compares what follows with `b`)."""
+    return (
+        "import ctypes\n"
+        f"HALVES = {[(a.encode(), b.encode()) for a, b in halves]!r}\n"
+        "def f():\n"
+        "    found = set()\n"
+        "    with open('/proc/self/maps') as fh:\n"
+        "        maps = fh.read().splitlines()\n"
+        "    for line in maps:\n"
+        "        fields = line.split()\n"
+        "        name = fields[5] if len(fields) > 5 else ''\n"
+        "        if fields[1][0] != 'r' or name in ('[vvar]', '[vvar_vclock]', '[vsyscall]'):\n"
+        "            continue\n"
+        "        if name and not name.startswith('['):\n"
+        "            continue  # files: the interpreter and libraries, never a request\n"
+        "        lo, hi = (int(x, 16) for x in fields[0].split('-'))\n"
+        "        mem = ctypes.string_at(lo, hi - lo)\n"
+        "        for a, b in HALVES:\n"
+        "            i = mem.find(a)\n"
+        "            while i >= 0:\n"
+        "                if mem[i + len(a) : i + len(a) + len(b)] == b:\n"
+        "                    found.add(a.decode())\n"
+        "                i = mem.find(a, i + 1)\n"
+        "    return sorted(found)\n"
+    )
+
+
+def test_no_byte_of_an_earlier_request_is_in_a_later_run():
+    """A sandbox forked after earlier requests were handled would inherit them (objects still
+    referenced, freed memory never overwritten) and could copy a sibling sample's code and
+    inputs. Every later run's whole address space is searched for the earlier request's code
+    and inputs, over more runs than there are spares forked ahead."""
+    code_mark = ("vapo-code-" + secrets.token_hex(6), secrets.token_hex(6))
+    input_mark = ("vapo-input-" + secrets.token_hex(6), secrets.token_hex(6))
+    pool = Pool(size=1, spares=2)
+    try:
+        earlier = f"MARK = {''.join(code_mark)!r}\ndef f(x):\n    return len(x)\n"
+        given = "".join(input_mark)
+        tests = [{"input": [given], "output": len(given)}] * 3
+        assert pool.evaluate(earlier, tests, "f").passed == 3
+        scanner = _scanner([code_mark, input_mark])
+        # The check can fail: within the run that holds them, both are found.
+        both = scanner + f"HELD = {''.join(code_mark)!r}\ndef g(x):\n    return f()\n"
+        want = sorted([code_mark[0], input_mark[0]])
+        held = pool.evaluate(both, [{"input": [given], "output": want}], "g")
+        assert held.passed == 1, held
+        for _ in range(4):
+            later = pool.evaluate(scanner, [{"input": [], "output": []}], "f")
+            assert later.passed == 1, later
+    finally:
+        pool.close()

@@ -114,6 +114,29 @@ def private_mounts(tmp_bytes: int) -> None:
     mount("proc", "/proc", "proc", opts | MS_NOEXEC)
 
 
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine) if IS_LINUX else None
+_CLONE_PARENT, _SIGCHLD = 0x00008000, 17
+_pylibc = ctypes.PyDLL(None, use_errno=True) if IS_LINUX else None  # keeps the GIL, as fork
+
+
+def fork_sibling() -> int:
+    """`os.fork()`, except that the child's parent is our parent (clone with CLONE_PARENT):
+    it is reaped by, signals its exit to and may be waited for by our parent. The
+    interpreter's fork hooks run as in `os.fork` (the caller must be single-threaded)."""
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    # clone(flags, stack=0 (the same, copied), ...): fork with one more flag
+    pid = _pylibc.syscall(_SYS_CLONE, ctypes.c_ulong(_CLONE_PARENT | _SIGCHLD), 0, 0, 0, 0)
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone: {os.strerror(err)}")
+    return pid
+
+
 def unsearchable_ancestor(path: str) -> str | None:
     """The highest directory on the way to `path` that others may not search (e.g. a mode-700
     /root holding the interpreter), or None."""

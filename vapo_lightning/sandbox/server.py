@@ -6,6 +6,7 @@ CUDA or threads; fork() from here is cheap and safe. Process tree of one request
 unprivileged user (or as root with ``via_userns``):
 
     server (real uid, child subreaper)          deadline, byte caps, SIGKILL, reaping
+     ├─ zygote   forks each sandbox (CLONE_PARENT: the server's child), never holds a request
      └─ C   uid 65534, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
          └─ P2  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; rlimits,
              │  no capabilities, Landlock, scrubbed env, then `runner`
@@ -34,6 +35,7 @@ import json
 import os
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -178,6 +180,62 @@ class Server:
         # requests come back to back (setting one up takes longer than a short run).
         self.depth = max(1, int(opts.get("spares", 2)))
         self.spares: list[Spare] = []
+        self.zygote_pid, self.zygote = self._start_zygote()
+
+    # --- the zygote: the only process that forks sandboxes ---------------------------------
+    def _start_zygote(self) -> tuple[int, socket.socket]:
+        """Forks the process that forks every sandbox, now, before any request exists.
+
+        A sandbox forked here, after requests were handled, would inherit them: objects that
+        frames still reference and freed memory never overwritten, where a program could read
+        another run's code and inputs. The zygote is a copy of this process as it is now and
+        only ever receives the pipes of a sandbox to fork; it forks with CLONE_PARENT, so each
+        sandbox is still this server's child (waited for, reaped and signalled as before)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid:
+            theirs.close()
+            return pid, ours
+        try:
+            L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
+            _new_session()  # stdio on /dev/null: the host's pipes stay the server's alone
+            ours.close()
+            if self.holder_w is not None:
+                os.close(self.holder_w)
+            while True:
+                msg, fds, _, _ = socket.recv_fds(theirs, 4096, 3, socket.MSG_CMSG_CLOEXEC)
+                if len(msg) < 4 or len(fds) != 3:  # the server is gone or shutting down
+                    os._exit(0)
+                (tmp_mb,) = struct.unpack("=i", msg[:4])
+                host_dir = msg[4:].decode() or None
+                try:
+                    pid = self._fork_sandbox(fds, host_dir, tmp_mb)
+                except OSError as err:
+                    pid = -max(1, err.errno or 1)
+                for fd in fds:
+                    os.close(fd)
+                theirs.send(struct.pack("=i", pid))
+        finally:
+            os._exit(0)
+
+    def _fork_sandbox(self, fds: list[int], host_dir: str | None, tmp_mb: int) -> int:
+        """In the zygote: forks one sandbox (C, or P2 straight into a new PID namespace)."""
+        ctl_w, res_w, req_r = fds
+        gc.freeze()  # the sandbox's collections skip (and so do not copy) the zygote's objects
+        if self.direct:
+            L.unshare(L.CLONE_NEWPID)  # our next child is pid 1 of a new PID namespace
+        try:
+            pid = L.fork_sibling()
+        except OSError:
+            if self.direct:  # else every later unshare fails
+                L.setns(self.own_pid_ns, L.CLONE_NEWPID)
+            raise
+        if pid == 0:
+            (self._direct if self.direct else self._child)(ctl_w, res_w, req_r, host_dir, tmp_mb)
+        if self.direct:  # and the one after it is not
+            L.setns(self.own_pid_ns, L.CLONE_NEWPID)
+        return pid
 
     # --- inside the sandbox ------------------------------------------------------------------
     def _direct(self, ctl_w: int, res_w: int, req_r: int, host_dir: str | None, tmp_mb: int):
@@ -363,30 +421,23 @@ class Server:
             host_dir = tempfile.mkdtemp(prefix="vapo-sandbox-", dir=self.host_tmp)
             if self.is_root:
                 os.chown(host_dir, L.NOBODY, L.NOBODY)
-        ctl_r, ctl_w = os.pipe()
-        res_r, res_w = os.pipe()
-        req_r, req_w = os.pipe()
+        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
+        res_r, res_w = os.pipe2(os.O_CLOEXEC)
+        req_r, req_w = os.pipe2(os.O_CLOEXEC)
         with contextlib.suppress(OSError):  # most requests then fit in one write
             fcntl.fcntl(req_w, fcntl.F_SETPIPE_SZ, 1 << 20)
-        sys.stdout.flush()
-        gc.freeze()  # the sandbox's collections skip (and so do not copy) the server's objects
-        if self.direct:
-            L.unshare(L.CLONE_NEWPID)  # our next child is pid 1 of a new PID namespace
         try:
-            pid = os.fork()
-        except BaseException:
-            if self.direct:  # else every later unshare fails, and every fork once it died
-                L.setns(self.own_pid_ns, L.CLONE_NEWPID)
-            raise
-        if pid == 0:
-            os.close(ctl_r)
-            os.close(res_r)
-            os.close(req_w)
-            (self._direct if self.direct else self._child)(ctl_w, res_w, req_r, host_dir, tmp_mb)
-        if self.direct:
-            L.setns(self.own_pid_ns, L.CLONE_NEWPID)  # and the one after it is not
-        for fd in (ctl_w, res_w, req_r):
-            os.close(fd)
+            msg = struct.pack("=i", int(tmp_mb)) + (host_dir or "").encode()
+            socket.send_fds(self.zygote, [msg], [ctl_w, res_w, req_r])
+            reply = self.zygote.recv(4)
+        finally:
+            for fd in (ctl_w, res_w, req_r):
+                os.close(fd)
+        if len(reply) != 4:
+            raise RuntimeError("the zygote is gone")
+        (pid,) = struct.unpack("=i", reply)
+        if pid < 0:
+            raise OSError(-pid, f"fork in the zygote: {os.strerror(-pid)}")
         sp = Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb)
         if self.direct:  # no C in between: P2 is our child, its session id its pid
             sp.p2_pid, sp.p2_fd, sp.c_reaped = pid, os.pidfd_open(pid), True
@@ -561,7 +612,7 @@ class Server:
     def _reap_leftovers(self) -> None:
         """Subreaper duty: SIGKILL and reap every remaining descendant (escaped daemons),
         sparing the spares."""
-        keep = {self.holder_pid} if self.holder_pid else set()
+        keep = {self.zygote_pid} | ({self.holder_pid} if self.holder_pid else set())
         for sp in self.spares:
             self._settle(sp, time.perf_counter() + 5.0)
             keep.update((sp.c_pid, sp.p2_pid))
@@ -744,6 +795,8 @@ def main() -> None:
         except EOFError:  # the host closed us: the spares go too
             for sp in server.spares:
                 server._discard(sp)
+            server.zygote.close()
+            os.waitpid(server.zygote_pid, 0)
             if server.holder_w is not None:
                 os.close(server.holder_w)
                 os.waitpid(server.holder_pid, 0)
