@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from vapo_lightning.sandbox import Pool
+from vapo_lightning.sandbox.layers import SANDBOX_UID_BASE
 
 TOKEN = secrets.token_hex(8)
 SECRET = f"s3cret-{secrets.token_hex(8)}"
@@ -61,7 +62,8 @@ def _foreign_server(pid: int) -> bool:
 
 
 def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
-    """Live (non-zombie) processes whose real uid is the sandbox uid 65534, other than those
+    """Live (non-zombie) processes whose real uid is a sandbox uid (65534 or one of a root
+    server's, `SANDBOX_UID_BASE` + its pid), other than those
     of sandbox servers started by other processes.
 
     Processes in `spare_sessions` are the pool's idle sandboxes, forked ahead for the next
@@ -74,7 +76,9 @@ def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
             fields = _status(entry)
         except OSError:
             continue
-        if fields["Uid"].split()[0] == "65534" and not fields["State"].strip().startswith("Z"):
+        uid = int(fields["Uid"].split()[0])
+        sandbox_uid = uid == 65534 or SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + (1 << 22)
+        if sandbox_uid and not fields["State"].strip().startswith("Z"):
             try:
                 sid = os.getsid(int(entry))
             except OSError:
@@ -705,7 +709,7 @@ def test_closing_a_pool_leaves_none_of_its_processes():
 
 def test_many_idle_sandboxes_do_not_starve_a_run():
     """RLIMIT_NPROC (32 processes) counts per user namespace: 40 idle sandboxes forked ahead,
-    all uid 65534, leave a run its whole allowance (stdin mode forks one child per test)."""
+    all of one uid, leave a run its whole allowance (stdin mode forks one child per test)."""
     pool = Pool(size=1, spares=40)
     try:
         result = pool.evaluate("print(input())", [{"input": "x", "output": "x"}] * 3)
@@ -879,5 +883,53 @@ def test_no_byte_of_an_earlier_request_is_in_a_later_run():
         for _ in range(4):
             later = pool.evaluate(scanner, [{"input": [], "output": []}], "f")
             assert later.passed == 1, later
+    finally:
+        pool.close()
+
+
+def test_concurrent_runs_share_no_per_user_limit():
+    """Two runs at once, on two servers: one fills its user's pipe-buffer allowance
+    (fs.pipe-user-pages-soft, 64 MiB by default), which with a shared uid would leave the
+    other unable to size a pipe (F_SETPIPE_SZ: EPERM). Each server's sandboxes have a uid of
+    their own."""
+    hog = (
+        "import fcntl, os, time\n"
+        "def f():\n"
+        "    held = []\n"
+        "    while True:\n"
+        "        r, w = os.pipe()\n"
+        "        os.close(r)\n"
+        "        try:\n"
+        "            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)\n"
+        "        except OSError:\n"
+        "            break\n"
+        "        held.append(w)\n"
+        "    time.sleep(4)\n"
+        "    return len(held) > 10\n"
+    )
+    sized = (
+        "import fcntl, os\n"
+        "def f():\n"
+        "    r, w = os.pipe()\n"
+        "    try:\n"
+        "        return fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)\n"
+        "    except OSError as err:\n"
+        "        return str(err)\n"
+    )
+    pool = Pool(size=2)
+    try:
+        assert pool.servers[0].uid != pool.servers[1].uid or os.geteuid() != 0
+        results = {}
+        first = threading.Thread(
+            target=lambda: results.update(
+                hog=pool.evaluate(hog, [{"input": [], "output": True}], "f")
+            )
+        )
+        first.start()
+        time.sleep(1.0)  # the hog holds its pipes for 4 s
+        results["sized"] = pool.evaluate(sized, [{"input": [], "output": 1 << 20}], "f")
+        first.join()
+        assert results["hog"].passed == 1, results["hog"]
+        assert results["sized"].passed == 1 or os.geteuid() != 0, results["sized"]
     finally:
         pool.close()

@@ -25,6 +25,7 @@ SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server
 ALL_LAYERS = (
     "session",
     "uid_drop",
+    "own_uid",
     "userns",
     "netns",
     "pidns",
@@ -120,7 +121,9 @@ class WarmServer:
         self.extra_layers = ["subreaper"] if hello.get("subreaper") else []
         self.layers: list[str] = list(self.probe.get("layers", [])) + self.extra_layers
         self.spare_sids: list[int] = list(self.probe.get("spare_sids", []))
-        """Session ids of the sandboxes forked ahead for the next runs (idle, uid 65534)."""
+        """Session ids of the sandboxes forked ahead for the next runs (idle)."""
+        self.uid: int = hello["uid"]
+        """The uid the sandboxes run as: one per server when root (`layers.sandbox_uid`)."""
 
     def _recv(self) -> tuple[dict, bytes]:
         out = self.proc.stdout

@@ -43,6 +43,15 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
 
 NOBODY = 65534
+SANDBOX_UID_BASE = 2_000_000_000
+"""A root server's sandboxes run as uid (and gid) SANDBOX_UID_BASE + the server's pid: one
+uid per server, so concurrent runs (each server runs one at a time) share no per-user kernel
+limit or accounting (pipe buffers, inotify, epoll watches, signals queued). Pids are below
+2^22, so the range ends below 2^31, above the uids that systems allocate."""
+
+
+def sandbox_uid(server_pid: int) -> int:
+    return SANDBOX_UID_BASE + server_pid
 
 
 def _check(ret: int, what: str) -> int:

@@ -7,13 +7,13 @@ unprivileged user (or as root with ``via_userns``):
 
     server (real uid, child subreaper)          deadline, byte caps, SIGKILL, reaping
      ├─ zygote   forks each sandbox (CLONE_PARENT: the server's child), never holds a request
-     └─ C   uid 65534, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
+     └─ C   uid of its own, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
          └─ P2  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; rlimits,
              │  no capabilities, Landlock, scrubbed env, then `runner`
              └─ P3 ...  stdin mode: one child per test
 
 As root (the default there) there is no C: the server forks P2 straight into a new PID
-namespace; P2 makes its mount/IPC/UTS namespaces and mounts as root, then drops to uid 65534
+namespace; P2 makes its mount/IPC/UTS namespaces and mounts as root, then drops to the server's own sandbox uid
 and enters a user namespace of its own before anything else. Its network namespace is the
 server's own (nothing up), made once, when the seccomp filter (`layers.sandbox_filter`)
 keeps every run from writing to it; otherwise P2 makes one of its own too. A holder process
@@ -120,11 +120,13 @@ class Server:
         os.environ.clear()
         os.environ.update(SANDBOX_ENV)
         self.is_root = os.geteuid() == 0
+        # The sandboxes' uid: one per server (`L.SANDBOX_UID_BASE`); without root, ours.
+        self.uid = L.sandbox_uid(os.getpid()) if self.is_root else os.getuid()
         self.abi = L.landlock_abi() if opts.get("landlock", True) else 0
         self.namespaces = opts.get("namespaces", True)
         # As root, each sandbox is forked straight into a new PID namespace (`unshare
         # (CLONE_NEWPID)` here, undone by `setns` after the fork), makes its own mount, IPC,
-        # UTS and network namespaces as root, drops to uid 65534 and then enters a user
+        # UTS and network namespaces as root, drops to the sandbox uid and then enters a user
         # namespace of its own (per-user kernel state: keyrings, RLIMIT_NPROC's count). One
         # process fewer per run than the unprivileged path through C (~0.8 ms of CPU). Not a
         # network namespace shared by a server's runs, unless the seccomp filter keeps every
@@ -266,12 +268,12 @@ class Server:
         try:
             _new_session()
             active.append("session")
-            uid = gid = L.NOBODY
+            uid = gid = self.uid
             if self.is_root:
                 L.drop_privileges(uid, gid)
-                active.append("uid_drop")
+                active += ["uid_drop", "own_uid"]
             else:
-                uid, gid = os.getuid(), os.getgid()
+                gid = os.getgid()
             if self.namespaces:
                 try:
                     L.enter_namespaces(uid, gid)
@@ -305,11 +307,11 @@ class Server:
                 if self.hidden is not None and os.geteuid() == 0:  # (root: the direct path)
                     L.expose_below(self.hidden, self.prefix)
             if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
-                L.drop_privileges(L.NOBODY, L.NOBODY)
-                active.append("uid_drop")
+                L.drop_privileges(self.uid, self.uid)
+                active += ["uid_drop", "own_uid"]
                 L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)  # (cleared by the uid change)
                 with contextlib.suppress(OSError):  # unprivileged now; may be refused
-                    L.enter_namespaces(L.NOBODY, L.NOBODY, flags=L.CLONE_NEWUSER)
+                    L.enter_namespaces(self.uid, self.uid, flags=L.CLONE_NEWUSER)
                     active.append("userns")
             if "mountns" in active:
                 os.mkdir("/tmp/work", 0o700)
@@ -420,7 +422,7 @@ class Server:
 
             host_dir = tempfile.mkdtemp(prefix="vapo-sandbox-", dir=self.host_tmp)
             if self.is_root:
-                os.chown(host_dir, L.NOBODY, L.NOBODY)
+                os.chown(host_dir, self.uid, self.uid)
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
         res_r, res_w = os.pipe2(os.O_CLOEXEC)
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
@@ -786,7 +788,15 @@ def main() -> None:
         out.write(struct.pack(">I", len(blob)) + blob + raw)
         out.flush()
 
-    send({"ready": True, "probe": probe, "subreaper": server.subreaper, "pid": os.getpid()})
+    send(
+        {
+            "ready": True,
+            "probe": probe,
+            "subreaper": server.subreaper,
+            "pid": os.getpid(),
+            "uid": server.uid,
+        }
+    )
     while True:
         try:
             (n,) = struct.unpack(">I", _read_exact(0, 4))
