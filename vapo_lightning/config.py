@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Algorithm", "Optim"]
+__all__ = ["Algorithm", "Optim", "VLLMOptions"]
 
 
 @dataclass
@@ -63,6 +63,12 @@ class Algorithm:
     prompts, at most this many extra rounds; 0 disables it."""
     max_bad_steps: int = 3
     """Stop after this many consecutive updates with a non-finite loss or gradient."""
+    rollout_is: Literal["none", "tis"] = "none"
+    """Rollout correction for an inference engine's numerics (generation.engine=vllm):
+    'tis' multiplies each token's policy loss by min(pi_old / pi_engine, rollout_is_cap)
+    (truncated importance sampling, verl's rollout correction); 'none': off."""
+    rollout_is_cap: float = 2.0
+    """C of truncated importance sampling."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -77,6 +83,8 @@ class Algorithm:
             "mini_batch_size": self.mini_batch_size >= 1,
             "micro_batch_size": 1 <= self.micro_batch_size <= self.mini_batch_size,
             "dynamic_sampling_rounds": self.dynamic_sampling_rounds >= 0,
+            "rollout_is": self.rollout_is in ("none", "tis"),
+            "rollout_is_cap": self.rollout_is_cap >= 1,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -117,3 +125,41 @@ class Optim:
             or self.max_grad_norm <= 0
         ):
             raise ValueError("model.optim: learning rates and warmup_steps >= 0, max_grad_norm > 0")
+
+
+@dataclass
+class VLLMOptions:
+    """The vLLM engine's own settings (`generation.engine=vllm`), one engine per training
+    process, colocated with the models. Attribute docstrings become `--help` text."""
+
+    gpu_memory_utilization: float = 0.5
+    """Share of the device's memory the engine may take (weights, KV cache, CUDA graphs)
+    while it samples; with `sleep` it gives it back while the models train. On the CPU
+    backend: the share of host memory it reserves."""
+    tensor_parallel_size: int = 1
+    """Devices the engine shards one policy over (a policy that does not fit one device);
+    consecutive ranks form one engine."""
+    dtype: str = "auto"
+    """Engine weights' dtype: 'auto' follows the trainer's precision (bf16-mixed -> bfloat16,
+    otherwise float32), or 'bfloat16' / 'float16' / 'float32'."""
+    enforce_eager: bool = False
+    """No CUDA graphs (faster start, slower decoding); always on for the CPU backend."""
+    enable_prefix_caching: bool = True
+    """Share the KV cache of a prompt between its n samples."""
+    sleep: bool = True
+    """On a GPU, release the engine's memory while the models train (vLLM sleep mode,
+    level 1: weights offloaded, KV cache freed) and take it back for the next rollout."""
+    max_num_seqs: int = 256
+    """Sequences decoded at once (continuous batching)."""
+    kv_cache_gib: int = 1
+    """CPU backend only: GiB of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("generation.vllm.gpu_memory_utilization must lie in (0, 1]")
+        if self.tensor_parallel_size < 1 or self.max_num_seqs < 1 or self.kv_cache_gib < 1:
+            raise ValueError(
+                "generation.vllm: tensor_parallel_size, max_num_seqs and kv_cache_gib must be >= 1"
+            )
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"generation.vllm.dtype={self.dtype!r}: auto, bfloat16, float16 or float32")

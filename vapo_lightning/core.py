@@ -349,12 +349,15 @@ def policy_loss(
     clip_high: float = 0.28,
     clip_ratio_c: float | None = None,
     agg: LossAgg = "token",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with Clip-Higher (§4.3, Eq. 8), all inputs (B, T).
 
     L = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A), r = exp(logp - old_logp).
     `clip_ratio_c` (verl's dual clip, not in the paper) bounds the loss of negative-advantage
-    tokens at -A * c. Returns (loss, stats) with stats (detached, micro-batch token means):
+    tokens at -A * c. `is_weights` (B, T), detached, scales each token's loss: truncated
+    importance sampling against the engine that sampled (`correction.truncated_is_weights`).
+    Returns (loss, stats) with stats (detached, micro-batch token means):
     clipfrac_high (r > 1 + clip_high, A > 0), clipfrac_low (r < 1 - clip_low, A < 0),
     approx_kl (mean of old_logp - logp).
     """
@@ -368,6 +371,8 @@ def policy_loss(
     loss = torch.maximum(unclipped, clipped)
     if clip_ratio_c is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+    if is_weights is not None:
+        loss = loss * torch.where(mask, is_weights, torch.zeros_like(is_weights)).detach()
     with torch.no_grad():
         stats = {
             "clipfrac_high": masked_mean(

@@ -181,12 +181,16 @@ def cache_dtype(key_states: Tensor) -> torch.dtype:
     return low if wider else key_states.dtype
 
 
-def next_tokens(logits: Tensor, temperature: float, top_p: float) -> Tensor:
-    """One token per row of (b, V) logits: greedy at temperature 0, else nucleus sampling
-    from softmax(logits / temperature) restricted to the smallest set of mass >= top_p."""
+def next_tokens(logits: Tensor, temperature: float, top_p: float, top_k: int = 0) -> Tensor:
+    """One token per row of (b, V) logits: greedy at temperature 0, else sampling from
+    softmax(logits / temperature) restricted to the k most likely tokens (top_k > 0), then
+    to the smallest set of mass >= top_p (vLLM's order: top-k, then top-p)."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = logits.sort(-1, descending=True)
         mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
@@ -274,6 +278,7 @@ def sample_responses(
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     min_new_tokens: int = 0,
     compact_fraction: float = 0.25,
     lock_step: bool | None = None,
@@ -310,7 +315,7 @@ def sample_responses(
         ).logits[:, -1]
         if t < min_new_tokens:
             logits = logits.index_fill(-1, stop, float("-inf"))
-        new = next_tokens(logits, temperature, top_p)
+        new = next_tokens(logits, temperature, top_p, top_k)
         new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop
         out[rows, t] = new
         steps = t + 1

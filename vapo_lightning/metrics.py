@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from vapo_lightning import core
+from vapo_lightning import core, correction
 from vapo_lightning.rollout import Rollout
 
 __all__ = ["ALIASES", "PhaseTimer", "rollout_metrics"]
@@ -66,6 +66,10 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         m["critic/vf_explained_var"] = core.explained_variance(r.values, r.returns, mask)
     if r.lam_actor is not None:
         m["actor/lambda_actor/mean"] = r.lam_actor.mean()
+    if r.rollout_logprobs is not None and r.old_logprobs is not None:  # engine vs trainer
+        diff = correction.probs_diff(r.old_logprobs, r.rollout_logprobs, mask)
+        m["training/rollout_probs_diff_mean"] = core.masked_mean(diff, mask)
+        m["training/rollout_probs_diff_max"] = diff.max()
     m.update({f"timing_s/{k}": v for k, v in timer.totals.items()})
     m["perf/time_per_step"] = timer.totals["step"]
     m["perf/throughput"] = float(r.attention_mask.sum()) / max(

@@ -22,15 +22,15 @@ from torch import Tensor
 from vapo_lightning import core
 from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
+from vapo_lightning.engines import RolloutEngines
 from vapo_lightning.metrics import ALIASES, PhaseTimer, rollout_metrics
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
-from vapo_lightning.rewards.base import RewardCallback, Sample, combine_rewards
+from vapo_lightning.rewards.base import RewardCallback, combine_rewards
 from vapo_lightning.rollout import (
     GenerationConfig,
     Rollout,
     cat_rollouts,
     critic_values,
-    generate,
     policy_logits,
 )
 from vapo_lightning.updates import PPOUpdates, as_list
@@ -39,7 +39,7 @@ from vapo_lightning.validation import ValidationMixin
 __all__ = ["VAPOModule"]
 
 
-class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
+class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule):
     """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
 
     Args:
@@ -111,6 +111,7 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
         self.bad_updates = {"actor": 0, "critic": 0}  # consecutive non-finite updates
         self._init_validation()
+        self._init_engines()
 
     # ------------------------------------------------------------------ setup
 
@@ -157,10 +158,33 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
                     f"model.algorithm.mini_batch_size={self.algo.mini_batch_size} must divide the rollout "
                     f"batch data.prompts_per_step × model.generation.n = {per_step} × {self.gen.n} = {batch}"
                 )
+        self.check_context(dm)
+        if self.algo.rollout_is != "none" and self.gen.engine != "vllm":
+            raise ValueError(
+                f"model.algorithm.rollout_is={self.algo.rollout_is!r} corrects for an inference "
+                "engine's sampling: it needs model.generation.engine=vllm"
+            )
         if self.algo.advantage == "group" and self.gen.n < 2:
             raise ValueError(
                 "model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2"
             )
+
+    def check_context(self, dm: Any) -> None:
+        """The longest prompt of the data plus max_new_tokens must fit the policy's context
+        (refused before any work, with the numbers)."""
+        rows = [*getattr(dm, "train_rows", []), *getattr(dm, "val_rows", [])]
+        self.longest_prompt = max((len(row["prompt_ids"]) for row in rows), default=0)
+        config = self.policy.config if self.policy is not None else self.policy_spec.hf_config()
+        limit = getattr(config, "max_position_embeddings", None)
+        for name, gen in (("generation", self.gen), ("val_generation", self.val_gen)):
+            if limit is not None and self.longest_prompt + gen.max_new_tokens > limit:
+                raise ValueError(
+                    f"model.{name}.max_new_tokens={gen.max_new_tokens}: with the longest prompt "
+                    f"({self.longest_prompt} tokens) responses would reach "
+                    f"{self.longest_prompt + gen.max_new_tokens} tokens, beyond the policy's "
+                    f"context (max_position_embeddings={limit}); lower it to at most "
+                    f"{limit - self.longest_prompt}"
+                )
 
     @property
     def reward_callbacks(self) -> list[RewardCallback]:
@@ -191,6 +215,8 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
         rounds, n = self.algo.dynamic_sampling_rounds, self.gen.n
         kept, rows, want, errors = [], batch, len(batch) * n, 0
+        with timer("weight_sync"):  # vLLM: the policy's new weights into the engine
+            self.sync_engine()
         for round_ in range(rounds + 1):
             with timer("gen"):
                 r = self.sample(rows)
@@ -198,6 +224,7 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
                 self.score(r)
             errors += self.reward_errors
             if not rounds:
+                self.release_engine()  # the models train next (a GPU engine sleeps)
                 return r
             informative = r.select(core.informative_groups(r.scores, r.group_ids))
             if len(informative):
@@ -211,43 +238,12 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         if not kept:  # every group uniform in every round: zero advantages, nothing to select
             rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
             kept = [r]
+        self.release_engine()
         r = cat_rollouts(kept)
         size = torch.tensor(min(len(r), want), device=self.device)
         if self.trainer.world_size > 1:  # equal batches: the same number of optimiser steps
             size = self.all_gather(size).min()
         return r.select(torch.arange(int(size)))
-
-    def sample(self, rows: list[dict], gen: GenerationConfig | None = None) -> Rollout:
-        gen = gen or self.gen
-        self.policy.eval()
-        tok = self.tokenizer
-        r = generate(
-            self.policy,
-            [row["prompt_ids"] for row in rows],
-            gen,
-            tok.pad_token_id,
-            tok.eos_token_id,
-        )
-        texts = tok.batch_decode(r.responses, skip_special_tokens=True)
-        r.samples = [
-            Sample(
-                prompt=rows[g]["prompt_text"],
-                response=text,
-                response_ids=ids[:n].tolist(),
-                truncated=bool(trunc),
-                ground_truth=rows[g].get("ground_truth"),
-                data_source=rows[g].get("data_source", "default"),
-                extra_info=rows[g].get("extra_info", {}),
-            )
-            for g, text, ids, n, trunc in zip(
-                r.group_ids.tolist(),
-                texts,
-                r.responses.cpu(),
-                r.response_lengths.tolist(),
-                r.truncated.tolist(),
-            )
-        ]
-        return r
 
     def score(self, r: Rollout) -> None:
         """Reward callbacks -> R per response (placed on the last token in `compute_advantages`)."""
@@ -344,6 +340,7 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
         if self.trainer.world_size > 1 and self.trainer.ckpt_path is None:
             # Lightning seeds every rank alike: give each rank its own sampling noise.
             torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
+        self.sync_engine()  # vLLM: start the engine with the (possibly resumed) weights
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Random streams (one per rank) and counters, so a resumed run samples exactly what
@@ -360,6 +357,7 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
             states = state["rng"]
             set_rng_state(states[self.global_rank] if self.global_rank < len(states) else states[0])
             self.bad_updates = state["bad_updates"]
+        self.policy_version += 1  # restored weights: an engine made before must load them
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._rollout_steps_before = self.trainer.global_step
@@ -404,6 +402,9 @@ class VAPOModule(PPOUpdates, ValidationMixin, L.LightningModule):
             k: ops.get(k[k.rfind("/") :], torch.mean)(every[:, i]) for i, k in enumerate(names)
         }
         return {k: float(v) for k, v in reduced.items()}
+
+    def teardown(self, stage: str) -> None:
+        self.close_engine()
 
     def on_train_end(self) -> None:
         if self.hf_export_dir:

@@ -8,21 +8,24 @@ single forward gives the log-probs and values of every response token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from vapo_lightning.config import VLLMOptions
 from vapo_lightning.generation import calls_in_lock_step, gathered_weights, sample_responses
 from vapo_lightning.rewards.base import Sample
 
 __all__ = [
     "GenerationConfig",
     "Rollout",
+    "assemble",
     "cat_rollouts",
     "critic_values",
     "generate",
+    "left_padded",
     "policy_logits",
 ]
 
@@ -41,6 +44,14 @@ class GenerationConfig:
     """Sampling temperature; the log-probs of the update use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0: all of them."""
+    engine: Literal["native", "vllm"] = "native"
+    """'native': this package's decoding loop over the Hugging Face forward (CPU runs, tests);
+    'vllm': a vLLM engine in every training process, colocated with the models, given the
+    trainer's weights after each actor update (`engines.vllm`)."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """The vLLM engine's settings (engine='vllm')."""
     max_batch_size: int | None = None
     """Sequences per `generate` call; bounds the KV cache (None: the whole rollout at once)."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -57,8 +68,12 @@ class GenerationConfig:
             raise ValueError("generation.max_batch_size must be >= 1 (or null)")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("generation.temperature must be >= 0 and top_p in (0, 1]")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("generation.temperature and top_k must be >= 0 and top_p in (0, 1]")
+        if self.engine not in ("native", "vllm"):
+            raise ValueError(f"generation.engine={self.engine!r}: 'native' or 'vllm'")
+        if isinstance(self.vllm, dict):  # from a checkpoint's hyper-parameters
+            self.vllm = VLLMOptions(**self.vllm)
 
 
 @dataclass
@@ -81,6 +96,7 @@ class Rollout:
     returns: Tensor | None = None  # (B, T) critic targets
     lam_actor: Tensor | None = None  # (B,)
     ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
+    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), engine=vllm
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -149,13 +165,7 @@ def generate(
     if not prompt_ids:  # (sharded, the other ranks would wait for this one forever)
         raise ValueError("generate: no prompts (every rank must sample at least one)")
     device = next(policy.parameters()).device
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(prompt_ids), P), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):  # left padding
-        ids[i, P - len(p) :] = torch.tensor(p)
-        attn[i, P - len(p) :] = 1
-    ids, attn = ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
+    ids, attn = left_padded(prompt_ids, n, pad_token_id, device)
     stop = sorted({eos_token_id, *cfg.stop_token_ids})
     chunk = cfg.max_batch_size or len(ids)
 
@@ -168,6 +178,7 @@ def generate(
             min_new_tokens=cfg.min_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
+            top_k=cfg.top_k,
             stop_token_ids=stop,
             pad_token_id=pad_token_id,
             lock_step=lock_step,
@@ -185,13 +196,36 @@ def generate(
     response = torch.cat(  # (B, T); chunks stop at different lengths
         [torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_token_id) for p in parts]
     )
+    return assemble(ids, attn, response, stop, pad_token_id, n)
+
+
+def left_padded(
+    prompt_ids: list[list[int]], n: int, pad_token_id: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """(B, P) token ids and attention mask of the prompts, left-padded, each repeated n times
+    (B = prompts × n, the n samples of a prompt on consecutive rows)."""
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):  # left padding
+        ids[i, P - len(p) :] = torch.tensor(p)
+        attn[i, P - len(p) :] = 1
+    return ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
+
+
+def assemble(
+    ids: Tensor, attn: Tensor, response: Tensor, stop: list[int], pad_token_id: int, n: int
+) -> Rollout:
+    """The rollout of (B, P) left-padded prompts and (B, T) sampled tokens: each response ends
+    at its first stop token (kept, masked in), padding after it; no stop token: truncated."""
+    device = response.device
     is_eos = torch.isin(response, torch.tensor(stop, device=device))
     has_eos = is_eos.any(-1)
     first_eos = torch.where(has_eos, is_eos.float().argmax(-1), response.shape[1])
     positions = torch.arange(response.shape[1], device=device)[None]
     response_mask = positions <= first_eos[:, None]
     response = torch.where(response_mask, response, torch.full_like(response, pad_token_id))
-    groups = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
+    groups = torch.arange(len(ids) // n, device=device).repeat_interleave(n)
     return Rollout(
         input_ids=torch.cat([ids, response], 1),
         attention_mask=torch.cat([attn, response_mask.long()], 1),

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vapo_lightning import core
+from vapo_lightning import core, correction
 from vapo_lightning.metrics import PhaseTimer
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits
 
@@ -144,9 +144,16 @@ class PPOUpdates:
             if fresh:
                 micro.old_logprobs = logprobs.detach()
                 mb.old_logprobs[idx, : m.shape[1]] = micro.old_logprobs
+            is_weights = (  # truncated importance sampling against the engine that sampled
+                correction.truncated_is_weights(
+                    micro.old_logprobs, micro.rollout_logprobs, m, a.rollout_is_cap
+                )
+                if a.rollout_is == "tis"
+                else None
+            )
             pg, st = core.policy_loss(
                 logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
-                a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg,
+                a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg, is_weights,
             )  # fmt: skip
             loss = pg
             if a.nll_coef > 0:  # positive-example LM loss (§4.3, Eq. 10)
@@ -200,6 +207,8 @@ class PPOUpdates:
             stats[f"{name}/grad_norm"].append(norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if name == "actor":  # a new policy: the rollout engine's copy is now stale
+                self.policy_version += 1
             # Under an autocast region that caches casts (Lightning < 2.6 runs training_step
             # so), the bf16 copies cast before this step would serve the next mini-batch's
             # forwards: stale weights. Dropped here; the next forward casts the new ones.

