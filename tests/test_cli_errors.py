@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from vapo_lightning.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 VAPO = Path(sys.executable).parent / "vapo"  # the console script, as installed
 
@@ -29,3 +31,44 @@ def test_the_readme_plugin_imports_from_the_working_directory(tmp_path):
                 "--trainer.callbacks.weight=0.1", cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "class_path: my_rewards.ShortAnswerBonus" in done.stdout
+
+
+def one_line_error(capsys, *args):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code not in (0, None)
+    lines = [line for line in err.splitlines() if line.strip() and "lists every option" not in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--model.val_generation.n=0"], "model.val_generation: generation.n"),
+        (["--model.generation.n=0"], "model.generation: generation.n"),
+        (["--model.optim.actor_lr=-1e-4"], "model.optim: learning rates"),
+        (["--model.policy.config=null", "--model.policy.name_or_path=./no/such/model"],
+         "model.policy.name_or_path='./no/such/model': no such folder"),
+        (["--model.critic.name_or_path=/no/critic"], "model.critic.name_or_path='/no/critic'"),
+    ],
+    ids=["val_generation-n", "generation-n", "negative-lr", "policy-path", "critic-path"],
+)  # fmt: skip
+def test_bad_values_are_one_line_naming_the_field(capsys, args, named):
+    assert named in one_line_error(capsys, *args)
+
+
+def test_an_unknown_yaml_key_is_named_first(capsys, tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("model:\n  algorithm:\n    clip_hihg: 0.3\n")
+    assert "clip_hihg" in one_line_error(capsys, "-c", str(extra))
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all"], ids=["empty", "garbage"])
+def test_an_unreadable_checkpoint_is_named_before_any_work(capsys, tmp_path, content):
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(content)
+    line = one_line_error(capsys, f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={tmp_path}")
+    assert f"ckpt_path={ckpt}" in line and "not a complete checkpoint" in line
+    assert not (tmp_path / "lightning_logs").exists()  # nothing started

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+import typing
+import zipfile
+from dataclasses import is_dataclass
+from pathlib import Path
+from typing import Any, NoReturn
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from vapo_lightning.checkpoint import AtomicCheckpointIO
-from vapo_lightning.data import PromptDataModule
+from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
+from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
+from vapo_lightning.models import ModelSpec, looks_like_a_model_source
 from vapo_lightning.module import VAPOModule
 
 __all__ = ["VAPOCLI", "main"]
@@ -30,10 +35,121 @@ TRAINER_DEFAULTS = {
 }
 
 
+class UsageError(ValueError):
+    """A mistake in the command line or config; printed as one line naming the field or file."""
+
+
+def _first_reason(message: str) -> str:
+    """jsonargparse's multi-line message as one line: the key and the first reason of its
+    ``Errors:`` list (e.g. ``Parser key "model.algorithm": Option 'clip_hihg' is not accepted``)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("- ") and "NoneType" not in line:
+            reason, j = line[2:], i + 1
+            while reason.endswith(":") and j < len(lines):  # "Problem with given class_path X:"
+                reason, j = f"{reason} {lines[j]}" if "key" in reason else lines[j], j + 1
+            return f"{lines[0].rstrip(':')}: {reason}"
+    return " ".join(lines[:2])
+
+
+class VAPOArgumentParser(LightningArgumentParser):
+    """Reports a parse error in one line (the unknown key or bad value first), not after
+    the whole usage text."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {_first_reason(message)}\n")
+        sys.stderr.write(f"(`{prog} --help` lists every option)\n")
+        self.exit(2)
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    """`cls(**values)` with nested dataclasses built from their dicts, for validation."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        inner = [
+            t for t in typing.get_args(hints.get(name)) or [hints.get(name)] if is_dataclass(t)
+        ]
+        kwargs[name] = _build(inner[0], value) if inner and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def check_model_config(model: dict[str, Any]) -> None:
+    """Builds each dataclass argument of `VAPOModule` alone, so that a bad value is named by
+    its field (``model.val_generation`` vs ``model.generation``), and checks that local model
+    paths exist, before anything is loaded."""
+    hints = typing.get_type_hints(VAPOModule.__init__)
+    for name, value in model.items():
+        classes = [
+            t for t in typing.get_args(hints.get(name)) or [hints.get(name)] if is_dataclass(t)
+        ]
+        if not classes or not isinstance(value, dict):
+            continue
+        try:
+            spec = _build(classes[0], value)
+        except (TypeError, ValueError) as err:
+            message = str(err).removeprefix(f"model.{name}: ")
+            raise UsageError(f"model.{name}: {message}") from None
+        if isinstance(spec, ModelSpec):
+            for field in ("name_or_path", "tokenizer"):
+                path = getattr(spec, field)
+                if path is not None and not looks_like_a_model_source(path):
+                    raise UsageError(
+                        f"model.{name}.{field}={path!r}: no such folder (and not a hub id like "
+                        "'org/name')"
+                    )
+
+
+def check_checkpoint_path(ckpt_path: str | None) -> None:
+    """An explicit checkpoint file must exist and be a complete torch file (its zip
+    directory is at the end: an empty or truncated file has none)."""
+    if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry") or "://" in ckpt_path:
+        return
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise UsageError(f"ckpt_path={ckpt_path}: no such file")
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise UsageError(
+            f"ckpt_path={ckpt_path} ({path.stat().st_size} bytes): not a complete checkpoint "
+            "(empty, truncated or not a torch file)"
+        )
+
+
 class VAPOCLI(LightningCLI):
     """LightningCLI whose `ddp` / `fsdp` strategy names mean `VAPOStrategy` (Lightning's own
     would wrap the whole LightningModule: DDP then trips on the critic's backward, and its
-    FSDP refuses CPUs)."""
+    FSDP refuses CPUs). Mistakes in the config are reported in one line before any work."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", VAPOArgumentParser)
+        super().__init__(*args, **kwargs)
+
+    def _sub_config(self) -> tuple[str | None, Any]:
+        sub = self.config.get("subcommand")  # set before `self.subcommand` is
+        return sub, self.config.get(sub, self.config) if sub else self.config
+
+    def _config_error(self, err: UsageError) -> NoReturn:
+        parser = self._subcommand_parsers.get(self._sub_config()[0], self.parser)
+        parser.error(str(err))
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads the checkpoint's hyper-parameters here, before anything else."""
+        config = self._sub_config()[1]
+        try:
+            check_checkpoint_path(config.get("ckpt_path"))
+        except UsageError as err:
+            self._config_error(err)
+        super()._parse_ckpt_path()
+
+    def before_instantiate_classes(self) -> None:
+        config = self._sub_config()[1]
+        try:
+            check_model_config(config.get("model").as_dict())
+        except UsageError as err:
+            self._config_error(err)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._get(self.config_init, "trainer", default={})
@@ -69,13 +185,20 @@ def main(args: list[str] | None = None) -> None:
 
         sft_main(["fit", *argv[1:]])
         return
+    try:
+        run_cli(argv if args is not None else None)
+    except (CheckpointError, DataError) as err:  # the message names the file and line
+        sys.exit(f"vapo: error: {err}")
+
+
+def run_cli(args: list[str] | None) -> None:
     VAPOCLI(
         VAPOModule,
         PromptDataModule,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
-        args=argv,
+        args=args,  # None: sys.argv (passing both makes Lightning warn)
     )
 
 

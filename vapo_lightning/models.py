@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,13 @@ from transformers import (
 
 from vapo_lightning.attention import SDPA, STANDARD_SDPA
 
-__all__ = ["ModelSpec", "build_critic", "build_policy", "load_tokenizer"]
+__all__ = [
+    "ModelSpec",
+    "build_critic",
+    "build_policy",
+    "load_tokenizer",
+    "looks_like_a_model_source",
+]
 
 
 @dataclass
@@ -59,11 +66,28 @@ class ModelSpec:
         if self.config is not None:
             cfg = dict(self.config)
             return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+        _check_source(self.name_or_path, "model")
         return AutoConfig.from_pretrained(self.name_or_path)
+
+
+def looks_like_a_model_source(path: str) -> bool:
+    """An existing local folder or file, or something that can be a hub id (``name`` or
+    ``org/name``, not a relative or absolute path)."""
+    if os.path.exists(os.path.expanduser(path)):
+        return True
+    return not path.startswith((".", "/", "~")) and path.count("/") <= 1 and "\\" not in path
+
+
+def _check_source(path: str, what: str) -> None:
+    if not looks_like_a_model_source(path):
+        raise FileNotFoundError(
+            f"{what} {path!r}: no such folder (and not a hub id like 'org/name')"
+        )
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Loads a tokenizer for generation: left padding, a pad token (EOS if none)."""
+    _check_source(path, "tokenizer")
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -100,6 +124,7 @@ def build_policy(
         model.generation_config = _saved_generation_config(spec.name_or_path, model)
         model.eval()  # as from_pretrained leaves it
     else:
+        _check_source(spec.name_or_path, "policy")
         model = AutoModelForCausalLM.from_pretrained(spec.name_or_path, dtype=torch.float32)
     if len(tok) > model.get_input_embeddings().num_embeddings:
         raise ValueError(
@@ -123,6 +148,7 @@ def build_critic(
     meta: the architecture only, on the meta device (policy may be a meta model too).
     """
     if spec is not None and spec.name_or_path is not None:
+        _check_source(spec.name_or_path, "critic")
         cfg = AutoConfig.from_pretrained(spec.name_or_path)
         cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # one value; no dropout noise in the head
         if meta:
