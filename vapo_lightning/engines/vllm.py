@@ -124,8 +124,9 @@ class VLLMEngine:
     ) -> None:
         vllm = import_vllm()
         config = policy.config
-        architectures = [a.removeprefix("DDP") for a in config.architectures or []]
-        architectures = architectures or [type(policy).__name__.removeprefix("DDP")]
+        # `replicate` / `fully_shard` rename the class DDP<Name> / FSDP<Name>
+        names = config.architectures or [type(policy).__name__]
+        architectures = [a.removeprefix("DDP").removeprefix("FSDP") for a in names]
         check_architecture(architectures)
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and max_model_len > limit:

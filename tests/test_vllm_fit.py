@@ -1,0 +1,82 @@
+"""Training with the vLLM engine end to end, through the real CLI: one process, a resumed run,
+and two processes under ddp and fsdp (gloo on the CPU, vLLM's external launcher).
+
+The policy is the quickstart's SFT model (peaked distributions: an engine holding stale
+weights shows |p_engine - p_trainer| of 0.1 and more; in sync, fp32, under 1e-3), trained
+at tiny_cpu.yaml's actor learning rate of 1e-3, which moves it far in one step.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.test_distributed import SHORT, vapo_fit
+from vapo_lightning.cli import main
+
+try:
+    from vapo_lightning.engines.vllm import import_vllm
+
+    import_vllm()
+except ImportError as e:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(f"vLLM is not installed ({e})", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT_POLICY = [  # the quickstart's SFT model instead of tiny_cpu's random one
+    "--model.policy.config=null",
+    "--model.policy.name_or_path=vapo_lightning/assets/quickstart_sft",
+    "--model.policy.tokenizer=null",
+]
+VLLM = [
+    "--model.generation.engine=vllm",
+    "--model.generation.vllm.gpu_memory_utilization=0.05",
+]
+
+
+def scalars(root: Path, version: int) -> dict[str, list[tuple[int, float]]]:
+    (event_file,) = glob.glob(f"{root}/lightning_logs/version_{version}/events.out.tfevents.*")
+    acc = EventAccumulator(event_file)
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def check_engine_in_sync(s: dict[str, list[tuple[int, float]]], actor_steps: int) -> None:
+    diffs = [v for _, v in s["training/rollout_probs_diff_max"]]
+    assert diffs and max(diffs) < 1e-3, diffs
+    syncs = [v for _, v in s["timing_s/weight_sync"]]
+    assert sum(v > 1e-3 for v in syncs) >= actor_steps - 1, syncs  # one load per new policy
+
+
+@pytest.mark.slow
+def test_fit_then_resume_with_the_vllm_engine(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = ["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
+            *SHORT, *SFT_POLICY, *VLLM, "--model.val_generation.engine=vllm",
+            "--model.algorithm.rollout_is=tis"]  # fmt: skip
+    main([*args, "--trainer.max_steps=4"])  # 2 steps of value pretraining, then 2 updates
+    first = scalars(tmp_path, 0)
+    check_engine_in_sync(first, actor_steps=2)
+    assert [v for _, v in first["warmup/active"]] == [1.0, 1.0, 0.0, 0.0]
+    assert "val/accuracy" in first and "actor/pg_loss" in first
+
+    # Resumed: the engine starts from the checkpoint's weights (not the SFT start it was
+    # configured with), so the first resumed rollout is already in sync.
+    main([*args, "--trainer.max_steps=6", "--ckpt_path=last"])
+    resumed = scalars(tmp_path, 1)
+    steps = [s for s, _ in resumed["training/rollout_probs_diff_max"]]
+    assert steps[0] >= 4
+    check_engine_in_sync(resumed, actor_steps=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_with_the_vllm_engine(tmp_path, strategy):
+    vapo_fit(tmp_path, strategy, *SFT_POLICY, *VLLM, "--trainer.max_steps=4")
+    s = scalars(tmp_path, 0)
+    check_engine_in_sync(s, actor_steps=2)
