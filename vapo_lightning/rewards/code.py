@@ -40,6 +40,8 @@ _REQUIREMENTS = {
     "reaping": ("pidns", "subreaper"),
     "private_tmp": ("private_tmp",),
     "signals": ("pidns", "landlock_scope"),
+    "memory_cgroup": ("memory_cgroup",),
+    "pids_cgroup": ("pids_cgroup",),
 }
 ISOLATION_LEVELS = {
     "none": (),
@@ -50,7 +52,8 @@ ISOLATION_LEVELS = {
 """What each `min_isolation` value requires (see `_HOW_TO` for how to get each part)."""
 
 _HOW_TO = {
-    "not_root": "candidate code would run as root: the server could not setresuid(65534)",
+    "not_root": "candidate code would run as root: the server could not setresuid to its "
+    "sandbox uid (layers `uid_drop`, `own_uid`)",
     "filesystem": "Landlock (Linux >= 5.13 with 'landlock' in /sys/kernel/security/lsm; add "
     "lsm=landlock,... to the kernel command line)",
     "network": "a network namespace: as root it needs CAP_SYS_ADMIN (in Docker "
@@ -61,6 +64,10 @@ _HOW_TO = {
     "private_tmp": "a mount namespace (same requirement as the network namespace)",
     "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
     "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
+    "memory_cgroup": "a memory cgroup per run, limiting all of its processes together: the "
+    "server must run as root (or own its cgroup) on a host with the cgroup v1 memory "
+    "hierarchy mounted at /sys/fs/cgroup/memory (cgroup v2 is not supported yet)",
+    "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with /sys/fs/cgroup/pids",
 }
 
 
@@ -93,7 +100,8 @@ class CodeReward(RewardCallback):
         min_isolation: ``"none" | "basic" | "strong" | "full"`` (`ISOLATION_LEVELS`); the run
             refuses to start with less, naming what is missing and how to get it.
         num_workers: warm fork servers run in parallel (default: CPU count).
-        memory_mb: address-space limit per sandboxed process.
+        memory_mb: address-space limit per sandboxed process, and (with the `memory_cgroup`
+            layer) the memory of all of one program's processes together.
         no_tests_value: reward for a row whose tests cannot be imported (None: an error,
             handled by `on_error`).
         **kwargs: `RewardCallback` arguments (weight, on_error, error_value, timeout_s).

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT as DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.compare import judge
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
@@ -42,6 +43,8 @@ ALL_LAYERS = (
     "no_fs_watch",
     "not_dumpable",
     "subreaper",
+    "memory_cgroup",
+    "pids_cgroup",
 )
 """Every layer the sandbox knows; `Result.layers` lists those that took effect."""
 
@@ -51,12 +54,17 @@ class Limits:
     """Resource limits of one sandboxed run (the wall-clock limit is `timeout_s`)."""
 
     memory_mb: int = 2048
-    """Address space per process (RLIMIT_AS); keep >= 1024 for Python's allocator."""
+    """Address space per process (RLIMIT_AS; keep >= 1024 for Python's allocator), and with
+    the `memory_cgroup` layer the memory of the whole run (all of its processes, memfd, shm
+    and /tmp pages; no swap): reaching it, the kernel kills a process of the run, and the
+    run fails (every test) with status ``memory_limit``."""
     file_mb: int = 16
     """Largest file a process may write (RLIMIT_FSIZE)."""
     open_files: int = 128
     processes: int = 32
     """RLIMIT_NPROC, counted inside the run's own user namespace when there is one."""
+    pids: int = 256
+    """Tasks (processes and threads) of the whole run, with the `pids_cgroup` layer."""
     tmp_mb: int = 64
     """Size of the private tmpfs mounted on /tmp (with a mount namespace)."""
     stdout_bytes: int = 1 << 20
@@ -70,7 +78,7 @@ class Result:
     passed: int
     total: int
     status: str
-    """ok | timeout | output_limit | crashed | setup_error | server_error."""
+    """ok | timeout | output_limit | memory_limit | crashed | setup_error | server_error."""
     layers: list[str] = field(default_factory=list)
     per_test: list[bool] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
@@ -94,6 +102,7 @@ class WarmServer:
         spares: int = 2,
         via_userns: bool = False,
         seccomp: bool = True,
+        cgroup_root: str | None = DEFAULT_CGROUP_ROOT,
     ) -> None:
         opts = json.dumps(
             {
@@ -102,6 +111,7 @@ class WarmServer:
                 "spares": spares,
                 "via_userns": via_userns,
                 "seccomp": seccomp,
+                "cgroup_root": cgroup_root,
             }
         )
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing secret to inherit
@@ -170,7 +180,8 @@ class Pool:
     a new PID namespace and making the others there. `seccomp=False` lets the candidate create
     sockets again (`layers.sandbox_filter`; they still reach nothing without a network
     namespace's way out), and then each run gets a network namespace of its own instead of the
-    server's.
+    server's. `cgroup_root` is where the cgroup hierarchies are mounted (None: no per-run
+    cgroup; `sandbox.cgroups`).
     """
 
     def __init__(
@@ -182,10 +193,12 @@ class Pool:
         spares: int = 2,
         via_userns: bool = False,
         seccomp: bool = True,
+        cgroup_root: str | None = DEFAULT_CGROUP_ROOT,
     ) -> None:
         size = size or max(1, os.cpu_count() or 1)
         self.servers = [
-            WarmServer(namespaces, landlock, spares, via_userns, seccomp) for _ in range(size)
+            WarmServer(namespaces, landlock, spares, via_userns, seccomp, cgroup_root)
+            for _ in range(size)
         ]
         self.idle: queue.Queue[WarmServer] = queue.Queue()
         for s in self.servers:

@@ -41,10 +41,12 @@ import sys
 import time
 
 if __package__:
+    from . import cgroups as CG
     from . import layers as L
     from . import runner
 else:  # run as a script (`-I` leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cgroups as CG
     import layers as L
     import runner
 
@@ -104,9 +106,10 @@ DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 class Spare:
     """A sandbox forked ahead of its request: every layer set up, P2 blocked reading `req_w`."""
 
-    def __init__(self, c_pid, ctl_r, res_r, req_w, host_dir, tmp_mb) -> None:
+    def __init__(self, c_pid, ctl_r, res_r, req_w, host_dir, tmp_mb, cgroups, cg_limits) -> None:
         self.c_pid, self.ctl_r, self.res_r, self.req_w = c_pid, ctl_r, res_r, req_w
         self.host_dir, self.tmp_mb = host_dir, tmp_mb
+        self.cgroups, self.cg_limits = cgroups, cg_limits  # its run's cgroups, their limits
         self.ctl = b""
         self.p2_pid: int | None = None
         self.p2_fd: int | None = None
@@ -178,6 +181,10 @@ class Server:
         except OSError:
             self.subreaper = False
         self.probe_layers: list[str] = ["mountns"]  # optimistic until the probe ran
+        # A memory and a pids cgroup per run (`cgroups`), made with each spare; their limits
+        # those of the last request until a request asks for others.
+        self.cgroups = CG.RunCgroups(opts.get("cgroup_root", CG.DEFAULT_ROOT))
+        self.cg_limits = _cgroup_limits(DEFAULT_LIMITS)
         # Sandboxes forked ahead, oldest first: with two, one is always ready even when
         # requests come back to back (setting one up takes longer than a short run).
         self.depth = max(1, int(opts.get("spares", 2)))
@@ -210,9 +217,9 @@ class Server:
                 if len(msg) < 4 or len(fds) != 3:  # the server is gone or shutting down
                     os._exit(0)
                 (tmp_mb,) = struct.unpack("=i", msg[:4])
-                host_dir = msg[4:].decode() or None
+                host_dir, *cgroups = msg[4:].decode().split("\0")
                 try:
-                    pid = self._fork_sandbox(fds, host_dir, tmp_mb)
+                    pid = self._fork_sandbox(fds, host_dir or None, tmp_mb, cgroups)
                 except OSError as err:
                     pid = -max(1, err.errno or 1)
                 for fd in fds:
@@ -221,7 +228,7 @@ class Server:
         finally:
             os._exit(0)
 
-    def _fork_sandbox(self, fds: list[int], host_dir: str | None, tmp_mb: int) -> int:
+    def _fork_sandbox(self, fds: list[int], host_dir: str | None, tmp_mb: int, cgroups) -> int:
         """In the zygote: forks one sandbox (C, or P2 straight into a new PID namespace)."""
         ctl_w, res_w, req_r = fds
         gc.freeze()  # the sandbox's collections skip (and so do not copy) the zygote's objects
@@ -234,15 +241,26 @@ class Server:
                 L.setns(self.own_pid_ns, L.CLONE_NEWPID)
             raise
         if pid == 0:
-            (self._direct if self.direct else self._child)(ctl_w, res_w, req_r, host_dir, tmp_mb)
+            active = self._join_cgroups(cgroups, ctl_w)
+            sandbox = self._direct if self.direct else self._child
+            sandbox(ctl_w, res_w, req_r, host_dir, tmp_mb, active)
         if self.direct:  # and the one after it is not
             L.setns(self.own_pid_ns, L.CLONE_NEWPID)
         return pid
 
     # --- inside the sandbox ------------------------------------------------------------------
-    def _direct(self, ctl_w: int, res_w: int, req_r: int, host_dir: str | None, tmp_mb: int):
+    def _join_cgroups(self, cgroups: list[str], ctl_w: int) -> list[str]:
+        """First thing in a new sandbox (P2 or C), while it still may: into its run's cgroups,
+        so that every process it starts and every page it charges is counted there."""
+        try:
+            CG.join(cgroups)
+        except OSError as err:
+            os.write(ctl_w, f"X cgroup: {err}\n".encode()[:500])
+            return []
+        return self.cgroups.layers(cgroups)
+
+    def _direct(self, ctl_w, res_w, req_r, host_dir: str | None, tmp_mb: int, active: list[str]):
         """P2 forked by a root server into a new PID namespace: never returns."""
-        active: list[str] = []
         try:
             L.prctl(L.PR_SET_PDEATHSIG, signal.SIGKILL)
             _new_session()
@@ -261,10 +279,9 @@ class Server:
             os._exit(72)
         self._p2(ctl_w, res_w, req_r, host_dir, tmp_mb, active)
 
-    def _child(self, ctl_w: int, res_w: int, req_r: int, host_dir: str | None, tmp_mb: int):
+    def _child(self, ctl_w, res_w, req_r, host_dir: str | None, tmp_mb: int, active: list[str]):
         """Process C: never returns. Exits right after forking P2 when we are a subreaper
         (P2 is then re-parented to the server), else waits for it."""
-        active: list[str] = []
         try:
             _new_session()
             active.append("session")
@@ -428,8 +445,9 @@ class Server:
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
         with contextlib.suppress(OSError):  # most requests then fit in one write
             fcntl.fcntl(req_w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        cgroups = self.cgroups.create(*self.cg_limits)
         try:
-            msg = struct.pack("=i", int(tmp_mb)) + (host_dir or "").encode()
+            msg = struct.pack("=i", int(tmp_mb)) + "\0".join([host_dir or "", *cgroups]).encode()
             socket.send_fds(self.zygote, [msg], [ctl_w, res_w, req_r])
             reply = self.zygote.recv(4)
         finally:
@@ -439,8 +457,9 @@ class Server:
             raise RuntimeError("the zygote is gone")
         (pid,) = struct.unpack("=i", reply)
         if pid < 0:
+            self.cgroups.remove(cgroups)
             raise OSError(-pid, f"fork in the zygote: {os.strerror(-pid)}")
-        sp = Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb)
+        sp = Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb, cgroups, self.cg_limits)
         if self.direct:  # no C in between: P2 is our child, its session id its pid
             sp.p2_pid, sp.p2_fd, sp.c_reaped = pid, os.pidfd_open(pid), True
         return sp
@@ -482,6 +501,7 @@ class Server:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(sp.p2_pid, 0)
             os.close(sp.p2_fd)
+        self.cgroups.remove(sp.cgroups)
         if sp.host_dir is not None:
             _remove_tree(sp.host_dir)
 
@@ -516,6 +536,14 @@ class Server:
         deadline = t0 + float(req["timeout_s"])
         cap = int(req["limits"]["output_bytes"])
         sp = self._take_spare(int(req["limits"]["tmp_mb"]), deadline)
+        self.cg_limits = _cgroup_limits(req["limits"])  # and the next spares'
+        if sp.cgroups and sp.cg_limits != self.cg_limits:
+            try:
+                self.cgroups.set_limits(sp.cgroups, *self.cg_limits)
+            except OSError:  # not this run's limit: the host may not rely on it
+                self._discard(sp)
+                sp = self._fork_spare(sp.tmp_mb)
+                self._settle(sp, deadline)
         self._hold_mount_ns(sp)
         if sp.p2_fd is None and self.subreaper:  # C failed (its error is in sp.ctl)
             self._discard(sp)
@@ -585,6 +613,12 @@ class Server:
         layers = header["layers"]
         if status is not None or "pidns" not in layers:
             self._reap_leftovers()  # orphans exist only without a PID namespace, or after kills
+        if self.cgroups.oom_kills(sp.cgroups) and status != "output_limit":
+            # Its processes together reached the run's memory limit and the kernel killed one:
+            # the run fails as a whole (what the others sent may depend on the lost one).
+            status = "memory_limit"
+            raw = bytearray()
+        self.cgroups.remove(sp.cgroups)
         for fd in (sp.ctl_r, sp.res_r, sp.req_w):
             os.close(fd)
         if sp.host_dir is not None:
@@ -645,10 +679,16 @@ DEFAULT_LIMITS = {
     "file_mb": 16,
     "open_files": 128,
     "processes": 32,
+    "pids": 256,
     "tmp_mb": 64,
     "stdout_bytes": 1 << 20,
     "output_bytes": 8 << 20,
 }
+
+
+def _cgroup_limits(limits: dict) -> tuple[int, int]:
+    """(memory bytes, tasks) of a run's cgroups: `memory_mb` for all of the run together."""
+    return int(limits["memory_mb"]) << 20, int(limits.get("pids", DEFAULT_LIMITS["pids"]))
 
 
 def _start_mount_ns_holder() -> tuple[int, int]:
@@ -810,6 +850,7 @@ def main() -> None:
             if server.holder_w is not None:
                 os.close(server.holder_w)
                 os.waitpid(server.holder_pid, 0)
+            server.cgroups.close()
             return
         try:
             header, raw = server.handle(req, blob)
