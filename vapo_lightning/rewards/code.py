@@ -65,7 +65,7 @@ _HOW_TO = {
     "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
     "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
     "memory_cgroup": "a memory cgroup per run, limiting all of its processes together: the "
-    "server must run as root (or own its cgroup) on a host with the cgroup v1 memory "
+    "server must run as root on a host with the cgroup v1 memory "
     "hierarchy mounted at /sys/fs/cgroup/memory (cgroup v2 is not supported yet)",
     "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with /sys/fs/cgroup/pids",
 }

@@ -19,6 +19,10 @@ server's own (nothing up), made once, when the seccomp filter (`layers.sandbox_f
 keeps every run from writing to it; otherwise P2 makes one of its own too. A holder process
 (`_start_mount_ns_holder`) takes each run's mount namespace off the run's exit path.
 
+Each sandbox (P2, or C on the unprivileged path) first joins a memory and a pids cgroup of
+its run's own (`cgroups`), made with its spare and removed after the run, so that everything
+the run starts or fills counts against one limit.
+
 When P2 exits, the kernel kills everything left in its PID namespace (double-fork daemons
 included); without a PID namespace the server, as subreaper, kills its leftover descendants.
 (As pid 1 the candidate ignores signals it sends itself; that only ever hurts it.)
