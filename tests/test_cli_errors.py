@@ -72,3 +72,19 @@ def test_an_unreadable_checkpoint_is_named_before_any_work(capsys, tmp_path, con
     line = one_line_error(capsys, f"--ckpt_path={ckpt}", f"--trainer.default_root_dir={tmp_path}")
     assert f"ckpt_path={ckpt}" in line and "not a complete checkpoint" in line
     assert not (tmp_path / "lightning_logs").exists()  # nothing started
+
+
+def test_vapo_offers_exactly_the_working_commands_each_with_its_help():
+    top = vapo("--help", timeout=120)
+    assert top.returncode == 0
+    for command in ("fit", "validate", "sft", "export"):
+        assert f"  {command} " in top.stdout
+    assert "test" not in top.stdout and "predict" not in top.stdout
+    for command in ("fit", "validate", "sft", "export"):
+        done = vapo(command, "--help", timeout=120)
+        assert done.returncode == 0 and done.stdout.startswith(f"usage: vapo {command} ["), (
+            done.stdout[:200]
+        )
+    for command in ("test", "predict"):
+        done = vapo(command, timeout=120)
+        assert done.returncode != 0 and f"unknown command '{command}'" in done.stderr

@@ -118,7 +118,23 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
         )
 
 
-class VAPOCLI(LightningCLI):
+class _OwnProgs:
+    """Subcommand parsers named ``vapo fit`` (not ``vapo [options] fit``) in usage and help,
+    and only the subcommands in `names`."""
+
+    names: typing.ClassVar[dict[str, str]] = {"fit": "vapo fit", "validate": "vapo validate"}
+
+    @classmethod
+    def subcommands(cls) -> dict[str, set[str]]:
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in cls.names}
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        for name, sub in self._subcommand_parsers.items():
+            sub.prog = self.names[name]
+
+
+class VAPOCLI(_OwnProgs, LightningCLI):
     """LightningCLI whose `ddp` / `fsdp` strategy names mean `VAPOStrategy` (Lightning's own
     would wrap the whole LightningModule: DDP then trips on the critic's backward, and its
     FSDP refuses CPUs). Mistakes in the config are reported in one line before any work."""
@@ -177,16 +193,45 @@ def import_from_working_directory() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+COMMANDS = {
+    "fit": "train with VAPO (or PPO / GRPO / DAPO by switches)",
+    "validate": "score a checkpoint on the validation data (val/accuracy, mean@k)",
+    "sft": "supervised fine-tuning of a warm start for RL",
+    "export": "save a checkpoint's policy and critic in Hugging Face format",
+}
+
+
+def usage() -> str:
+    rows = "\n".join(f"  {name:<9} {what}" for name, what in COMMANDS.items())
+    return f"usage: vapo {{{','.join(COMMANDS)}}} ...\n\ncommands:\n{rows}\n\n`vapo COMMAND --help` for each command's options.\n"
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     import_from_working_directory()
-    if argv and argv[0] == "sft":
-        from vapo_lightning.sft import sft_main
-
-        sft_main(["fit", *argv[1:]])
-        return
+    command = argv[0] if argv else None
+    if command in (None, "-h", "--help") or (
+        command not in COMMANDS and not command.startswith("-")
+    ):
+        sys.stdout.write(usage()) if command in ("-h", "--help") else sys.stderr.write(usage())
+        if command in ("-h", "--help"):
+            return
+        sys.exit(2 if command is None else f"vapo: error: unknown command {command!r}")
     try:
-        run_cli(argv if args is not None else None)
+        if command == "sft":
+            from vapo_lightning.sft import SFTCLI, SFTDataModule, SFTModule
+
+            cli = type("VAPOSFTCLI", (_OwnProgs, SFTCLI), {"names": {"fit": "vapo sft"}})
+            sft_args = ["fit", *argv[1:]]
+            if args is None:  # Lightning warns when given both sys.argv and args
+                sys.argv, sft_args = [sys.argv[0], *sft_args], None
+            cli(SFTModule, SFTDataModule, args=sft_args, save_config_kwargs={"overwrite": True})
+        elif command == "export":
+            from vapo_lightning.export import main as export_main
+
+            export_main(argv[1:])
+        else:
+            run_cli(argv if args is not None else None)
     except (CheckpointError, DataError) as err:  # the message names the file and line
         sys.exit(f"vapo: error: {err}")
 
