@@ -3,7 +3,11 @@
 #   1. tests/test_cuda.py (+ the core math tests) on the GPU;
 #   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
 #   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape;
-#   4. probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16.
+#   4. probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16;
+#   5. bench_engines.py: the native sampler against vLLM at Qwen2.5-1.5B's shape, 512 prompts x 4
+#      responses of 1024 tokens (targets: vLLM >= 5x the native tokens/s, weight sync <= 10 % of
+#      a step). Needs vLLM on the GPU machine (its CUDA wheel is far over what a run can carry).
+# `bash benchmarks/gpu_check.sh engines` runs part 5 alone (about 6 minutes); no argument runs 1-5.
 # Python packages the machine lacks travel as wheels in .whl/ (git-ignored), fetched where
 # a registry is reachable, for the GPU machine's Python (3.12 here):
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
@@ -16,6 +20,7 @@
 # the machine.) Results land in $OUT (or ./gpu_out). Each part has its own time limit, so one
 # hang cannot take the others.
 set -uo pipefail
+PART=${1:-all}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -26,6 +31,15 @@ install /tmp/trl116 .whl/trl116/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, lightning, pyarrow, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__)"
+
+engines() {
+  echo "== 5. bench_engines, GPU, Qwen2.5-1.5B shape, 512 x 4 x 1024 tokens"
+  if ! python3 -c "import vllm" 2>/dev/null; then echo "vLLM is not installed on this machine: part 5 skipped"; return; fi
+  timeout 420 python3 -m benchmarks.bench_engines --device cuda --shape qwen2.5-1.5b \
+    --gpu-memory-utilization 0.4 --out "$OUT/engines_gpu.md" > "$OUT/engines_gpu.log" 2>&1
+  echo "exit $?"; cat "$OUT/engines_gpu.md" 2>/dev/null; tail -5 "$OUT/engines_gpu.log"
+}
+if [[ "$PART" == engines ]]; then engines; exit; fi
 
 echo "== 1. pytest on the GPU"
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_core.py 2>&1 | tee "$OUT/pytest.log" | tail -15
@@ -59,3 +73,4 @@ echo "exit $?"; grep -A6 "^## Results" "$OUT/trl_gpu_gpt2small.md"; grep -A3 "^V
 tail -3 "$OUT/trl_gpu_gpt2small.log"
 echo "== 4. decoding time per step, fp32 and bf16"
 timeout 80 python3 benchmarks/probe_decode_gpu.py 2>&1 | grep -v Warning | tee "$OUT/probe_decode.log" | grep "ms/step"
+engines

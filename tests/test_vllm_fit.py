@@ -75,8 +75,11 @@ def test_fit_then_resume_with_the_vllm_engine(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_with_the_vllm_engine(tmp_path, strategy):
-    vapo_fit(tmp_path, strategy, *SFT_POLICY, *VLLM, "--trainer.max_steps=4")
+@pytest.mark.parametrize(("strategy", "tp"), [("ddp", 1), ("fsdp", 1), ("fsdp", 2)])
+def test_two_processes_with_the_vllm_engine(tmp_path, strategy, tp):
+    """One engine per rank, or (tp=2) one engine over both ranks: each rank then asks it for
+    the prompts of both and keeps its own responses."""
+    vapo_fit(tmp_path, strategy, *SFT_POLICY, *VLLM, "--trainer.max_steps=4",
+             f"--model.generation.vllm.tensor_parallel_size={tp}")  # fmt: skip
     s = scalars(tmp_path, 0)
     check_engine_in_sync(s, actor_steps=2)

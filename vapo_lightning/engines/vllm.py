@@ -147,6 +147,11 @@ class VLLMEngine:
                 f"model.generation.vllm.tensor_parallel_size={tp} must divide the world size {world}"
             )
         extra: dict[str, Any] = {}
+        self.tp_group: Any = None  # the ranks sharing this engine, when tp > 1
+        if tp > 1:  # collective: every rank makes every group
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(start, start + tp)) for start in range(0, world, tp)]
+            )
         if world > 1:  # join the trainer's ranks (torchrun-style variables, as Lightning sets)
             rank = dist.get_rank()
             os.environ.setdefault("RANK", str(rank))
@@ -211,6 +216,9 @@ class VLLMEngine:
 
         n = cfg.n if n is None else n
         stop = sorted({eos_token_id, *cfg.stop_token_ids})
+        mine = slice(0, len(prompt_ids))
+        if self.tp_group is not None:  # one engine, tp ranks: all of them ask for all prompts
+            prompt_ids, seeds, mine = self._gather_group_prompts(prompt_ids, seeds)
         params = dict(
             n=n,
             temperature=cfg.temperature,
@@ -233,7 +241,8 @@ class VLLMEngine:
                 per_prompt,
                 use_tqdm=False,
             )
-        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        samples = [c for out in outputs[mine] for c in sorted(out.outputs, key=lambda c: c.index)]
+        prompt_ids = prompt_ids[mine]
         T = max(1, max(len(c.token_ids) for c in samples))
         response = torch.full((len(samples), T), pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(len(samples), T)
@@ -247,6 +256,20 @@ class VLLMEngine:
         logprobs = logprobs.to(device)
         r.rollout_logprobs = torch.where(r.response_mask, logprobs, torch.zeros_like(logprobs))
         return r
+
+    def _gather_group_prompts(
+        self, prompt_ids: list[list[int]], seeds: list[int] | None
+    ) -> tuple[list[list[int]], list[int] | None, slice]:
+        """The prompts (and seeds) of every rank of this engine's tensor-parallel group, in
+        rank order, and the slice of them that is this rank's (TRL's colocate mode does the
+        same): the group's ranks must make identical requests."""
+        parts: list[Any] = [None] * dist.get_world_size(self.tp_group)
+        dist.all_gather_object(parts, (prompt_ids, seeds), group=self.tp_group)
+        me = dist.get_rank(self.tp_group)
+        start = sum(len(p) for p, _ in parts[:me])
+        merged = [p for part, _ in parts for p in part]
+        merged_seeds = None if seeds is None else [s for _, part in parts for s in part]
+        return merged, merged_seeds, slice(start, start + len(prompt_ids))
 
     # ------------------------------------------------------------------ memory
 
