@@ -1,4 +1,4 @@
-"""Built-in callbacks: value pretraining (VAPO §4.1) and entropy tracking.
+"""Built-in callbacks: value pretraining (VAPO §4.1), entropy tracking and the progress bar.
 
 Callbacks change the module's state and log; they never compute losses.
 """
@@ -9,12 +9,42 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from vapo_lightning import core
 from vapo_lightning.distributed import save_pretrained
 
-__all__ = ["EntropyTracker", "ValuePretraining"]
+__all__ = ["EntropyTracker", "ValuePretraining", "progress_bar"]
+
+
+class _RolloutBar:
+    """Shows ``step k/max_steps``, reward, accuracy and reward errors; no epoch, no v_num."""
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        items = {k: v for k, v in super().get_metrics(trainer, pl_module).items() if k != "v_num"}
+        step = items.pop("rollout_step", None)
+        if step is not None:
+            limit = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
+            items = {"step": f"{int(step)}{limit}", **items}
+        return items
+
+
+class RolloutRichBar(_RolloutBar, RichProgressBar):
+    def _get_train_description(self, current_epoch: int) -> str:
+        return f"{'Rollouts':{len(self.validation_description)}}"
+
+
+class RolloutTQDMBar(_RolloutBar, TQDMProgressBar):
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self.train_progress_bar.set_description("Rollouts")
+
+
+def progress_bar() -> L.Callback:
+    """The progress bar Lightning would pick (rich when installed), showing rollout steps."""
+    return RolloutRichBar() if _RICH_AVAILABLE else RolloutTQDMBar()
 
 
 class ValuePretraining(L.Callback):
@@ -88,9 +118,16 @@ class EntropyTracker(L.Callback):
     """Per-token entropy of the sampled responses: mean, by response-length bucket, and a
     TensorBoard histogram; warns once on collapse or blow-up.
 
+    Collapse is judged against the run's own early entropy (the mean of its first
+    `reference_steps` rollout steps): a task whose answers are short and certain has a low
+    entropy from the start, so a fixed threshold would fire on a run that learns well.
+
     Args:
         length_buckets: upper bounds (tokens) of the response-length buckets.
-        collapse_below: warn when the mean entropy falls below this (nats).
+        collapse_fraction: warn when the mean entropy falls below this fraction of the early
+            entropy (None: not judged this way).
+        reference_steps: rollout steps whose mean entropy is the early entropy.
+        collapse_below: also warn below this absolute entropy, in nats (None: not judged).
         blowup_above: warn when it rises above this (nats).
         histogram_every: log a histogram every this many rollout steps (0: never).
     """
@@ -98,14 +135,24 @@ class EntropyTracker(L.Callback):
     def __init__(
         self,
         length_buckets: Sequence[int] = (32, 128, 512, 2048),
-        collapse_below: float = 0.02,
+        collapse_fraction: float | None = 0.1,
+        reference_steps: int = 5,
+        collapse_below: float | None = None,
         blowup_above: float = 5.0,
         histogram_every: int = 1,
     ) -> None:
         self.length_buckets = sorted(length_buckets)
+        self.collapse_fraction, self.reference_steps = collapse_fraction, max(1, reference_steps)
         self.collapse_below, self.blowup_above = collapse_below, blowup_above
         self.histogram_every = histogram_every
+        self.early: list[float] = []  # mean entropy of the first `reference_steps` steps
         self.warned: set[str] = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"early": self.early, "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.early, self.warned = list(state["early"]), set(state["warned"])
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
@@ -133,21 +180,35 @@ class EntropyTracker(L.Callback):
                         "rollout/entropy_tokens", ent[mask.bool()].float().cpu(), step
                     )
 
+    def _collapsed(self, mean: float) -> str | None:
+        """Why `mean` counts as a collapse (None: it does not)."""
+        if len(self.early) < self.reference_steps:
+            self.early.append(mean)
+            return None
+        early = sum(self.early) / len(self.early)
+        if self.collapse_fraction is not None and mean < self.collapse_fraction * early:
+            return (
+                f"below {self.collapse_fraction:g} × this run's early entropy ({early:.4f} nats, "
+                f"the mean of its first {len(self.early)} rollout steps)"
+            )
+        if self.collapse_below is not None and mean < self.collapse_below:
+            return f"below collapse_below={self.collapse_below} nats"
+        return None
+
     def _warn(self, mean: float, step: int) -> None:
-        for kind, bad in [
-            ("collapse", mean < self.collapse_below),
-            ("blow-up", mean > self.blowup_above),
-        ]:
-            if bad and kind not in self.warned:
-                self.warned.add(kind)
-                bound = self.collapse_below if kind == "collapse" else self.blowup_above
-                rank_zero_warn(
-                    f"entropy {kind}: mean token entropy of the sampled responses is {mean:.4f} nats at "
-                    f"rollout step {step} (threshold {bound}). "
-                    + (
-                        "The policy is nearly deterministic: exploration has stopped; consider a larger "
-                        "clip_high, a lower learning rate or an entropy bonus."
-                        if kind == "collapse"
-                        else "Sampling is close to uniform noise: lower the learning rate or check the rewards."
-                    )
-                )
+        collapse = self._collapsed(mean)
+        if collapse and "collapse" not in self.warned:
+            self.warned.add("collapse")
+            rank_zero_warn(
+                f"entropy collapse: mean token entropy of the sampled responses is {mean:.4f} "
+                f"nats at rollout step {step}, {collapse}. The policy is nearly deterministic: "
+                "exploration has stopped; consider a larger clip_high, a lower learning rate or "
+                "an entropy bonus."
+            )
+        if mean > self.blowup_above and "blow-up" not in self.warned:
+            self.warned.add("blow-up")
+            rank_zero_warn(
+                f"entropy blow-up: mean token entropy of the sampled responses is {mean:.4f} nats "
+                f"at rollout step {step} (threshold {self.blowup_above}). Sampling is close to "
+                "uniform noise: lower the learning rate or check the rewards."
+            )

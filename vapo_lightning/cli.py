@@ -8,18 +8,22 @@ which replicates or shards the policy and the critic each on its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import typing
+import warnings
 import zipfile
 from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from vapo_lightning.callbacks import progress_bar
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
 from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
@@ -175,7 +179,14 @@ class VAPOCLI(_OwnProgs, LightningCLI):
         sharded = getattr(strategy, "mode", None) == "fsdp"  # writes DCP folders, not files
         if not sharded and not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
-        return super().instantiate_trainer(**{"strategy": strategy, "plugins": plugins, **kwargs})
+        callbacks = config.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(cb, ProgressBar) for cb in callbacks
+        ):
+            callbacks.append(progress_bar())
+        kwargs = {"strategy": strategy, "plugins": plugins, "callbacks": callbacks, **kwargs}
+        return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
         """Checkpoints without a `dirpath` go to `<default_root_dir>/checkpoints`, not to a
@@ -183,6 +194,30 @@ class VAPOCLI(_OwnProgs, LightningCLI):
         for cb in self.trainer.checkpoint_callbacks:
             if cb.dirpath is None:
                 cb.dirpath = os.path.join(self.trainer.default_root_dir, "checkpoints")
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *needles: str) -> None:
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.needles)
+
+
+def quiet_lightning() -> None:
+    """Silences Lightning's messages that do not apply to VAPO: the ModelCheckpoint example
+    for manual optimisation (checkpoints are taken after a rollout step's updates, by design),
+    "modules in eval mode" (the sampler switches modes itself), an internal deprecation, and
+    the litlogger advertisement."""
+    for message in (
+        "Using ModelCheckpoint with manual optimization",
+        r"Found \d+ module\(s\) in eval mode",
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropMessages("litlogger"))
 
 
 def import_from_working_directory() -> None:
@@ -209,6 +244,7 @@ def usage() -> str:
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     import_from_working_directory()
+    quiet_lightning()
     command = argv[0] if argv else None
     if command in (None, "-h", "--help") or (
         command not in COMMANDS and not command.startswith("-")
