@@ -2,6 +2,7 @@
 
 import itertools
 
+import pytest
 import torch
 from transformers import (
     AutoModelForTokenClassification,
@@ -95,3 +96,23 @@ def test_meta_builds_have_the_loaded_architecture_and_read_no_weights(tmp_path, 
         }
     assert meta[0].lm_head.weight is meta[0].model.embed_tokens.weight  # tied, as loaded
     assert real[0].lm_head.weight is real[0].model.embed_tokens.weight
+
+
+def test_a_critic_with_another_tokenizer_is_refused_naming_both(tmp_path):
+    from vapo_lightning.tokenization import train_bpe
+
+    tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
+    policy = build_policy(ModelSpec(config=TINY_LLAMA, tokenizer=str(tmp_path / "tok")), tok)
+    policy.save_pretrained(tmp_path / "same")
+    tok.save_pretrained(tmp_path / "same")  # the policy's own tokenizer: accepted
+    build_critic(ModelSpec(name_or_path=str(tmp_path / "same")), None, tok)
+
+    policy.save_pretrained(tmp_path / "other")
+    train_bpe(["a quite different corpus of words"] * 50, vocab_size=300).save_pretrained(
+        tmp_path / "other"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.critic: its tokenizer \(.*other\) is not the policy's \(.*tok\): \d+ of \d+ token ids differ",
+    ):
+        build_critic(ModelSpec(name_or_path=str(tmp_path / "other")), None, tok)

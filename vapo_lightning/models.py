@@ -38,6 +38,7 @@ __all__ = [
     "ModelSpec",
     "build_critic",
     "build_policy",
+    "check_critic_tokenizer",
     "load_tokenizer",
     "looks_like_a_model_source",
 ]
@@ -135,6 +136,29 @@ def build_policy(
     return _finish(model, spec)
 
 
+def check_critic_tokenizer(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> None:
+    """The critic reads the policy's token ids, so its own tokenizer (if its source has one)
+    must be the policy's: the same vocabulary and the same special tokens."""
+    source = spec.tokenizer or spec.name_or_path
+    try:
+        theirs = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):  # a bare model folder: nothing to compare
+        return
+    mine_vocab, their_vocab = tok.get_vocab(), theirs.get_vocab()
+    differ = sum(their_vocab.get(t) != i for t, i in mine_vocab.items())
+    differ += len(their_vocab.keys() - mine_vocab.keys())
+    specials = [(n, getattr(tok, n), getattr(theirs, n)) for n in ("eos_token", "bos_token")]
+    specials = [f"{n} {a!r} vs {b!r}" for n, a, b in specials if a != b]
+    if differ or specials:
+        policy = getattr(tok, "name_or_path", "?")
+        detail = ", ".join([f"{differ} of {len(mine_vocab)} token ids differ", *specials])
+        raise ValueError(
+            f"model.critic: its tokenizer ({source}) is not the policy's ({policy}): {detail}. "
+            "The critic reads the policy's token ids: use a critic trained with the policy's "
+            "tokenizer, or leave model.critic out to start it from the policy."
+        )
+
+
 def build_critic(
     spec: ModelSpec | None,
     policy: PreTrainedModel,
@@ -149,6 +173,7 @@ def build_critic(
     """
     if spec is not None and spec.name_or_path is not None:
         _check_source(spec.name_or_path, "critic")
+        check_critic_tokenizer(spec, tok)
         cfg = AutoConfig.from_pretrained(spec.name_or_path)
         cfg.num_labels, cfg.classifier_dropout = 1, 0.0  # one value; no dropout noise in the head
         if meta:
