@@ -1,11 +1,14 @@
-"""Built-in callbacks: value pretraining (VAPO §4.1), entropy tracking and the progress bar.
+"""Built-in callbacks: value pretraining (VAPO §4.1), entropy tracking, validation samples
+to JSONL and the progress bar.
 
 Callbacks change the module's state and log; they never compute losses.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -16,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from vapo_lightning import core
 from vapo_lightning.distributed import save_pretrained
 
-__all__ = ["EntropyTracker", "ValuePretraining", "progress_bar"]
+__all__ = ["EntropyTracker", "ValidationSamples", "ValuePretraining", "progress_bar"]
 
 
 class _RolloutBar:
@@ -212,3 +215,41 @@ class EntropyTracker(L.Callback):
                 f"at rollout step {step} (threshold {self.blowup_above}). Sampling is close to "
                 "uniform noise: lower the learning rate or check the rewards."
             )
+
+
+class ValidationSamples(L.Callback):
+    """Writes every validation generation to a JSONL file, one object per response:
+    ``step, data_source, prompt, response, reward, correct, ground_truth``.
+
+    Args:
+        path: the file; each validation run appends to it (under several processes, rank r
+            writes ``<path>.rank<r>``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._file: Any = None
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        path = self.path
+        if trainer.world_size > 1:
+            path = path.with_name(f"{path.name}.rank{trainer.global_rank}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        r = getattr(pl_module, "last_val_rollout", None)
+        if self._file is None or r is None:
+            return
+        for sample, reward, correct in zip(r.samples, r.scores.tolist(), r.correct.tolist()):
+            row = {"step": trainer.global_step, "data_source": sample.data_source,
+                   "prompt": sample.prompt, "response": sample.response, "reward": reward,
+                   "correct": bool(correct), "ground_truth": sample.ground_truth}  # fmt: skip
+            self._file.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

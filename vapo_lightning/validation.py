@@ -32,6 +32,7 @@ class ValidationMixin:
             torch.manual_seed(self.val_seed + batch_idx)
             r = self.sample(batch, self.val_gen)
         self.score(r)
+        self.last_val_rollout = r  # for callbacks (ValidationSamples)
         correct = r.correct.float()
         self.val_accuracy.update(correct)
         for source in sorted({s.data_source for s in r.samples}):
