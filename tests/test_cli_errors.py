@@ -88,3 +88,14 @@ def test_vapo_offers_exactly_the_working_commands_each_with_its_help():
     for command in ("test", "predict"):
         done = vapo(command, timeout=120)
         assert done.returncode != 0 and f"unknown command '{command}'" in done.stderr
+
+
+def test_a_reward_failing_everywhere_ends_the_run_with_one_line(tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.max_steps=4", "--trainer.enable_progress_bar=false",
+              "--trainer.callbacks+=vapo_lightning.rewards.verl.VerlReward",
+              f"--trainer.callbacks.path={ROOT / 'tests/verl_reward_score'}"])  # fmt: skip
+    message = str(exit_.value.code)
+    assert message.startswith("vapo: error: reward callback VerlReward(verl_reward_score/)")
+    assert "no reward file for data_source='arithmetic'" in message

@@ -29,6 +29,7 @@ from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
 from vapo_lightning.models import ModelSpec, looks_like_a_model_source
 from vapo_lightning.module import VAPOModule
+from vapo_lightning.rewards import RewardError
 
 __all__ = ["VAPOCLI", "main"]
 
@@ -268,7 +269,7 @@ def main(args: list[str] | None = None) -> None:
             export_main(argv[1:])
         else:
             run_cli(argv if args is not None else None)
-    except (CheckpointError, DataError) as err:  # the message names the file and line
+    except (CheckpointError, DataError, RewardError) as err:  # the message names the culprit
         sys.exit(f"vapo: error: {err}")
 
 
