@@ -158,33 +158,11 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
                     f"model.algorithm.mini_batch_size={self.algo.mini_batch_size} must divide the rollout "
                     f"batch data.prompts_per_step × model.generation.n = {per_step} × {self.gen.n} = {batch}"
                 )
-        self.check_context(dm)
-        if self.algo.rollout_is != "none" and self.gen.engine != "vllm":
-            raise ValueError(
-                f"model.algorithm.rollout_is={self.algo.rollout_is!r} corrects for an inference "
-                "engine's sampling: it needs model.generation.engine=vllm"
-            )
+        self.check_generation(dm)  # context, engine setup (`engines.RolloutEngines`)
         if self.algo.advantage == "group" and self.gen.n < 2:
             raise ValueError(
                 "model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2"
             )
-
-    def check_context(self, dm: Any) -> None:
-        """The longest prompt of the data plus max_new_tokens must fit the policy's context
-        (refused before any work, with the numbers)."""
-        rows = [*getattr(dm, "train_rows", []), *getattr(dm, "val_rows", [])]
-        self.longest_prompt = max((len(row["prompt_ids"]) for row in rows), default=0)
-        config = self.policy.config if self.policy is not None else self.policy_spec.hf_config()
-        limit = getattr(config, "max_position_embeddings", None)
-        for name, gen in (("generation", self.gen), ("val_generation", self.val_gen)):
-            if limit is not None and self.longest_prompt + gen.max_new_tokens > limit:
-                raise ValueError(
-                    f"model.{name}.max_new_tokens={gen.max_new_tokens}: with the longest prompt "
-                    f"({self.longest_prompt} tokens) responses would reach "
-                    f"{self.longest_prompt + gen.max_new_tokens} tokens, beyond the policy's "
-                    f"context (max_position_embeddings={limit}); lower it to at most "
-                    f"{limit - self.longest_prompt}"
-                )
 
     @property
     def reward_callbacks(self) -> list[RewardCallback]:

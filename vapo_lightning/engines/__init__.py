@@ -25,13 +25,42 @@ __all__ = ["RolloutEngines"]
 
 
 class RolloutEngines:
-    """Mixed into VAPOModule: needs `policy`, `tokenizer`, `gen`, `val_gen`, `trainer`."""
+    """Mixed into VAPOModule: needs `policy`, `policy_spec`, `tokenizer`, `algo`, `gen`,
+    `val_gen`, `trainer`."""
 
     def _init_engines(self) -> None:
         self._vllm: Any = None
         self.policy_version = 0  # bumped by each applied actor step and by a restore
         self._engine_version = -1  # the policy version the vLLM engine holds
         self.longest_prompt = 0  # tokens; set in `setup` from the datamodule
+
+    def check_generation(self, dm: Any) -> None:
+        """Before any work: the longest prompt of the data plus max_new_tokens fits the
+        policy's context (both engines), the vLLM engine can run this policy, rollout
+        correction has an engine to correct for. One line each, with the numbers."""
+        rows = [*getattr(dm, "train_rows", []), *getattr(dm, "val_rows", [])]
+        self.longest_prompt = max((len(row["prompt_ids"]) for row in rows), default=0)
+        config = self.policy.config if self.policy is not None else self.policy_spec.hf_config()
+        limit = getattr(config, "max_position_embeddings", None)
+        for name, gen in (("generation", self.gen), ("val_generation", self.val_gen)):
+            if limit is not None and self.longest_prompt + gen.max_new_tokens > limit:
+                raise ValueError(
+                    f"model.{name}.max_new_tokens={gen.max_new_tokens}: with the longest prompt "
+                    f"({self.longest_prompt} tokens) responses would reach "
+                    f"{self.longest_prompt + gen.max_new_tokens} tokens, beyond the policy's "
+                    f"context (max_position_embeddings={limit}); lower it to at most "
+                    f"{limit - self.longest_prompt}"
+                )
+        if self.uses_vllm:
+            from vapo_lightning.engines.vllm import check_setup
+
+            new_tokens = max(self.gen.max_new_tokens, self.val_gen.max_new_tokens)
+            check_setup(config, self.longest_prompt + new_tokens)
+        if self.algo.rollout_is != "none" and self.gen.engine != "vllm":
+            raise ValueError(
+                f"model.algorithm.rollout_is={self.algo.rollout_is!r} corrects for an inference "
+                "engine's sampling: it needs model.generation.engine=vllm"
+            )
 
     @property
     def uses_vllm(self) -> bool:

