@@ -14,6 +14,7 @@ error into a score of 0). A call that passes `call_timeout_s` is stopped by kill
 from __future__ import annotations
 
 import os
+import pickle
 import selectors
 import struct
 import subprocess
@@ -64,7 +65,7 @@ def _frames(worker: _Worker) -> list[tuple]:
         (size,) = struct.unpack("<Q", worker.buffer[:8])
         if len(worker.buffer) < 8 + size:
             break
-        out.append(verl_calls.pickle.loads(worker.buffer[8 : 8 + size]))
+        out.append(pickle.loads(worker.buffer[8 : 8 + size]))
         worker.buffer = worker.buffer[8 + size :]
     return out
 
