@@ -88,6 +88,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         self.val_gen = val_generation or GenerationConfig(
             n=1, temperature=0.0, max_new_tokens=self.gen.max_new_tokens
         )
+        self.gen.engine = self.gen.engine or "native"
+        self.val_gen.engine = self.val_gen.engine or self.gen.engine  # validation follows
         self.val_before_train = val_before_train
         self.hf_export_dir = hf_export_dir
         if torch_compile and not hasattr(torch.compiler, "set_stance"):

@@ -46,10 +46,11 @@ class GenerationConfig:
     """Nucleus sampling."""
     top_k: int = 0
     """Sample among the k most likely tokens only; 0: all of them."""
-    engine: Literal["native", "vllm"] = "native"
+    engine: Literal["native", "vllm"] | None = None
     """'native': this package's decoding loop over the Hugging Face forward (CPU runs, tests);
     'vllm': a vLLM engine in every training process, colocated with the models, given the
-    trainer's weights after each actor update (`engines.vllm`)."""
+    trainer's weights after each actor update (`engines.vllm`). None: 'native' for
+    model.generation; for model.val_generation, model.generation's engine."""
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     """The vLLM engine's settings (engine='vllm')."""
     max_batch_size: int | None = None
@@ -70,7 +71,7 @@ class GenerationConfig:
             raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("generation.temperature and top_k must be >= 0 and top_p in (0, 1]")
-        if self.engine not in ("native", "vllm"):
+        if self.engine not in (None, "native", "vllm"):
             raise ValueError(f"generation.engine={self.engine!r}: 'native' or 'vllm'")
         if isinstance(self.vllm, dict):  # from a checkpoint's hyper-parameters
             self.vllm = VLLMOptions(**self.vllm)

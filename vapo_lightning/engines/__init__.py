@@ -119,6 +119,7 @@ class RolloutEngines:
                 max_model_len=self.longest_prompt + new_tokens,
                 dtype=engine_dtype(options.dtype, str(self.trainer.precision)),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # per engine in VLLMEngine
+                local_rank=self.trainer.local_rank,
             )
         else:
             self._vllm.load_weights(self.policy)

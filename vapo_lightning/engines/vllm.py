@@ -143,7 +143,9 @@ class VLLMEngine:
         options: the engine's settings (`GenerationConfig.vllm`).
         max_model_len: the longest prompt + response the engine must hold.
         dtype: the engine weights' dtype ("auto" resolved by the caller).
-        seed: this engine's sampling seed (ranks of one tensor-parallel group share it).
+        seed: the run's sampling seed; each engine adds its index (the ranks of one
+            tensor-parallel group share it).
+        local_rank: this process's rank on its node (its device), under several ranks.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class VLLMEngine:
         max_model_len: int,
         dtype: torch.dtype,
         seed: int,
+        local_rank: int = 0,
     ) -> None:
         vllm = import_vllm()
         config = policy.config
@@ -180,7 +183,7 @@ class VLLMEngine:
             rank = dist.get_rank()
             os.environ.setdefault("RANK", str(rank))
             os.environ.setdefault("WORLD_SIZE", str(world))
-            os.environ.setdefault("LOCAL_RANK", str(rank % max(torch.cuda.device_count(), 1)))
+            os.environ.setdefault("LOCAL_RANK", str(local_rank))
             extra["distributed_executor_backend"] = "external_launcher"
             seed += rank // tp  # one stream per engine; the ranks of one engine alike
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
