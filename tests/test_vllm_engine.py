@@ -204,7 +204,6 @@ def test_a_bad_engine_setup_stops_before_any_work(tmp_path, monkeypatch):
     """Through the CLI, before a model is built or a step runs: a head size the CPU backend
     has no kernel for, and a response budget beyond the policy's context."""
     from vapo_lightning.cli import main
-    from vapo_lightning.engines.vllm import EngineSetupError
 
     monkeypatch.chdir(ASSET.parents[2])
 
@@ -214,8 +213,10 @@ def test_a_bad_engine_setup_stops_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr("vapo_lightning.module.build_policy", no_model)
     args = ["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
             "--model.generation.engine=vllm"]  # fmt: skip
-    with pytest.raises(EngineSetupError, match=r"head_dim=16 has no kernel in vLLM's CPU attention"):
+    with pytest.raises(SystemExit) as stop:  # one line, `vapo: error: ...`
         main([*args, "--model.policy.config.num_attention_heads=4", "--model.policy.config.num_key_value_heads=2"])
+    assert "head_dim=16 has no kernel in vLLM's CPU attention" in str(stop.value.code)
+    assert "\n" not in str(stop.value.code)
     with pytest.raises(ValueError, match=r"max_new_tokens=16: .* beyond the policy's context \(max_position_embeddings=64\)"):
         main([*args, "--model.policy.config.max_position_embeddings=64",
               "--model.generation.max_new_tokens=16", "--model.val_generation.max_new_tokens=16"])  # fmt: skip

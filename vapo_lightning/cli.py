@@ -27,6 +27,7 @@ from vapo_lightning.callbacks import progress_bar
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
 from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
+from vapo_lightning.engines.vllm import EngineSetupError
 from vapo_lightning.models import ModelSpec, looks_like_a_model_source
 from vapo_lightning.module import VAPOModule
 from vapo_lightning.rewards import RewardError
@@ -269,7 +270,7 @@ def main(args: list[str] | None = None) -> None:
             export_main(argv[1:])
         else:
             run_cli(argv if args is not None else None)
-    except (CheckpointError, DataError, RewardError) as err:  # the message names the culprit
+    except (CheckpointError, DataError, RewardError, EngineSetupError) as err:  # names the culprit
         sys.exit(f"vapo: error: {err}")
 
 

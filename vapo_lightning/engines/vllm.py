@@ -262,7 +262,8 @@ class VLLMEngine:
             SamplingParams(**params, seed=None if seeds is None else seeds[i])
             for i in range(len(prompt_ids))
         ]
-        with self._awake():
+        # vLLM runs its own kernels in its own dtype: no autocast from a bf16-mixed step around it
+        with self._awake(), torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
                 per_prompt,
