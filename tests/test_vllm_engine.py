@@ -9,7 +9,6 @@ which installs it and where a missing vLLM is a failure.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -17,19 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.helpers import skip_without_vllm
 from vapo_lightning import core
 from vapo_lightning.config import VLLMOptions
+from vapo_lightning.engines.vllm import VLLMEngine, check_architecture, import_vllm
 from vapo_lightning.models import load_tokenizer
 from vapo_lightning.rollout import GenerationConfig, generate, policy_logits
 
-try:
-    from vapo_lightning.engines.vllm import VLLMEngine, check_architecture, import_vllm
-
-    import_vllm()
-except ImportError as e:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(f"vLLM is not installed ({e})", allow_module_level=True)
+skip_without_vllm()
 
 ASSET = Path(__file__).resolve().parents[1] / "vapo_lightning/assets/quickstart_sft"
 OPTIONS = VLLMOptions(gpu_memory_utilization=0.05, kv_cache_gib=1, max_num_seqs=64)

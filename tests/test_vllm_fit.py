@@ -9,23 +9,16 @@ at tiny_cpu.yaml's actor learning rate of 1e-3, which moves it far in one step.
 from __future__ import annotations
 
 import glob
-import os
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.helpers import skip_without_vllm
 from tests.test_distributed import SHORT, vapo_fit
 from vapo_lightning.cli import main
 
-try:
-    from vapo_lightning.engines.vllm import import_vllm
-
-    import_vllm()
-except ImportError as e:
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(f"vLLM is not installed ({e})", allow_module_level=True)
+skip_without_vllm()
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT_POLICY = [  # the quickstart's SFT model instead of tiny_cpu's random one
