@@ -106,7 +106,10 @@ class RolloutEngines:
         """Makes the vLLM engine (first call) or loads the policy's weights into it when they
         changed since its last load; a no-op otherwise and for the native engine. Collective
         under FSDP: every rank calls (their version counters agree). Returns whether it loaded."""
-        if not self.uses_vllm or self._engine_version == self.policy_version:
+        if not self.uses_vllm:
+            return False
+        current = self._vllm is not None and self._engine_version == self.policy_version
+        if current and not self._vllm.weights_stale:  # (a deep sleep discards them)
             return False
         if self._vllm is None:
             from vapo_lightning.engines.vllm import VLLMEngine
@@ -133,7 +136,13 @@ class RolloutEngines:
             self._vllm, self._engine_version = None, -1
 
     def release_engine(self) -> None:
-        """The models train next: a GPU engine gives its memory back (`VLLMOptions.sleep`)."""
+        """The models train next: a GPU engine gives its memory back (`VLLMOptions.sleep`),
+        dropping its weights when the actor's update will replace them."""
+        if self._vllm is not None:
+            self._vllm.sleep(discard_weights=not self.actor_frozen)
+
+    def on_validation_end(self) -> None:
+        """Training goes on after validation: the engine sleeps, keeping its weights."""
         if self._vllm is not None:
             self._vllm.sleep()
 

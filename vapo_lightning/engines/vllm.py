@@ -206,6 +206,7 @@ class VLLMEngine:
             **extra,
         )
         self.asleep: set[str] = set()  # what sleeps: "weights", "kv_cache"
+        self.weights_stale = True  # discarded by a deep sleep, or never loaded
         self.load_weights(policy)
 
     # ------------------------------------------------------------------ weights
@@ -220,6 +221,7 @@ class VLLMEngine:
         Collective under FSDP (every rank calls)."""
         with self._awake(("weights",)):
             self._worker.model_runner.reload_weights(weights_iterator=named_full_tensors(policy))
+        self.weights_stale = False
         if self.options.enable_prefix_caching:
             self.llm.reset_prefix_cache()  # cached prompts hold the old weights' keys
 
@@ -307,18 +309,20 @@ class VLLMEngine:
         to sample). It sleeps again in `sleep`, called when the models train."""
         wake = self.asleep.intersection(tags)
         if wake:
+            torch.cuda.empty_cache()  # what the training step cached goes back to the device
             self.llm.wake_up(tags=sorted(wake))
             self.asleep -= wake
         yield
 
-    def sleep(self) -> None:
+    def sleep(self, discard_weights: bool = False) -> None:
         """Gives the device memory back while the models train (GPU with `options.sleep`):
-        level 1, the weights to host memory (kept for a step that does not change them, as
-        value pretraining), the KV cache freed."""
+        the KV cache is freed, and the weights either discarded (vLLM's level 2, when the
+        update will change them and the next rollout loads new ones anyway) or offloaded to
+        host memory (level 1, for a step that keeps them: value pretraining)."""
         if self.options.sleep and self.on_gpu and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2 if discard_weights else 1)
             self.asleep = {"weights", "kv_cache"}
-
+            self.weights_stale = discard_weights
 
     def close(self) -> None:
         """Frees the engine and vLLM's process-global state, so another engine can start in
