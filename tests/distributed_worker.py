@@ -24,6 +24,7 @@ import lightning as L
 import torch
 from torch._dynamo.utils import counters
 
+import vapo_lightning.engines as engines
 import vapo_lightning.module as vapo_module
 from tests.helpers import TINY_LLAMA
 from vapo_lightning.config import Algorithm, Optim
@@ -74,7 +75,7 @@ def scripted_generate(policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=Non
 def main(
     out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool, compiled: bool
 ) -> None:
-    vapo_module.generate = scripted_generate
+    engines.generate = scripted_generate  # the native engine's sampler (a missed patch fails parity)
     if broken:  # negative control: per-rank normalisers, as if nothing were all-reduced
         vapo_module.VAPOModule.global_sum = lambda self, x: x.float()
     L.seed_everything(0)

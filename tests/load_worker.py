@@ -178,7 +178,7 @@ def main(out: Path, checkpoint: str, devices: int) -> None:
     module = VAPOModule(
         policy=ModelSpec(name_or_path=checkpoint),
         algorithm=Algorithm(mini_batch_size=4, micro_batch_size=4),
-        generation=GenerationConfig(n=2),
+        generation=GenerationConfig(n=2, max_new_tokens=16),  # within TINY_LLAMA's 128 positions
         val_before_train=False,
     )
     train = write_jsonl(out / "train.jsonl", make_rows(8))
