@@ -158,6 +158,17 @@ class WarmServer:
         header["layers"] = list(header.get("layers", [])) + self.extra_layers
         return header, raw
 
+    def query_spares(self) -> list[int]:
+        """Asks the server for its idle spares' session ids (it forks a run's next spares
+        after the reply, so a reply's own list may lack them)."""
+        blob = json.dumps({"op": "spares"}).encode()
+        with self.lock:
+            self.proc.stdin.write(struct.pack(">I", len(blob)) + blob)
+            self.proc.stdin.flush()
+            header, _ = self._recv()
+            self.spare_sids = list(header.get("spare_sids", []))
+        return self.spare_sids
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
@@ -250,7 +261,7 @@ class Pool:
 
     def spare_sessions(self) -> set[int]:
         """Session ids of the idle sandboxes forked ahead (not leftovers of any run)."""
-        return {sid for s in self.servers for sid in s.spare_sids}
+        return {sid for s in self.servers for sid in s.query_spares()}
 
     def close(self) -> None:
         for s in self.servers:

@@ -21,13 +21,18 @@ keeps every run from writing to it; otherwise P2 makes one of its own too. A hol
 
 Each sandbox (P2, or C on the unprivileged path) first joins a memory and a pids cgroup of
 its run's own (`cgroups`), made with its spare and removed after the run, so that everything
-the run starts or fills counts against one limit.
+the run starts or fills counts against one limit. A run's reply goes out before the next
+spares are forked: their cgroups are made before it (the finished run's removed), the zygote
+is asked for them after it and forks them while the host judges the run; its answers (their
+pids) are read when the next run needs a spare or has ended.
 
 When P2 exits, the kernel kills everything left in its PID namespace (double-fork daemons
 included); without a PID namespace the server, as subreaper, kills its leftover descendants.
 (As pid 1 the candidate ignores signals it sends itself; that only ever hurts it.)
 Protocol on stdin/stdout: 4-byte big-endian length + JSON request; reply is length + JSON
 header, then ``header["raw_len"]`` raw bytes of the result pipe (the host decodes them).
+The request ``{"op": "spares"}`` is answered with ``{"spare_sids": [...]}``: the session ids of
+the idle spares, once the spares a run leaves to fork after its reply are forked.
 """
 
 from __future__ import annotations
@@ -193,6 +198,10 @@ class Server:
         # requests come back to back (setting one up takes longer than a short run).
         self.depth = max(1, int(opts.get("spares", 2)))
         self.spares: list[Spare] = []
+        self.refill_tmp_mb = int(DEFAULT_LIMITS["tmp_mb"])  # the spares' tmpfs: the last run's
+        # Cgroups made for the spares a run leaves to fork after its reply, with their limits
+        self.cg_ready: list[tuple[list[str], tuple[int, int]]] = []
+        self.asked: list[tuple] = []  # spares the zygote was asked for, its answer not read
         self.zygote_pid, self.zygote = self._start_zygote()
 
     # --- the zygote: the only process that forks sandboxes ---------------------------------
@@ -436,7 +445,8 @@ class Server:
             os._exit(72)
 
     # --- outside: spares ---------------------------------------------------------------------
-    def _fork_spare(self, tmp_mb: int) -> Spare:
+    def _ask_spare(self, tmp_mb: int) -> tuple:
+        """Sends the zygote a new spare's pipes and cgroups; `_spare_forked` takes its pid."""
         host_dir = None
         if not self.namespaces or "mountns" not in self.probe_layers:
             import tempfile  # only without namespaces (see PRELOAD)
@@ -449,24 +459,52 @@ class Server:
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
         with contextlib.suppress(OSError):  # most requests then fit in one write
             fcntl.fcntl(req_w, fcntl.F_SETPIPE_SZ, 1 << 20)
-        cgroups = self.cgroups.create(*self.cg_limits)
+        cgroups, cg_limits = [], self.cg_limits
+        while self.cg_ready and not cgroups:  # made before the last reply; else now
+            cgroups, cg_limits = self.cg_ready.pop(0)
+        if not cgroups:
+            cgroups, cg_limits = self.cgroups.create(*self.cg_limits), self.cg_limits
         try:
             msg = struct.pack("=i", int(tmp_mb)) + "\0".join([host_dir or "", *cgroups]).encode()
             socket.send_fds(self.zygote, [msg], [ctl_w, res_w, req_r])
-            reply = self.zygote.recv(4)
+        except OSError:
+            for fd in (ctl_r, res_r, req_w):
+                os.close(fd)
+            self.cgroups.remove(cgroups)
+            raise
         finally:
             for fd in (ctl_w, res_w, req_r):
                 os.close(fd)
+        return ctl_r, res_r, req_w, host_dir, tmp_mb, cgroups, cg_limits
+
+    def _spare_forked(self, asked: tuple) -> Spare:
+        """The zygote's answer (a pid) to the oldest request still unanswered, `asked`."""
+        ctl_r, res_r, req_w, host_dir, tmp_mb, cgroups, cg_limits = asked
+        reply = self.zygote.recv(4)
         if len(reply) != 4:
             raise RuntimeError("the zygote is gone")
         (pid,) = struct.unpack("=i", reply)
         if pid < 0:
+            for fd in (ctl_r, res_r, req_w):
+                os.close(fd)
             self.cgroups.remove(cgroups)
+            if host_dir is not None:
+                _remove_tree(host_dir)
             raise OSError(-pid, f"fork in the zygote: {os.strerror(-pid)}")
-        sp = Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb, cgroups, self.cg_limits)
+        sp = Spare(pid, ctl_r, res_r, req_w, host_dir, tmp_mb, cgroups, cg_limits)
         if self.direct:  # no C in between: P2 is our child, its session id its pid
             sp.p2_pid, sp.p2_fd, sp.c_reaped = pid, os.pidfd_open(pid), True
         return sp
+
+    def _fork_spare(self, tmp_mb: int) -> Spare:
+        self._collect()  # the zygote answers in order
+        return self._spare_forked(self._ask_spare(tmp_mb))
+
+    def _collect(self) -> None:
+        """Takes the zygote's answers to the spares `deferred` asked for: into `spares`."""
+        while self.asked:
+            with contextlib.suppress(OSError):  # that fork failed: `handle` forks anew
+                self.spares.append(self._spare_forked(self.asked.pop(0)))
 
     def _settle(self, sp: Spare, deadline: float) -> None:
         """Learns P2's pid from C and, when we are a subreaper, reaps C (P2 is then ours)."""
@@ -510,7 +548,10 @@ class Server:
             _remove_tree(sp.host_dir)
 
     def _take_spare(self, tmp_mb: int, deadline: float) -> Spare:
-        while self.spares:
+        while self.spares or self.asked:
+            if not self.spares:  # (the zygote may still be forking the ones asked for)
+                self._collect()
+                continue
             sp = self.spares.pop(0)
             self._settle(sp, deadline)
             alive = sp.p2_fd is not None and not select.select([sp.p2_fd], [], [], 0)[0]
@@ -532,6 +573,20 @@ class Server:
         while len(self.spares) < self.depth:
             self.spares.append(self._fork_spare(tmp_mb))
         return [sp.c_pid for sp in self.spares]
+
+    def _premake_cgroups(self) -> None:
+        """Before a reply: the cgroups of the spares `deferred` will fork after it."""
+        while len(self.spares) + len(self.asked) + len(self.cg_ready) < self.depth:
+            self.cg_ready.append((self.cgroups.create(*self.cg_limits), self.cg_limits))
+
+    def deferred(self) -> None:
+        """The work a run leaves for after its reply: asking the zygote for the next spares
+        (up to the depth), without waiting for its answers (`_collect`, at the next request),
+        so that the zygote forks them while the host judges the run. An error leaves the rest
+        to `handle`."""
+        with contextlib.suppress(OSError):
+            while len(self.spares) + len(self.asked) < self.depth:
+                self.asked.append(self._ask_spare(self.refill_tmp_mb))
 
     # --- outside: one request ----------------------------------------------------------------
     def handle(self, req: dict, blob: bytes | None = None) -> tuple[dict, bytes]:
@@ -613,6 +668,7 @@ class Server:
             os.close(watch_fd)
         if sp.p2_fd is not None:
             os.close(sp.p2_fd)
+        self._collect()  # (answered by now) all spares known before any leftover is killed
         header = _parse_ctl(ctl)
         layers = header["layers"]
         if status is not None or "pidns" not in layers:
@@ -637,8 +693,11 @@ class Server:
             for other in self.spares:
                 self._discard(other)
             self.spares = []
-        # The next runs' sandboxes, set up while the host judges this one.
-        spare_sids = self._refill(sp.tmp_mb)
+        # The next runs' sandboxes are forked after the reply, while the host judges this
+        # run (`deferred`); the ones already forked are listed here.
+        self.refill_tmp_mb = sp.tmp_mb
+        self._premake_cgroups()
+        spare_sids = [other.c_pid for other in self.spares]
         header.update(
             status=status,
             exit_code=code,
@@ -670,6 +729,9 @@ class Server:
         }
         header, _ = self.handle(req)
         self.probe_layers = header["layers"]
+        self.deferred()
+        self._collect()
+        header["spare_sids"] = [sp.c_pid for sp in self.spares]
         if "mountns" not in self.probe_layers:
             for sp in self.spares:  # they expected namespaces: set up again with a host dir
                 self._discard(sp)
@@ -842,13 +904,18 @@ def main() -> None:
         }
     )
     while True:
+        server.deferred()
         try:
             (n,) = struct.unpack(">I", _read_exact(0, 4))
             blob = _read_exact(0, n)
             req = json.loads(blob)
         except EOFError:  # the host closed us: the spares go too
+            with contextlib.suppress(RuntimeError):
+                server._collect()
             for sp in server.spares:
                 server._discard(sp)
+            for dirs, _ in server.cg_ready:
+                server.cgroups.remove(dirs)
             server.zygote.close()
             os.waitpid(server.zygote_pid, 0)
             if server.holder_w is not None:
@@ -856,6 +923,10 @@ def main() -> None:
                 os.waitpid(server.holder_pid, 0)
             server.cgroups.close()
             return
+        if req.get("op") == "spares":  # which processes are idle spares (none forking now)
+            server._collect()
+            send({"spare_sids": [sp.c_pid for sp in server.spares]})
+            continue
         try:
             header, raw = server.handle(req, blob)
         except Exception as err:  # a server bug must not hang the host
