@@ -575,7 +575,7 @@ class Server:
         return [sp.c_pid for sp in self.spares]
 
     def _premake_cgroups(self) -> None:
-        """Before a reply: the cgroups of the spares `deferred` will fork after it."""
+        """During a run: the cgroups of the spares `deferred` will fork after its reply."""
         while len(self.spares) + len(self.asked) + len(self.cg_ready) < self.depth:
             self.cg_ready.append((self.cgroups.create(*self.cg_limits), self.cg_limits))
 
@@ -640,6 +640,8 @@ class Server:
                         pending = memoryview(b"")
                     if not pending:
                         poller.unregister(fd)
+                        # while the run goes on: the cgroups of the spare that replaces it
+                        self._premake_cgroups()
                 else:
                     chunk = os.read(fd, 65536)
                     if not chunk:
@@ -696,7 +698,7 @@ class Server:
         # The next runs' sandboxes are forked after the reply, while the host judges this
         # run (`deferred`); the ones already forked are listed here.
         self.refill_tmp_mb = sp.tmp_mb
-        self._premake_cgroups()
+        self._premake_cgroups()  # (made during the run unless it was killed first)
         spare_sids = [other.c_pid for other in self.spares]
         header.update(
             status=status,
