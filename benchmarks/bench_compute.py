@@ -1,4 +1,4 @@
-"""Compute study (issue 8): the machine's matmul rate, the fraction of it VAPO's training
+"""Compute study: the machine's matmul rate, the fraction of it VAPO's training
 phase reaches, and how the rollout step grows with response length (64 → 512 tokens).
 
 All in one process, one run: first the matmul rate (fp32 and bf16, the threads torch uses), then

@@ -1,4 +1,4 @@
-"""Learning study (issue 8): the paper's Table 1 in miniature on the quickstart task.
+"""Learning study: the paper's Table 1 in miniature on the quickstart task.
 
 Runs `vapo fit -c configs/quickstart.yaml [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO and
 VAPO without each of its seven techniques, for several seeds, reads `val/accuracy` from each

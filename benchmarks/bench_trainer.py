@@ -1,4 +1,4 @@
-"""Rollout-step cost of VAPOModule against the floor of its bare operations (issue 3).
+"""Rollout-step cost of VAPOModule against the floor of its bare operations.
 
 Shapes: the quickstart policy's architecture (Llama, 3 layers, hidden 256), random init,
 16 prompts × 4 samples = 64 responses × 128 new tokens (fixed length), one mini-batch.

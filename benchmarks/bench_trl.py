@@ -1,4 +1,4 @@
-"""Throughput vs TRL (issue 8): a VAPO rollout step against TRL's PPOTrainer (trl 1.12.0, the
+"""Throughput vs TRL: a VAPO rollout step against TRL's PPOTrainer (trl 1.12.0, the
 last release with `trl.experimental.ppo`) and GRPOTrainer (trl 1.16.0), on the same work.
 
 One entry point. It creates the two TRL virtual environments if missing (torch==2.13.0 first,
@@ -224,7 +224,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     critic_all = [t["update_critic"] + t.get("values", 0.0) for t in timing]
     L = []
     w = L.append
-    w("# Throughput vs TRL: one rollout step, same work (issue 8)\n")
+    w("# Throughput vs TRL: one rollout step, same work\n")
     w(f"Command: `{cmd}`  ")
     w(f"Machine: {facts[0]}; {facts[1]}  ")
     w(f"Load average (1/5/15 min) at start: {load_start}; at end: {load_end} (the end includes "
@@ -300,7 +300,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w("| " + " | ".join(f"{t_med[k]:.3f}" for k in sorted(t_med)) + " |\n")
     extra = med["vapo"] - med["trl_grpo"]
     cu, ca = statistics.median(critic_upd), statistics.median(critic_all)
-    w("## Targets of the issue\n")
+    w("## Targets\n")
     w("| target | measured | met? |\n|---|---|---|")
     w(f"| VAPO step ≤ 0.5 × TRL PPO's step | {med['vapo']:.2f} s vs 0.5 × {med['trl_ppo']:.2f} = "
       f"{0.5 * med['trl_ppo']:.2f} s (ratio {r_ppo:.3f}) | {'**met**' if r_ppo <= 0.5 else '**not met**'} |")  # fmt: skip

@@ -6,7 +6,7 @@ warm-up runs); or, with `--humaneval N`, a pool of two servers running HumanEval
 solutions from two threads N times over (bench_sandbox's throughput workload). Machine CPU is /proc/stat's busy time (user + nice + system + irq + softirq);
 the server's own and its reaped children's times and minor faults come from
 /proc/<server>/stat; kernel threads are every kworker / ksoftirqd / rcu thread's CPU time.
-Issue 5's HumanEval ratio is CPU-bound on a 2-core machine, so this is what bounds it.
+The sandbox benchmark's HumanEval ratio is CPU-bound on a 2-core machine, so this is what bounds it.
 
     .venv/bin/python benchmarks/probe_sandbox_cpu.py [--runs 400] [--humaneval 5]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sandbox design experiments (issue 5), measured against the tree they were written for, in one
+# Sandbox design experiments, measured against the tree they were written for, in one
 # run.
 #
 #     bash benchmarks/sandbox_experiments.sh [ROUNDS [BASE]]   # default 2 rounds, c49d1b7; ~3 min
