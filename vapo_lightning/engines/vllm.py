@@ -125,13 +125,14 @@ def check_cpu_head_size(config: Any) -> None:
 
 
 def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, full tensor) of each weight of a possibly sharded or compiled model,
-    one at a time: an FSDP2 shard (DTensor) is all-gathered when its turn comes and dropped
-    after the consumer has copied it. Collective under FSDP: every rank iterates to the end."""
+    """(Hugging Face name, full tensor) of each weight of a possibly sharded model, one at a
+    time: an FSDP2 shard (DTensor) is all-gathered when its turn comes and dropped after the
+    consumer has copied it. Collective under FSDP: every rank iterates to the end. (`replicate`,
+    `fully_shard` and the in-place `model.compile()` keep the Hugging Face names.)"""
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):  # DTensor: gather this one tensor
             tensor = tensor.full_tensor()
-        yield name.replace("_orig_mod.", "").removeprefix("module."), tensor.detach()
+        yield name, tensor.detach()
 
 
 class VLLMEngine:
