@@ -3,7 +3,7 @@
 #   1. tests/test_cuda.py (+ the core math tests) on the GPU;
 #   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
 #   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape;
-#   4. probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16;
+#   4. probes/probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16;
 #   5. bench_engines.py: the native sampler against vLLM at Qwen2.5-1.5B's shape, 512 prompts x 4
 #      responses of 1024 tokens (targets: vLLM >= 5x the native tokens/s, weight sync <= 10 % of
 #      a step). Needs vLLM on the GPU machine (its CUDA wheel is far over what a run can carry).
@@ -72,5 +72,5 @@ timeout 200 python3 benchmarks/bench_trl.py --device cuda --shape gpt2-small --r
 echo "exit $?"; grep -A6 "^## Results" "$OUT/trl_gpu_gpt2small.md"; grep -A3 "^VAPO's phases" "$OUT/trl_gpu_gpt2small.md"
 tail -3 "$OUT/trl_gpu_gpt2small.log"
 echo "== 4. decoding time per step, fp32 and bf16"
-timeout 80 python3 benchmarks/probe_decode_gpu.py 2>&1 | grep -v Warning | tee "$OUT/probe_decode.log" | grep "ms/step"
+timeout 80 python3 benchmarks/probes/probe_decode_gpu.py 2>&1 | grep -v Warning | tee "$OUT/probe_decode.log" | grep "ms/step"
 engines

@@ -7,7 +7,7 @@ the parent's and the children's CPU, and minor (copy-on-write) faults on each si
 here sets up a namespace, a mount or Landlock: whatever a real run costs above this is theirs
 and the Python around them (`benchmarks/results/sandbox_cpu.md`).
 
-    .venv/bin/python -I -S -B benchmarks/probe_fork_floor.py [--n 2000]
+    .venv/bin/python -I -S -B benchmarks/probes/probe_fork_floor.py [--n 2000]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import resource
 import sys
 import time
 
-SANDBOX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "vapo_lightning", "sandbox")
+SANDBOX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "vapo_lightning", "sandbox")
 sys.path.insert(0, SANDBOX)  # imported as the server imports them (a script, `-I -S`)
 
 import layers  # noqa: E402, F401

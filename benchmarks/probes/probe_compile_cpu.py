@@ -3,7 +3,7 @@ against `model.compile()` (what `VAPOModule(torch_compile=True)` does to each mo
 and under CPU bf16 autocast. Median of `--reps` after warm-ups; the first compiled update,
 compile included, is reported on its own.
 
-    .venv/bin/python benchmarks/probe_compile_cpu.py > benchmarks/results/compile_cpu.md
+    .venv/bin/python benchmarks/probes/probe_compile_cpu.py > benchmarks/results/compile_cpu.md
 
 Shapes: `probe_attention_cpu.py`'s (the `quickstart` policy, 64 rows of 55 prompt + 128
 response tokens), 1 torch thread. A fresh model per case, and a fresh, empty inductor
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_trl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_trl import SHAPES, TOKENIZER
@@ -44,7 +45,7 @@ def main() -> None:
     torch.manual_seed(0)
     ids, mask = batch(tok)
     print("# One actor update, eager vs `model.compile()` (CPU, 1 thread)\n")
-    print("Command: `.venv/bin/python benchmarks/probe_compile_cpu.py > benchmarks/results/compile_cpu.md`  ")
+    print("Command: `.venv/bin/python benchmarks/probes/probe_compile_cpu.py > benchmarks/results/compile_cpu.md`  ")
     print(f"torch {torch.__version__}; load average at the start {os.getloadavg()[0]:.2f}; "
           f"{args.reps} updates per case after warm-ups; shapes in the probe's docstring.\n")  # fmt: skip
     print("| precision | eager s, min / **median** / max | compiled s, min / **median** / max "

@@ -2,7 +2,7 @@
 CPU bf16 autocast, with transformers' SDPA against `vapo_lightning.attention` (fp32 attention
 under CPU autocast), and in fp32 for reference. Median of `--reps` after 2 warm-up updates.
 
-    .venv/bin/python benchmarks/probe_attention_cpu.py [--threads 1 2]
+    .venv/bin/python benchmarks/probes/probe_attention_cpu.py [--threads 1 2]
 
 Shapes: the `quickstart` policy of bench_trl.py (Llama 4 × 256, vocab 283), 64 rows = the
 first 16 training prompts × 4, left-padded to 55 tokens, + 128 response tokens.
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_trl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_trl import PROMPTS_FILE, SHAPES, TOKENIZER
@@ -71,7 +72,7 @@ def main() -> None:
              "bf16 autocast, vapo_sdpa (fp32 attention)": (SDPA, True),
              "fp32": (SDPA, False)}  # fmt: skip
     print("# One actor update under CPU bf16 autocast: transformers' SDPA vs vapo_sdpa\n")
-    print("Command: `.venv/bin/python benchmarks/probe_attention_cpu.py > benchmarks/results/attention_cpu.md`  ")
+    print("Command: `.venv/bin/python benchmarks/probes/probe_attention_cpu.py > benchmarks/results/attention_cpu.md`  ")
     print(f"torch {torch.__version__}; load average at the start {os.getloadavg()[0]:.2f}; "
           f"{args.reps} updates per case after 2 warm-ups; shapes in the probe's docstring.\n")  # fmt: skip
     print("| threads | precision, attention | actor update s, min / **median** / max |")

@@ -6,7 +6,7 @@ At the TRL benchmark's decoding shapes: 64 rows, 4 heads, head dim 64, one query
 returns them), the left 20 positions of half the rows masked. Each cell is the mean of 300
 calls after 5 warm-up calls; max |error| against an fp64 reference.
 
-    .venv/bin/python benchmarks/probe_decode_attention_cpu.py [--threads 1] > benchmarks/results/decode_attention_cpu.md
+    .venv/bin/python benchmarks/probes/probe_decode_attention_cpu.py [--threads 1] > benchmarks/results/decode_attention_cpu.md
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vapo_lightning.attention import cpu_has_amx
 
@@ -59,7 +59,7 @@ def main() -> None:
     torch.set_num_threads(ap.parse_args().threads)
     torch.manual_seed(0)
     print("# Decoding attention on the CPU: bf16 against fp32\n")
-    print("Command: `.venv/bin/python benchmarks/probe_decode_attention_cpu.py > "
+    print("Command: `.venv/bin/python benchmarks/probes/probe_decode_attention_cpu.py > "
           "benchmarks/results/decode_attention_cpu.md`  ")  # fmt: skip
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} thread(s), AMX tiles: "
           f"{'yes' if cpu_has_amx() else 'no'}; torch {torch.__version__}  ")  # fmt: skip

@@ -8,7 +8,7 @@ the server's own and its reaped children's times and minor faults come from
 /proc/<server>/stat; kernel threads are every kworker / ksoftirqd / rcu thread's CPU time.
 The sandbox benchmark's HumanEval ratio is CPU-bound on a 2-core machine, so this is what bounds it.
 
-    .venv/bin/python benchmarks/probe_sandbox_cpu.py [--runs 400] [--humaneval 5]
+    .venv/bin/python benchmarks/probes/probe_sandbox_cpu.py [--runs 400] [--humaneval 5]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vapo_lightning.sandbox import Pool
 

@@ -2,11 +2,10 @@
 16 prompts x 8 samples, up to 160 new tokens, fp32 vs bf16 autocast, stopping at EOS
 ("max") or forced to the full length ("fixed"), then a profile of 40 bf16 steps.
 
-It found that under bf16 SDPA picked cuDNN's attention once rows had left the batch and
-re-planned it at nearly every step (benchmarks/results/gpu.md). Run on a CUDA machine from
-the repo root: `python3 benchmarks/probe_decode_gpu.py` (benchmarks/gpu_check.sh runs it).
-The numbers in gpu.md came from this script as first written (same measurements, before
-it was tidied for the linter).
+What it answers: whether attention-kernel planning slows decoding (under bf16, SDPA's cuDNN
+kernel re-planned at nearly every step once rows had left the batch, which is why the sampler
+disables it: benchmarks/results/gpu.md). Run on a CUDA machine from
+the repo root: `python3 benchmarks/probes/probe_decode_gpu.py` (benchmarks/gpu_check.sh runs it).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
