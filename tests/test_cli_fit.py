@@ -13,7 +13,7 @@ from vapo_lightning.cli import main
 def test_tiny_cpu_fit_with_every_callback_and_a_plugin(tmp_path):
     main(["fit", "-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
           "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
-          "--trainer.callbacks+=callbacks.format_reward.FormatReward", "--trainer.callbacks.weight=0.1",
+          "--trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus", "--trainer.callbacks.weight=0.1",
           f"--model.hf_export_dir={tmp_path / 'hf'}"])  # fmt: skip
     (event_file,) = glob.glob(f"{tmp_path}/lightning_logs/version_0/events.out.tfevents.*")
     acc = EventAccumulator(event_file, size_guidance={"histograms": 0})

@@ -1,4 +1,5 @@
-"""The reward plug-in API: error policies, weights, the verl adapter and callbacks/ plug-ins."""
+"""The reward plug-in API: error policies, weights, and the built-in format, overlong and
+SandboxFusion rewards."""
 
 import json
 import math
@@ -11,10 +12,10 @@ from typing import ClassVar
 
 import pytest
 
-from callbacks.format_reward import FormatReward
-from callbacks.overlong import OverlongPenalty
-from callbacks.sandbox_fusion import SandboxFusionReward
 from vapo_lightning.rewards import RewardCallback, RewardError, Sample, combine_rewards
+from vapo_lightning.rewards.format import FormatReward
+from vapo_lightning.rewards.overlong import OverlongPenalty
+from vapo_lightning.rewards.sandbox_fusion import SandboxFusionReward
 
 
 def sample(response="x", ids=(1, 2), truncated=False, truth=None, source="s", **extra):
@@ -145,7 +146,7 @@ def test_format_reward():
     assert cb.score([sample(r, truncated=t) for r, t, _ in responses]) == [v for *_, v in responses]
 
 
-def test_overlong_penalty_plugin():
+def test_overlong_penalty():
     cb = OverlongPenalty(max_length=20, cache_length=8)
     got = cb.score([sample(ids=range(n)) for n in (5, 12, 16, 20, 25)])
     assert got == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])

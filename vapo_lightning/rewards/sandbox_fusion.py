@@ -2,7 +2,7 @@
 
 Use it when code runs on a sandbox service rather than on the training machine:
 
-    --trainer.callbacks+=callbacks.sandbox_fusion.SandboxFusionReward
+    --trainer.callbacks+=vapo_lightning.rewards.sandbox_fusion.SandboxFusionReward
     --trainer.callbacks.url=http://sandbox.internal:8080
 
 Each test {"input": stdin, "output": expected stdout} is one request; the expected output
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vapo_lightning.rewards import RewardCallback, Sample
+from vapo_lightning.rewards.base import RewardCallback, Sample
 from vapo_lightning.rewards.code import extract_code
 
 

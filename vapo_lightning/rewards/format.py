@@ -1,6 +1,6 @@
 """A format reward: does the response end with exactly one final answer in \\boxed{}?
 
---trainer.callbacks+=callbacks.format_reward.FormatReward --trainer.callbacks.weight=0.1
+--trainer.callbacks+=vapo_lightning.rewards.format.FormatReward --trainer.callbacks.weight=0.1
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from vapo_lightning.rewards import RewardCallback, Sample
+from vapo_lightning.rewards.base import RewardCallback, Sample
 
 BOXED_AT_END = r"\\boxed\{[^{}]*(\{[^{}]*\}[^{}]*)*\}\s*\.?\s*$"
 

@@ -1,6 +1,6 @@
-"""DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) as a reward plug-in.
+"""DAPO's soft overlong punishment (arXiv 2503.14476, Eq. 13) as a reward callback.
 
---trainer.callbacks+=callbacks.overlong.OverlongPenalty
+--trainer.callbacks+=vapo_lightning.rewards.overlong.OverlongPenalty
 --trainer.callbacks.max_length=512 --trainer.callbacks.cache_length=128
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from vapo_lightning.core import overlong_penalty
-from vapo_lightning.rewards import RewardCallback, Sample
+from vapo_lightning.rewards.base import RewardCallback, Sample
 
 
 class OverlongPenalty(RewardCallback):
