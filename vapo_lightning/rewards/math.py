@@ -2,8 +2,8 @@
 
 VAPO scores a math response +1 if its final answer is correct and -1 otherwise (arXiv
 2504.05118, Sec. 5.1; 1 / 0 by config). The answer is the last ``\\boxed{}`` / ``\\fbox{}``,
-else the last ``Answer:`` line (DAPO's prompt format), else the last ``#### N`` line (GSM8K's).
-It is compared with math-verify's semantics (equivalent expressions, fractions vs decimals,
+else the last ``Answer:`` line (DAPO's prompt format), else the last ``#### N`` line (GSM8K's)
+(`math_answers`). It is compared with math-verify's semantics (equivalent expressions, fractions vs decimals,
 intervals, sets, tuples, matrices, "033" vs 33).
 
 Model text is never run as code: it only reaches math-verify's LaTeX / expression parser, and
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import selectors
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vapo_lightning.rewards.base import RewardCallback, Sample
+from vapo_lightning.rewards.math_answers import extract_answer, fast_verdict, gold_answer
 
 __all__ = ["MathReward", "MathVerifier", "extract_answer", "is_equivalent"]
 
@@ -60,110 +60,6 @@ for line in sys.stdin:
         ok = False
     proto.write(json.dumps([task, ok]) + "\n")
 """
-
-# ----------------------------------------------------------------------------- extraction
-
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-_ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
-_GSM8K_LINE = re.compile(r"####[ \t]*([^\n]*)")
-_MAX_BOX_SCAN = 10_000  # a box whose closing brace is further away than this is not an answer
-
-
-def _last_box(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed 5``; None if absent
-    or unclosed (a response truncated inside its box has no answer)."""
-    start, command = max((text.rfind(c), c) for c in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    i = start + len(command)
-    if i < len(text) and text[i] == " ":  # ``\boxed 5``: one TeX token-ish run
-        match = re.match(r" +([^\s$]+)", text[i : i + _MAX_BOX_SCAN])
-        return match.group(1) if match else None
-    while i < len(text) and text[i] in " \t\n":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth, j, end = 0, i, min(len(text), i + _MAX_BOX_SCAN)
-    while j < end:
-        c = text[j]
-        if c == "\\":  # ``\{``, ``\}`` and ``\\`` are not group braces
-            j += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-        j += 1
-    return None
-
-
-def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
-    last = None
-    for last in pattern.finditer(text):  # noqa: B007 - keep the last one
-        pass
-    return last.group(1) if last else None
-
-
-def _clean(answer: str) -> str:
-    """Strips markdown emphasis, math delimiters and a final full stop around an answer."""
-    answer = answer.strip().strip("*").strip()
-    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left + right):
-            answer = answer[len(left) : -len(right)].strip()
-    return answer.rstrip(".").strip()
-
-
-def extract_answer(response: str) -> str | None:
-    """The final answer of a response: the last ``\\boxed{}`` or ``\\fbox{}`` (braces balanced,
-    ``\\boxed 5`` too), else the last ``Answer: ...`` line (DAPO), else the last ``#### N``
-    line (GSM8K). None when there is none or it is empty."""
-    for found in (
-        _last_box(response),
-        _last_match(_ANSWER_LINE, response),
-        _last_match(_GSM8K_LINE, response),
-    ):
-        if found is not None and (answer := _clean(found)):
-            return answer
-    return None
-
-
-def _gold_answer(ground_truth: Any) -> str | None:
-    """The ground truth as an answer string: bare ("3/4"), LaTeX, a number, or a solution
-    ending in ``#### 18`` / a box. None when missing."""
-    if ground_truth is None or isinstance(ground_truth, bool):
-        return None
-    if isinstance(ground_truth, float) and ground_truth.is_integer():
-        ground_truth = int(ground_truth)  # JSON's 142.0 for AMC's 142
-    text = str(ground_truth).strip()
-    if "####" in text or any(c in text for c in _BOX_COMMANDS):
-        return extract_answer(text)
-    return _clean(text) or None
-
-
-# ------------------------------------------------------------------------- fast path
-
-_SPACING = re.compile(r"\\[,;:! ]|\\left\b|\\right\b|\$")
-_INTEGER = re.compile(r"[+-]?\d{1,60}")
-
-
-def _normalise(answer: str) -> str:
-    """Spelling-only changes: spacing macros, ``\\left``/``\\right``, ``\\dfrac``, and
-    whitespace except between two letters/digits (``\\pi r`` must not become ``\\pir``)."""
-    answer = _SPACING.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    return re.sub(r"(?<![A-Za-z0-9])\s+|\s+(?![A-Za-z0-9])", "", answer)
-
-
-def _fast_verdict(pred: str, gold: str) -> bool | None:
-    """True / False when it is certain without math-verify, else None."""
-    pred, gold = _normalise(pred), _normalise(gold)
-    if pred == gold:
-        return True
-    if _INTEGER.fullmatch(pred) and _INTEGER.fullmatch(gold):
-        return int(pred) == int(gold)  # AIME's "033" vs 33
-    return None
-
 
 # ------------------------------------------------------------------------------- pool
 
@@ -253,14 +149,14 @@ class MathVerifier:
         verdicts: list[bool | None] = [None] * len(responses)
         pending: list[tuple[int, str, str]] = []
         for k, (response, ground_truth) in enumerate(zip(responses, ground_truths)):
-            gold = _gold_answer(ground_truth)
+            gold = gold_answer(ground_truth)
             if gold is None:
                 continue
             pred = extract_answer(response)
             if pred is None or len(pred) > self.max_answer_chars:
                 verdicts[k] = False
             else:
-                verdicts[k] = _fast_verdict(pred, gold)
+                verdicts[k] = fast_verdict(pred, gold)
             if verdicts[k] is None:
                 pending.append((k, pred, gold))
             else:
@@ -299,69 +195,85 @@ class MathVerifier:
         """Dispatches `pending` checks to idle workers until all are answered or killed."""
         while len(self._workers) < self.num_workers:
             self._workers.append(self._spawn())
-        queue, tasks = deque(pending), {k: (pred, gold) for k, pred, gold in pending}
-        results: dict[int, bool] = {}
+        queue, results = deque(pending), {}
         failed_starts = 0
         with selectors.DefaultSelector() as selector:
-            while len(results) < len(tasks):
-                for worker in self._workers:  # hand out work
-                    if worker.ready and worker.task is None and queue:
-                        k, pred, gold = queue.popleft()
-                        line = json.dumps([k, pred, gold]).encode() + b"\n"
-                        try:
-                            worker.proc.stdin.write(line)  # type: ignore[union-attr]
-                        except (BrokenPipeError, OSError):
-                            queue.appendleft((k, pred, gold))
-                            self._replace(worker)
-                            continue
-                        worker.task, worker.deadline = k, time.monotonic() + self.timeout_s
-                selector_map = {}
-                for worker in self._workers:
-                    fd = worker.proc.stdout.fileno()  # type: ignore[union-attr]
-                    selector.register(fd, selectors.EVENT_READ, worker)
-                    selector_map[fd] = worker
-                waiting = [w.deadline for w in self._workers if w.task is not None or not w.ready]
-                wait = max(0.0, min(waiting) - time.monotonic()) if waiting else None
-                events = selector.select(wait)
-                for fd in selector_map:
-                    selector.unregister(fd)
-                for key, _ in events:
-                    worker = key.data
-                    chunk = os.read(key.fd, 1 << 16)
-                    if not chunk:  # the worker died
-                        if not worker.ready:
-                            failed_starts += 1
-                            if failed_starts >= 3:
-                                raise RuntimeError(
-                                    "math-verify worker failed to start 3 times; see its stderr "
-                                    f"(is math-verify installed for {sys.executable}?)"
-                                )
-                        elif worker.task is not None:
-                            results[worker.task] = False
-                            self.stats.crashes += 1
-                        self._replace(worker)
-                        continue
-                    *lines, worker.buffer = (worker.buffer + chunk).split(b"\n")
-                    for raw in lines:
-                        message = json.loads(raw)
-                        if message == "ready":
-                            worker.ready = True
-                        else:
-                            results[message[0]] = bool(message[1])
-                            self.stats.pooled += 1
-                            worker.task = None
-                now = time.monotonic()
-                for worker in list(self._workers):  # enforce deadlines from outside
-                    if worker.deadline > now or (worker.ready and worker.task is None):
-                        continue
-                    if not worker.ready:
-                        raise RuntimeError(
-                            f"math-verify worker did not start within {self.startup_timeout_s} s"
-                        )
-                    results[worker.task] = False  # type: ignore[index]
-                    self.stats.timeouts += 1
-                    self._replace(worker)
+            while len(results) < len(pending):
+                self._hand_out(queue)
+                for worker in self._wait(selector):
+                    failed_starts = self._read(worker, results, failed_starts)
+                self._enforce_deadlines(results)
         return results
+
+    def _hand_out(self, queue: deque[tuple[int, str, str]]) -> None:
+        """Sends the next queued checks to the idle workers."""
+        for worker in self._workers:
+            if worker.ready and worker.task is None and queue:
+                k, pred, gold = queue.popleft()
+                line = json.dumps([k, pred, gold]).encode() + b"\n"
+                try:
+                    worker.proc.stdin.write(line)  # type: ignore[union-attr]
+                except (BrokenPipeError, OSError):
+                    queue.appendleft((k, pred, gold))
+                    self._replace(worker)
+                    continue
+                worker.task, worker.deadline = k, time.monotonic() + self.timeout_s
+
+    def _wait(self, selector: selectors.BaseSelector) -> list[_Worker]:
+        """The workers with output (or EOF), waited for until the nearest deadline at most."""
+        registered = []
+        for worker in self._workers:
+            fd = worker.proc.stdout.fileno()  # type: ignore[union-attr]
+            selector.register(fd, selectors.EVENT_READ, worker)
+            registered.append(fd)
+        waiting = [w.deadline for w in self._workers if w.task is not None or not w.ready]
+        wait = max(0.0, min(waiting) - time.monotonic()) if waiting else None
+        events = selector.select(wait)
+        for fd in registered:
+            selector.unregister(fd)
+        return [key.data for key, _ in events]
+
+    def _read(self, worker: _Worker, results: dict[int, bool], failed_starts: int) -> int:
+        """Takes a worker's answers into `results`; a dead worker is replaced, its check
+        judged wrong. Returns `failed_starts`, counting workers that died before "ready"."""
+        chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)  # type: ignore[union-attr]
+        if not chunk:  # the worker died
+            if not worker.ready:
+                failed_starts += 1
+                if failed_starts >= 3:
+                    raise RuntimeError(
+                        "math-verify worker failed to start 3 times; see its stderr "
+                        f"(is math-verify installed for {sys.executable}?)"
+                    )
+            elif worker.task is not None:
+                results[worker.task] = False
+                self.stats.crashes += 1
+            self._replace(worker)
+            return failed_starts
+        *lines, worker.buffer = (worker.buffer + chunk).split(b"\n")
+        for raw in lines:
+            message = json.loads(raw)
+            if message == "ready":
+                worker.ready = True
+            else:
+                results[message[0]] = bool(message[1])
+                self.stats.pooled += 1
+                worker.task = None
+        return failed_starts
+
+    def _enforce_deadlines(self, results: dict[int, bool]) -> None:
+        """Kills and replaces each worker past its deadline (its check is judged wrong)."""
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.deadline > now or (worker.ready and worker.task is None):
+                continue
+            if not worker.ready:
+                raise RuntimeError(
+                    f"math-verify worker did not start within {self.startup_timeout_s} s"
+                )
+            results[worker.task] = False  # type: ignore[index]
+            self.stats.timeouts += 1
+            self._replace(worker)
 
 
 # ------------------------------------------------------------------------- public API
@@ -375,7 +287,7 @@ def is_equivalent(response: str, ground_truth: str) -> bool:
     LaTeX, or a GSM8K solution ending ``#### N``) under math-verify's semantics. Uses a shared
     one-worker pool with a 3 s limit per check; a check that runs out of time is False."""
     global _DEFAULT
-    if _gold_answer(ground_truth) is None:
+    if gold_answer(ground_truth) is None:
         raise ValueError(f"ground truth has no answer: {ground_truth!r}")
     with _DEFAULT_LOCK:
         if _DEFAULT is None:

@@ -1,0 +1,118 @@
+"""Final answers of math text: extraction, and the spelling-only comparison that settles a
+check without math-verify.
+
+The answer is the last ``\\boxed{}`` / ``\\fbox{}``, else the last ``Answer:`` line (DAPO's
+prompt format), else the last ``#### N`` line (GSM8K's). `fast_verdict` decides equal
+spellings and integers (AIME's "033" vs 33); everything else goes to math-verify
+(`vapo_lightning.rewards.math`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["extract_answer", "fast_verdict", "gold_answer"]
+
+# ----------------------------------------------------------------------------- extraction
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
+_GSM8K_LINE = re.compile(r"####[ \t]*([^\n]*)")
+_MAX_BOX_SCAN = 10_000  # a box whose closing brace is further away than this is not an answer
+
+
+def _last_box(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed 5``; None if absent
+    or unclosed (a response truncated inside its box has no answer)."""
+    start, command = max((text.rfind(c), c) for c in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    i = start + len(command)
+    if i < len(text) and text[i] == " ":  # ``\boxed 5``: one TeX token-ish run
+        match = re.match(r" +([^\s$]+)", text[i : i + _MAX_BOX_SCAN])
+        return match.group(1) if match else None
+    while i < len(text) and text[i] in " \t\n":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth, j, end = 0, i, min(len(text), i + _MAX_BOX_SCAN)
+    while j < end:
+        c = text[j]
+        if c == "\\":  # ``\{``, ``\}`` and ``\\`` are not group braces
+            j += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+        j += 1
+    return None
+
+
+def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
+    last = None
+    for last in pattern.finditer(text):  # noqa: B007 - keep the last one
+        pass
+    return last.group(1) if last else None
+
+
+def _clean(answer: str) -> str:
+    """Strips markdown emphasis, math delimiters and a final full stop around an answer."""
+    answer = answer.strip().strip("*").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if answer.startswith(left) and answer.endswith(right) and len(answer) > len(left + right):
+            answer = answer[len(left) : -len(right)].strip()
+    return answer.rstrip(".").strip()
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer of a response: the last ``\\boxed{}`` or ``\\fbox{}`` (braces balanced,
+    ``\\boxed 5`` too), else the last ``Answer: ...`` line (DAPO), else the last ``#### N``
+    line (GSM8K). None when there is none or it is empty."""
+    for found in (
+        _last_box(response),
+        _last_match(_ANSWER_LINE, response),
+        _last_match(_GSM8K_LINE, response),
+    ):
+        if found is not None and (answer := _clean(found)):
+            return answer
+    return None
+
+
+def gold_answer(ground_truth: Any) -> str | None:
+    """The ground truth as an answer string: bare ("3/4"), LaTeX, a number, or a solution
+    ending in ``#### 18`` / a box. None when missing."""
+    if ground_truth is None or isinstance(ground_truth, bool):
+        return None
+    if isinstance(ground_truth, float) and ground_truth.is_integer():
+        ground_truth = int(ground_truth)  # JSON's 142.0 for AMC's 142
+    text = str(ground_truth).strip()
+    if "####" in text or any(c in text for c in _BOX_COMMANDS):
+        return extract_answer(text)
+    return _clean(text) or None
+
+
+# ------------------------------------------------------------------------- fast path
+
+_SPACING = re.compile(r"\\[,;:! ]|\\left\b|\\right\b|\$")
+_INTEGER = re.compile(r"[+-]?\d{1,60}")
+
+
+def _normalise(answer: str) -> str:
+    """Spelling-only changes: spacing macros, ``\\left``/``\\right``, ``\\dfrac``, and
+    whitespace except between two letters/digits (``\\pi r`` must not become ``\\pir``)."""
+    answer = _SPACING.sub("", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return re.sub(r"(?<![A-Za-z0-9])\s+|\s+(?![A-Za-z0-9])", "", answer)
+
+
+def fast_verdict(pred: str, gold: str) -> bool | None:
+    """True / False when it is certain without math-verify, else None."""
+    pred, gold = _normalise(pred), _normalise(gold)
+    if pred == gold:
+        return True
+    if _INTEGER.fullmatch(pred) and _INTEGER.fullmatch(gold):
+        return int(pred) == int(gold)  # AIME's "033" vs 33
+    return None
