@@ -431,3 +431,38 @@ def test_losses_ignore_garbage_at_masked_positions_in_value_and_gradient():
     loss2, _ = core.policy_loss(lp, old2, adv2, mask, mask.sum())
     (g2,) = torch.autograd.grad(loss2, lp)
     assert torch.equal(loss, loss2) and torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_actor_loss_matches_reference(agg):
+    """The assembled objective: surrogate + mu * NLL over correct tokens - entropy bonus + KL,
+    each term computed by loops."""
+    lp, old, adv, mask = loss_inputs(seed=3)
+    g = torch.Generator().manual_seed(4)
+    correct = torch.tensor([True, False, True, True, False, True])
+    entropy, ref = torch.rand(*lp.shape, generator=g), old + 0.1 * torch.randn(*lp.shape, generator=g)
+    norm = mask.sum() if agg == "token" else mask.shape[0]
+    n_correct = (mask & correct[:, None]).sum()
+    loss, stats = core.actor_loss(
+        lp, old, adv, mask, correct, norm, n_correct, 0.2, 0.28, agg=agg, nll_coef=0.1,
+        entropy=entropy, entropy_coef=0.01, ref_logprobs=ref, kl_coef=0.05,
+    )  # fmt: skip
+
+    def agg_ref(per_token):  # token: sum / tokens; sequence: mean of per-sequence means
+        seqs = [[per_token(b, t) for t in range(mask.shape[1]) if mask[b, t]] for b in range(mask.shape[0])]
+        if agg == "token":
+            return sum(map(sum, seqs)) / sum(map(len, seqs))
+        return sum(sum(s) / len(s) for s in seqs) / len(seqs)
+
+    lpd = lp.detach()
+    pg = policy_loss_reference(lpd, old, adv, mask, 0.2, 0.28, agg)
+    nll_terms = [-float(lpd[b, t]) for b in range(6) for t in range(lp.shape[1]) if mask[b, t] and correct[b]]
+    nll = sum(nll_terms) / len(nll_terms)
+    ent = agg_ref(lambda b, t: float(entropy[b, t]))
+    kl = agg_ref(lambda b, t: math.exp(ref[b, t] - lpd[b, t]) - 1 - (ref[b, t] - lpd[b, t]))
+    assert math.isclose(loss.item(), pg + 0.1 * nll - 0.01 * ent + 0.05 * kl, rel_tol=1e-5)
+    assert math.isclose(stats["pg_loss"].item(), pg, rel_tol=1e-5)
+    assert math.isclose(stats["nll_loss"].item(), nll, rel_tol=1e-5)
+    assert math.isclose(stats["kl_loss"].item(), float(kl), rel_tol=1e-4)
+    bare, bare_stats = core.actor_loss(lp, old, adv, mask, correct, norm, n_correct, agg=agg, nll_coef=0.0)
+    assert math.isclose(bare.item(), pg, rel_tol=1e-5) and "nll_loss" not in bare_stats

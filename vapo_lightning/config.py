@@ -54,6 +54,9 @@ class Algorithm:
     """KL penalty to the initial policy (not used by the paper; keeps a frozen copy if > 0)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    critic_updates_per_step: int = 1
+    """Critic optimiser steps on each mini-batch before its actor step (SAO, arXiv
+    2607.07508, uses 2); the value clip stays around V_old."""
     mini_batch_size: int = 512
     """Responses per optimiser step (per device); must divide prompts × n."""
     micro_batch_size: int = 8
@@ -80,6 +83,7 @@ class Algorithm:
             "clip_high": self.clip_high > 0,
             "nll_coef": self.nll_coef >= 0,
             "ppo_epochs": self.ppo_epochs >= 1,
+            "critic_updates_per_step": self.critic_updates_per_step >= 1,
             "mini_batch_size": self.mini_batch_size >= 1,
             "micro_batch_size": 1 <= self.micro_batch_size <= self.mini_batch_size,
             "dynamic_sampling_rounds": self.dynamic_sampling_rounds >= 0,

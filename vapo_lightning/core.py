@@ -21,6 +21,7 @@ from torch import Tensor
 LossAgg = Literal["token", "sequence"]
 
 __all__ = [
+    "actor_loss",
     "aggregate",
     "entropy_from_logits",
     "explained_variance",
@@ -426,3 +427,48 @@ def nll_loss(
     return aggregate(
         -torch.where(mask, logprobs, torch.zeros_like(logprobs)), mask, "token", normalizer
     )
+
+
+def actor_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    correct: Tensor,
+    normalizer: float | Tensor,
+    n_correct_tokens: float | Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    agg: LossAgg = "token",
+    nll_coef: float = 0.1,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's objective, VAPO §4.3: the clipped surrogate with Clip-Higher (Eq. 8) plus
+    mu times the positive-example LM loss (Eq. 10); optionally minus an entropy bonus and plus
+    a KL penalty to a reference policy (neither is in the paper).
+
+    logprobs, old_logprobs, advantages, response_mask: (B, T); correct: (B,) bool; entropy
+    and ref_logprobs (B, T) when their coefficient is > 0. `normalizer` is the policy loss's
+    (`aggregate`), `n_correct_tokens` the NLL's (`nll_loss`), both over the whole mini-batch.
+    Returns (loss, stats): `policy_loss`'s stats and each term (pg_loss, nll_loss, kl_loss),
+    detached.
+    """
+    pg, stats = policy_loss(
+        logprobs, old_logprobs, advantages, response_mask, normalizer,
+        clip_low, clip_high, clip_ratio_c, agg, is_weights,
+    )  # fmt: skip
+    loss, stats = pg, {**stats, "pg_loss": pg.detach()}
+    if nll_coef > 0:
+        nll = nll_loss(logprobs, response_mask, correct, n_correct_tokens)
+        loss, stats["nll_loss"] = loss + nll_coef * nll, nll.detach()
+    if entropy_coef > 0:
+        loss = loss - entropy_coef * aggregate(entropy, response_mask, agg, normalizer)
+    if kl_coef > 0:
+        kl = aggregate(kl_penalty(logprobs, ref_logprobs), response_mask, agg, normalizer)
+        loss, stats["kl_loss"] = loss + kl_coef * kl, kl.detach()
+    return loss, stats

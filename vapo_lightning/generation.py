@@ -141,7 +141,7 @@ def eager() -> Iterator[None]:
 def weights_cast_once() -> Iterator[None]:
     """Under autocast each forward casts every fp32 weight to the autocast dtype again unless
     autocast's cast cache is on, and Lightning's mixed precision turns it off from 2.6 on (in a
-    training step a cached cast would outlive the optimizer step; `PPOUpdates.optimizer_step`
+    training step a cached cast would outlive the optimizer step; `PPOUpdates.clip_and_step`
     drops them for older versions). A rollout's weights do not change, so the sampler turns the
     cache on: each weight is cast once per call instead of once per token (the TRL benchmark's
     bf16 rollout, 64 × 128 forced tokens, 1 CPU thread: `timing_s/gen` 2.10 -> 1.29 s,

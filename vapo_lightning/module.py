@@ -176,16 +176,14 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         timer = PhaseTimer()
         with timer("step"):
             r = self.rollout_and_score(batch, timer)  # group sampling + rewards
-            if self.is_one_pass(r):  # one epoch, one mini-batch: the updates' forwards give
-                stats = self.update_one_pass(r, timer)  # pi_old, V_old (same gradients)
-            else:
+            if not self.is_one_pass(r):  # else the updates' own forwards give pi_old, V_old
                 with timer("old_log_prob"):
                     self.compute_old_logprobs(r)  # log pi_old, entropy (no grad)
                 with timer("values"):
-                    self.compute_values(r)  # V(s_t) (no grad)
+                    self.compute_values(r)  # V_old(s_t) (no grad)
                 with timer("adv"):
                     self.compute_advantages(r)  # decoupled, length-adaptive GAE
-                stats = self.update(r, timer)  # critic, then actor unless warming up
+            stats = self.update(r, timer)  # critic, then actor unless value pretraining
         self.last_rollout = r
         self.log_step(r, stats, timer)
         self._count_rollout_as_one_step()

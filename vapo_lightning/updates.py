@@ -33,47 +33,66 @@ def sync_gradients(model: torch.nn.Module, last: bool) -> None:
         model.set_requires_gradient_sync(last)
 
 
+class OldEstimate:
+    """Where pi_old (or its entropy) or V_old of one update comes from: the no-grad pass that
+    filled `r.<name>` before the update, or, in one pass (`PPOUpdates.is_one_pass`), the
+    first forward of the update itself, recorded into the rollout as it goes. Either way the
+    update reads ``estimate(rows, output)``: the old quantity of those rows, detached."""
+
+    def __init__(self, r: Rollout, name: str) -> None:
+        self.r, self.name = r, name
+        self.recording = getattr(r, name) is None
+        if self.recording:
+            setattr(r, name, torch.zeros(r.response_mask.shape, device=r.response_mask.device))
+
+    def __call__(self, rows: Tensor, output: Tensor) -> Tensor:
+        store, T = getattr(self.r, self.name), output.shape[1]
+        if self.recording:
+            store[rows, :T] = output.detach()
+        return store[rows, :T]
+
+
 class PPOUpdates:
     """Mixed into VAPOModule: needs `policy`, `critic`, `ref_policy`, `algo`, `gen`, `optim`,
     `actor_frozen`, and its `compute_old_logprobs`, `compute_advantages`, `critic_targets`."""
 
     def update(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
-        stats: dict[str, list[float]] = defaultdict(list)
+        """`ppo_epochs` × mini-batches: `critic_updates_per_step` critic steps, then one
+        actor step (none while value pretraining freezes the actor).
+
+        pi_old and V_old are the no-grad passes' (`r.old_logprobs`, `r.values`), or, in one
+        pass, the first forward of the critic and the actor update (`OldEstimate`); the
+        advantages follow V_old, before the first actor step. Same gradients either way
+        (tests/test_updates.py), as long as the models have no active dropout."""
+        a, stats = self.algo, defaultdict(list)
         actor_opt, *critic_opt = as_list(self.optimizers())
-        for _ in range(self.algo.ppo_epochs):
-            for idx in torch.randperm(len(r)).split(self.algo.mini_batch_size):
-                mb = r.select(idx)
+        for _ in range(a.ppo_epochs):
+            for idx in self.mini_batch_indices(r):
                 if self.critic is not None:
                     with timer("update_critic"):
-                        self.critic_update(mb, critic_opt[0], stats)
+                        for _ in range(a.critic_updates_per_step):
+                            self.critic_update(r, idx, critic_opt[0], stats)
+                if r.advantages is None:
+                    with timer("adv"):
+                        self.compute_advantages(r)  # decoupled, length-adaptive GAE
                 if not self.actor_frozen:
                     with timer("update_actor"):
-                        self.actor_update(mb, actor_opt, stats)
-        return self.step_schedulers(stats)
-
-    def update_one_pass(self, r: Rollout, timer: PhaseTimer) -> dict[str, float]:
-        """One epoch over one mini-batch: pi_old and V_old are the models as they stand, so
-        the updates' own forwards provide them and the two no-grad passes are skipped. The
-        critic steps first, recording V_old; advantages follow; then the actor, with
-        ratio = 1 at its single step. The same gradients as `update` (tests/test_micro_batches.py)
-        as long as the models have no active dropout (pi_old comes from a train-mode forward)."""
-        stats: dict[str, list[float]] = defaultdict(list)
-        actor_opt, *critic_opt = as_list(self.optimizers())
-        if self.critic is not None:
-            with timer("update_critic"):
-                self.critic_update(r, critic_opt[0], stats, fresh=True)
-        with timer("adv"):
-            self.compute_advantages(r)
-        if self.actor_frozen:  # value pretraining: pi_old only for the entropy metrics
+                        self.actor_update(r, idx, actor_opt, stats)
+        if r.old_logprobs is None:  # a frozen actor in one pass: pi_old for the metrics only
             with timer("old_log_prob"):
                 self.compute_old_logprobs(r)
-        else:
-            with timer("update_actor"):
-                self.actor_update(r, actor_opt, stats, fresh=True)
         return self.step_schedulers(stats)
 
     def is_one_pass(self, r: Rollout) -> bool:
+        """One epoch over one mini-batch, no reference policy: pi_old and V_old are the models
+        as they stand, so the updates' own forwards give them and the no-grad passes are skipped."""
         return self.algo.ppo_epochs == 1 and len(r) <= self.algo.mini_batch_size and self.ref_policy is None
+
+    def mini_batch_indices(self, r: Rollout) -> list[Tensor]:
+        """The rows of each mini-batch, shuffled anew at every epoch (one mini-batch: in order)."""
+        if len(r) <= self.algo.mini_batch_size:
+            return [torch.arange(len(r))]
+        return list(torch.randperm(len(r)).split(self.algo.mini_batch_size))
 
     def step_schedulers(self, stats: dict[str, list[float]]) -> dict[str, float]:
         actor_sched, *critic_sched = as_list(self.lr_schedulers())
@@ -83,67 +102,56 @@ class PPOUpdates:
             actor_sched.step()
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
-    def critic_update(
-        self, mb: Rollout, opt: Any, stats: dict[str, list[float]], fresh: bool = False
-    ) -> None:
-        """fresh: V_old is this forward's output (`update_one_pass`); it is written to
-        `mb.values` and the targets are computed here, micro-batch by micro-batch."""
+    def critic_update(self, r: Rollout, index: Tensor, opt: Any, stats: dict[str, list[float]]) -> None:
+        """One critic step on the rows `index` of `r`: `core.value_loss` against the targets
+        of decoupled GAE (`critic_targets`, from V_old), over global token normalisers."""
         self.critic.train()
-        n_tokens = self.global_sum(mb.response_mask.sum())
+        mask = r.response_mask[index]
+        n_tokens = self.global_sum(mask.sum())
+        v_old = OldEstimate(r, "values")
         loss_sum = clip_sum = 0.0
-        if fresh:
-            mb.values = self.per_token(mb)
-        micros = list(self.micro_batches(mb))
-        for i, (idx, micro) in enumerate(micros):
+        micros = list(self.micro_batches(r, index))
+        for i, (rows, micro) in enumerate(micros):
             sync_gradients(self.critic, last=i == len(micros) - 1)
             values = critic_values(self.critic, micro)
-            if fresh:
-                micro.values = values.detach()
-                mb.values[idx, : values.shape[1]] = micro.values
-                micro.returns = self.critic_targets(micro)
+            micro.values = v_old(rows, values)
             loss, clipfrac = core.value_loss(
-                values,
-                micro.values,
-                micro.returns,
-                micro.response_mask,
-                n_tokens,
-                self.algo.value_clip,
-            )
+                values, micro.values, self.critic_targets(micro), micro.response_mask,
+                n_tokens, self.algo.value_clip,
+            )  # fmt: skip
             self.manual_backward(loss * self.trainer.world_size)  # DDP / FSDP average gradients
             loss_sum += loss.detach() * self.trainer.world_size
-            clip_sum += clipfrac * micro.response_mask.sum() / mb.response_mask.sum()
+            clip_sum += clipfrac * micro.response_mask.sum() / mask.sum()
         stats["critic/vf_loss"].append(float(loss_sum))
         stats["critic/vf_clipfrac"].append(float(clip_sum))
-        self.optimizer_step(opt, self.critic, "critic", stats)
+        self.clip_and_step(opt, self.critic, "critic", stats)
 
-    def actor_update(
-        self, mb: Rollout, opt: Any, stats: dict[str, list[float]], fresh: bool = False
-    ) -> None:
-        """fresh: pi_old is this forward's output, detached (`update_one_pass`); it and the
-        entropy are written to `mb.old_logprobs` / `mb.entropy` for the metrics."""
+    def actor_update(self, r: Rollout, index: Tensor, opt: Any, stats: dict[str, list[float]]) -> None:
+        """One actor step on the rows `index` of `r`: `core.actor_loss` (clipped surrogate
+        with Clip-Higher and the positive-example LM loss) over global normalisers (§4.2)."""
         a = self.algo
         self.policy.train()
-        mask = mb.response_mask
+        mask, correct = r.response_mask[index], r.correct[index]
         n_tokens = self.global_sum(mask.sum())
-        normalizer = (
-            n_tokens
+        normalizers = {
+            "normalizer": n_tokens
             if a.loss_agg == "token"
-            else self.global_sum(torch.tensor(len(mb), device=mask.device))
-        )
-        n_correct = self.global_sum((mask & mb.correct[:, None]).sum())
+            else self.global_sum(torch.tensor(len(index), device=mask.device)),
+            "n_correct_tokens": self.global_sum((mask & correct[:, None]).sum()),
+        }
         temperature = self.logprob_temperature
-        if fresh:
-            mb.old_logprobs, mb.entropy = self.per_token(mb), self.per_token(mb)
-        micros = list(self.micro_batches(mb))
+        pi_old, entropy_old = OldEstimate(r, "old_logprobs"), OldEstimate(r, "entropy")
+        micros = list(self.micro_batches(r, index))
         acc: dict[str, Tensor | float] = defaultdict(float)
-        for i, (idx, micro) in enumerate(micros):
+        for i, (rows, micro) in enumerate(micros):
             sync_gradients(self.policy, last=i == len(micros) - 1)
             m = micro.response_mask
             logits = policy_logits(self.policy, micro)
             logprobs = core.logprobs_from_logits(logits, micro.responses, temperature)
-            if fresh:
-                micro.old_logprobs = logprobs.detach()
-                mb.old_logprobs[idx, : m.shape[1]] = micro.old_logprobs
+            # With an entropy bonus the entropy needs its graph; otherwise only its value.
+            with torch.set_grad_enabled(a.entropy_coef > 0):
+                entropy = core.entropy_from_logits(logits, temperature)  # (B, T)
+            micro.old_logprobs, _ = pi_old(rows, logprobs), entropy_old(rows, entropy)
             is_weights = (  # truncated importance sampling against the engine that sampled
                 correction.truncated_is_weights(
                     micro.old_logprobs, micro.rollout_logprobs, m, a.rollout_is_cap
@@ -151,38 +159,21 @@ class PPOUpdates:
                 if a.rollout_is == "tis"
                 else None
             )
-            pg, st = core.policy_loss(
-                logprobs, micro.old_logprobs, micro.advantages, m, normalizer,
-                a.clip_low, a.clip_high, a.clip_ratio_c, a.loss_agg, is_weights,
+            loss, st = core.actor_loss(
+                logprobs, micro.old_logprobs, micro.advantages, m, micro.correct, **normalizers,
+                clip_low=a.clip_low, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                agg=a.loss_agg, nll_coef=a.nll_coef, entropy=entropy, entropy_coef=a.entropy_coef,
+                ref_logprobs=micro.ref_logprobs, kl_coef=a.kl_coef, is_weights=is_weights,
             )  # fmt: skip
-            loss = pg
-            if a.nll_coef > 0:  # positive-example LM loss (§4.3, Eq. 10)
-                nll = core.nll_loss(logprobs, m, micro.correct, n_correct)
-                loss = loss + a.nll_coef * nll
-                acc["actor/nll_loss"] += nll.detach()
-            # With an entropy bonus the entropy needs its graph; otherwise only its value.
-            with torch.set_grad_enabled(a.entropy_coef > 0):
-                entropy = core.entropy_from_logits(logits, temperature)  # (B, T)
-            if fresh:
-                mb.entropy[idx, : m.shape[1]] = entropy.detach()
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * core.aggregate(entropy, m, a.loss_agg, normalizer)
-            if a.kl_coef > 0:
-                kl = core.aggregate(
-                    core.kl_penalty(logprobs, micro.ref_logprobs), m, a.loss_agg, normalizer
-                )
-                loss = loss + a.kl_coef * kl
-                acc["actor/kl_loss"] += kl.detach()
             self.manual_backward(loss * self.trainer.world_size)
             with torch.no_grad():
                 share = m.sum() / mask.sum()  # per-token means, weighted by tokens
-                acc["actor/pg_loss"] += pg.detach()
+                for k in ("pg_loss", "nll_loss", "kl_loss"):
+                    if k in st:
+                        acc[f"actor/{k}"] += st[k]
                 acc["actor/entropy"] += core.masked_sum(entropy.detach(), m) / n_tokens
-                for name, key in [
-                    ("pg_clipfrac_high", "clipfrac_high"),
-                    ("pg_clipfrac_lower", "clipfrac_low"),
-                ]:
-                    acc[f"actor/{name}"] += st[key] * share
+                acc["actor/pg_clipfrac_high"] += st["clipfrac_high"] * share
+                acc["actor/pg_clipfrac_lower"] += st["clipfrac_low"] * share
                 acc["actor/ppo_kl"] += st["approx_kl"] * share
         world = self.trainer.world_size
         for k, v in acc.items():  # losses are this rank's share of the global sum
@@ -191,9 +182,9 @@ class PPOUpdates:
         stats["actor/pg_clipfrac"].append(
             stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
         )
-        self.optimizer_step(opt, self.policy, "actor", stats)
+        self.clip_and_step(opt, self.policy, "actor", stats)
 
-    def optimizer_step(
+    def clip_and_step(
         self, opt: Any, model: torch.nn.Module, name: str, stats: dict[str, list[float]]
     ) -> None:
         """Clips and steps; a non-finite gradient norm skips the step (counted in
@@ -237,13 +228,15 @@ class PPOUpdates:
         """A zero (B, T) float tensor, one entry per response position."""
         return torch.zeros(r.response_mask.shape, device=r.response_mask.device)
 
-    def micro_batches(self, r: Rollout) -> Iterator[tuple[Tensor, Rollout]]:
-        """(row index, micro-batch) pairs; rows are grouped by length (prompt + response
-        tokens), so `trimmed` cuts much of the padding. The loss sums each token once over global
-        normalisers (§4.2), so the grouping does not change the gradient."""
-        order = torch.argsort(r.attention_mask.sum(-1), stable=True)
-        for idx in order.split(self.algo.micro_batch_size):
-            yield idx, r.select(idx).trimmed()
+    def micro_batches(self, r: Rollout, index: Tensor | None = None) -> Iterator[tuple[Tensor, Rollout]]:
+        """(rows of `r`, micro-batch) pairs over the rows `index` (default: all); rows are
+        grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding.
+        The loss sums each token once over global normalisers (§4.2), so the grouping does not
+        change the gradient."""
+        index = torch.arange(len(r)) if index is None else index
+        order = index[torch.argsort(r.attention_mask[index].sum(-1).cpu(), stable=True)]
+        for rows in order.split(self.algo.micro_batch_size):
+            yield rows, r.select(rows).trimmed()
 
     def global_sum(self, x: Tensor) -> Tensor:
         """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""

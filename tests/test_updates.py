@@ -1,5 +1,7 @@
-"""Micro-batching is bookkeeping only: rows are grouped by length to cut padding, and the
-old log-probs, values and both models' gradients equal those of one row at a time."""
+"""The updates (`vapo_lightning.updates`): micro-batching is bookkeeping only (rows are grouped
+by length to cut padding, and the old log-probs, values and both models' gradients equal those
+of one row at a time); the one-pass path gives the two-pass gradients; several critic steps
+per actor step."""
 
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def capture_gradients(module) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
 
     module.manual_backward = lambda loss: loss.backward()
-    module.optimizer_step = capture
+    module.clip_and_step = capture
     return grads
 
 
@@ -104,9 +106,9 @@ def gradients(tok, micro: int, keep: bool = False, frozen: bool = False, **algor
     module.compute_values(r)
     module.compute_advantages(r)
     grads = capture_gradients(module)
-    module.critic_update(r, None, defaultdict(list))
+    module.critic_update(r, torch.arange(B), None, defaultdict(list))
     if not frozen:
-        module.actor_update(r, None, defaultdict(list))
+        module.actor_update(r, torch.arange(B), None, defaultdict(list))
     return (grads, r) if keep else grads
 
 
@@ -146,7 +148,7 @@ def test_one_pass_update_equals_the_two_pass_update(tok, case):
     module.optimizers = lambda: [None, None]
     module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
     grads = capture_gradients(module)
-    stats = module.update_one_pass(r, PhaseTimer())
+    stats = module.update(r, PhaseTimer())
     want, two = gradients(tok, 2, keep=True, frozen=frozen, **settings)
     assert grads.keys() == want.keys() and any(k.startswith("actor") for k in want) != frozen
     for k in want:
@@ -156,3 +158,62 @@ def test_one_pass_update_equals_the_two_pass_update(tok, case):
         torch.testing.assert_close(getattr(r, field)[mask], getattr(two, field)[mask], atol=1e-5, rtol=1e-5)
     assert stats["critic/vf_clipfrac"] == 0 and stats.get("actor/pg_clipfrac", 0) == 0
     assert not module.is_one_pass(r.select(torch.arange(B).repeat(2)))  # two mini-batches
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_several_critic_steps_per_actor_step(tok, one_pass):
+    """critic_updates_per_step=2: two critic steps on the mini-batch, both against V_old
+    and the same targets, then one actor step; the second step's gradient is that of the
+    value loss at the once-stepped critic (checked against a manual SGD step)."""
+    module = module_with(tok, 2, critic_updates_per_step=2)
+    r = rollout(module.policy.config.vocab_size)
+    reference = module_with(tok, 2)  # same seed: same initial critic
+    ref_r = rollout(module.policy.config.vocab_size)
+    if not one_pass:
+        for m, x in [(module, r), (reference, ref_r)]:
+            m.compute_old_logprobs(x)
+            m.compute_values(x)
+            m.compute_advantages(x)
+    assert module.is_one_pass(r)
+    lr, steps = 0.5, []
+
+    def sgd(opt, model, name, stats):  # a plain SGD step, recording each model's gradients
+        steps.append((name, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        model.zero_grad(set_to_none=True)
+
+    module.manual_backward = lambda loss: loss.backward()
+    module.clip_and_step = sgd
+    module.optimizers = lambda: [None, None]
+    module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
+    values_before = None if one_pass else r.values.clone()
+    stats = module.update(r, PhaseTimer())
+    assert [name for name, _ in steps] == ["critic", "critic", "actor"]
+    assert len(stats) and "critic/vf_loss" in stats
+
+    # The reference: V_old and targets from the initial critic, two manual SGD steps.
+    critic, mask = reference.critic, ref_r.response_mask
+    with torch.no_grad():
+        v_old = critic_values(critic, ref_r.trimmed())
+        ref_r.values = torch.zeros(mask.shape)
+        ref_r.values[:, : v_old.shape[1]] = v_old
+        if values_before is not None:
+            torch.testing.assert_close(values_before[mask], ref_r.values[mask], atol=1e-5, rtol=1e-5)
+        targets = reference.critic_targets(ref_r)
+    for k in range(2):
+        critic.zero_grad(set_to_none=True)
+        loss, _ = core.value_loss(critic_values(critic, ref_r), ref_r.values, targets, mask, mask.sum(), 0.2)
+        loss.backward()
+        for n, p in critic.named_parameters():
+            torch.testing.assert_close(steps[k][1][n], p.grad, atol=1e-6, rtol=1e-4)
+        with torch.no_grad():
+            for p in critic.parameters():
+                p -= lr * p.grad
+    torch.testing.assert_close(r.values[mask], ref_r.values[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_critic_updates_per_step_must_be_positive():
+    with pytest.raises(ValueError, match="critic_updates_per_step"):
+        Algorithm(critic_updates_per_step=0)
