@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT as DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.compare import judge
+from vapo_lightning.sandbox.protocol import frame
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
 
@@ -151,7 +152,7 @@ class WarmServer:
     def run(self, request: dict) -> tuple[dict, bytes]:
         blob = json.dumps(request).encode()
         with self.lock:
-            self.proc.stdin.write(struct.pack(">I", len(blob)) + blob)
+            self.proc.stdin.write(frame(blob))
             self.proc.stdin.flush()
             header, raw = self._recv()
             self.spare_sids = list(header.get("spare_sids", []))
@@ -163,7 +164,7 @@ class WarmServer:
         after the reply, so a reply's own list may lack them)."""
         blob = json.dumps({"op": "spares"}).encode()
         with self.lock:
-            self.proc.stdin.write(struct.pack(">I", len(blob)) + blob)
+            self.proc.stdin.write(frame(blob))
             self.proc.stdin.flush()
             header, _ = self._recv()
             self.spare_sids = list(header.get("spare_sids", []))

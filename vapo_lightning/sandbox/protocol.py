@@ -1,0 +1,102 @@
+"""The fork server's wire formats, between the host, the server, its helpers and its sandboxes.
+
+Host and server (the server's stdin / stdout): a frame is a 4-byte big-endian length and that
+many bytes of JSON. A request ``{"code", "inputs", "fn_name", "timeout_s", "limits"}`` is one
+frame; the reply is a frame holding a JSON header, then ``header["raw_len"]`` raw bytes of the
+result pipe (the host decodes them). The request ``{"op": "spares"}`` is answered with
+``{"spare_sids": [...]}``: the session ids of the idle spares, once the spares a run leaves to
+fork after its reply are forked. The server hands a run's request frame on, as received, to
+its sandbox's request pipe.
+
+Server to zygote (a SOCK_SEQPACKET pair): one message per sandbox to fork, the tmpfs size in
+MiB (``=i``) then ``host_dir\\0cgroup\\0...`` (host_dir empty when the sandbox gets a private
+/tmp), with the sandbox's ends of its three pipes (control, result, request) attached; the
+zygote answers with its pid (``=i``), or minus an errno. Server to mount namespace holder (a
+pipe): the pid (``=i``) of each run's sandbox.
+
+Sandbox to server, one line each on the control pipe: ``P <pid>`` (C: P2's pid), ``L <JSON
+list>`` (P2: the layers in effect, sent just before the program runs) and ``X <error>`` (a
+setup error).
+
+Stdlib only, no sibling imports: the server runs as a script (``python -I -S``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+DEFAULT_LIMITS = {
+    "memory_mb": 2048,
+    "file_mb": 16,
+    "open_files": 128,
+    "processes": 32,
+    "pids": 256,
+    "tmp_mb": 64,
+    "stdout_bytes": 1 << 20,
+    "output_bytes": 8 << 20,
+}
+"""A request's ``limits`` when the host gives none (the probe run, the first spares)."""
+
+
+def frame(blob: bytes) -> bytes:
+    return struct.pack(">I", len(blob)) + blob
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def read_frame(fd: int) -> bytes:
+    """One frame's content; EOFError when the writer closed the stream first."""
+    (n,) = struct.unpack(">I", read_exact(fd, 4))
+    return read_exact(fd, n)
+
+
+def spare_message(tmp_mb: int, host_dir: str | None, cgroups: list[str]) -> bytes:
+    return struct.pack("=i", int(tmp_mb)) + "\0".join([host_dir or "", *cgroups]).encode()
+
+
+def parse_spare_message(msg: bytes) -> tuple[int, str | None, list[str]]:
+    """``(tmp_mb, host_dir or None, cgroups)`` of a `spare_message`."""
+    (tmp_mb,) = struct.unpack("=i", msg[:4])
+    host_dir, *cgroups = msg[4:].decode().split("\0")
+    return tmp_mb, host_dir or None, cgroups
+
+
+def pack_pid(pid: int) -> bytes:
+    return struct.pack("=i", pid)
+
+
+def unpack_pid(data: bytes) -> int:
+    return struct.unpack("=i", data)[0]
+
+
+def write_error(fd: int, what: str) -> None:
+    """An ``X`` line on the control pipe (at most 500 bytes)."""
+    os.write(fd, f"X {what}\n".encode()[:500])
+
+
+def parse_ctl(ctl: bytes) -> dict:
+    layers, errors = [], []
+    for line in ctl.decode("utf-8", "replace").splitlines():
+        if line.startswith("L "):
+            layers = json.loads(line[2:])
+        elif line.startswith("X "):
+            errors.append(line[2:])
+    return {"layers": layers, "setup_errors": errors}
+
+
+def pid_line(ctl: bytes) -> bytes | None:
+    """C's report: ``P <pid of P2>`` or ``X <error>``, once a whole line of it arrived."""
+    for line in ctl.split(b"\n")[:-1]:
+        if line.startswith((b"P ", b"X C ")):
+            return line
+    return None
