@@ -3,14 +3,14 @@
 Under CPU autocast, SDPA runs in bf16, and torch's bf16 flash-attention *backward* on the CPU
 is slower than the fp32 one (535 against 233 ms in a torch profile of one actor update at the
 TRL benchmark's shapes, 64 × 183 tokens). The whole update with attention in fp32: 1.50 ->
-1.18 s with 2 threads, 2.57 -> 2.12 s with 1 (`python benchmarks/probe_attention_cpu.py`,
-`benchmarks/results/attention_cpu.md`). `SDPA` below is transformers' SDPA attention,
-except that on the CPU under autocast it runs in fp32 (faster there for training, and more
-accurate), in every forward but decoding's on CPUs with AMX: the sampler's single-token
-forwards only read the KV cache, and bf16 halves the bytes they read (`decoding()`,
-`decodes_in_autocast_dtype`). So the forwards that give pi_old, V and the updates' log-probs
-all use the same kernel, whatever the grad mode. On GPUs, and without autocast, it is
-transformers' own function.
+1.18 s with 2 threads, 2.57 -> 2.12 s with 1
+(`python benchmarks/probes/probe_attention_cpu.py`, `benchmarks/results/attention_cpu.md`).
+`SDPA` below is transformers' SDPA attention, except that on the CPU under autocast it runs in
+fp32 (faster there for training, and more accurate), in every forward but decoding's on CPUs
+with AMX: the sampler's single-token forwards only read the KV cache, and bf16 halves the bytes
+they read (`decoding()`, `decodes_in_autocast_dtype`). So the forwards that give pi_old, V and
+the updates' log-probs all use the same kernel, whatever the grad mode. On GPUs, and without
+autocast, it is transformers' own function.
 
 `models._finish` selects it for the model types listed in `STANDARD_SDPA` (their modeling code
 calls attention only through transformers' interface; some others test the name "sdpa"
@@ -59,8 +59,7 @@ def decodes_in_autocast_dtype(device_type: str) -> bool:
     CPUs with AMX), or in fp32 (other CPUs). Without AMX, torch's CPU bf16 attention is the slow
     one: one decoding attention call (64 rows, 4 heads, 183 cached keys, head dim 64, the cache's
     strided views, 1 thread) took 3.45 ms in bf16 and 0.95 ms in fp32 on an AMD EPYC with
-    AVX512-BF16 (benchmarks/results/decode_attention_cpu.md), and the TRL benchmark's bf16
-    sampler 1.9 s against 1.3 s with an fp32 cache (benchmarks/RESULTS.md)."""
+    AVX512-BF16 (benchmarks/results/decode_attention_cpu.md)."""
     return device_type != "cpu" or cpu_has_amx()
 
 

@@ -143,15 +143,13 @@ def weights_cast_once() -> Iterator[None]:
     autocast's cast cache is on, and Lightning's mixed precision turns it off from 2.6 on (in a
     training step a cached cast would outlive the optimizer step; `PPOUpdates.clip_and_step`
     drops them for older versions). A rollout's weights do not change, so the sampler turns the
-    cache on: each weight is cast once per call instead of once per token (the TRL benchmark's
-    bf16 rollout, 64 × 128 forced tokens, 1 CPU thread: `timing_s/gen` 2.10 -> 1.29 s,
-    `benchmarks/results/trl_bf16_session1{7,8}.md`; the machine ran ~20 % faster in the second
-    run). The cache is dropped on entry (the caller's region may hold casts of weights updated
-    since) and on exit (these casts were made under no_grad, for weights an update will change),
-    where the flag is restored. The flag is per thread; the cache is one for the process, so
-    another thread's autocast may use or drop these casts meanwhile. Memory: while it samples,
-    one copy of the fp32 weights in the autocast dtype (half their size; none for FSDP's bf16
-    parameters, which are not cast)."""
+    cache on: each weight is cast once per call instead of once per token. The cache is dropped
+    on entry (the caller's region may hold casts of weights updated since) and on exit (these
+    casts were made under no_grad, for weights an update will change), where the flag is
+    restored. The flag is per thread; the cache is one for the process, so another thread's
+    autocast may use or drop these casts meanwhile. Memory: while it samples, one copy of the
+    fp32 weights in the autocast dtype (half their size; none for FSDP's bf16 parameters, which
+    are not cast)."""
     enabled = torch.is_autocast_cache_enabled()
     torch.clear_autocast_cache()
     torch.set_autocast_cache_enabled(True)

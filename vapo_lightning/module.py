@@ -56,8 +56,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         torch_compile: `torch.compile` the policy and the critic (whole models; verl's
             use_torch_compile compiles only its entropy function) for every forward except
             the sampler's, whose KV cache grows at each step (it runs
-            eager). Fuses the elementwise work of the updates: one actor update 1.21× (fp32)
-            and 1.39× (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a
+            eager). Fuses the elementwise work of the updates: one actor update 1.24× (fp32)
+            and 1.36× (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a
             compile of tens of seconds per model at the first step and at the first new
             batch shape.
     """
