@@ -151,8 +151,11 @@ class VLLMOptions:
     enable_prefix_caching: bool = True
     """Share the KV cache of a prompt between its n samples."""
     sleep: bool = True
-    """On a GPU, release the engine's memory while the models train (vLLM sleep mode,
-    level 1: weights offloaded, KV cache freed) and take it back for the next rollout."""
+    """On a GPU, release the engine's memory while the models train (vLLM sleep mode) and
+    take it back for the next rollout. The KV cache is freed; before an actor update the weights
+    are discarded (level 2: the update replaces them, the next rollout loads the new ones),
+    while the actor is frozen (value pretraining) and after validation they are offloaded to
+    host memory (level 1)."""
     max_num_seqs: int = 256
     """Sequences decoded at once (continuous batching)."""
     kv_cache_gib: int = 1
