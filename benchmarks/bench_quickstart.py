@@ -1,7 +1,10 @@
 """Runs the README's first command (`vapo fit -c configs/quickstart.yaml`) and reports what it
 did: wall time, val/accuracy before training and at each validation, reward and entropy.
 
-    .venv/bin/python benchmarks/bench_quickstart.py > benchmarks/results/quickstart.md
+    .venv/bin/python benchmarks/bench_quickstart.py [CONFIG] > quickstart.md
+
+CONFIG defaults to `configs/quickstart.yaml`. The report (Markdown) goes to standard output;
+redirect it to the file you want. The run's logs go to a fresh temporary directory.
 """
 
 from __future__ import annotations

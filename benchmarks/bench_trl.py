@@ -11,9 +11,14 @@ out "go"s round-robin (rotating the order each round), so no two systems ever ru
 
 Per step, all three: 16 prompts × 4 samples = 64 responses of exactly 128 new tokens
 (EOS suppressed by min_new_tokens), one epoch, one mini-batch of 64 (one optimizer step per
-model), fp32, 2 threads, no gradient checkpointing.
+model), no gradient checkpointing; by default fp32 (`--precision bf16`: mixed precision) and
+1 torch thread per child (`--threads`).
 
-    .venv/bin/python benchmarks/bench_trl.py            # writes benchmarks/results/trl.md
+    .venv/bin/python benchmarks/bench_trl.py --precision bf16 --compile --micro-batch 32 \
+        --out benchmarks/results/trl_bf16_compile_micro32_xeon.md
+
+The report goes to `--out` (default `benchmarks/results/trl.md`, which is not kept in the
+repository: the committed reports are named by settings and CPU, `benchmarks/results/trl_*.md`).
 """
 
 from __future__ import annotations
