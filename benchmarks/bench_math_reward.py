@@ -1,9 +1,14 @@
 """Math checks per second: math-verify in-process (reference), and `MathVerifier` with one worker
-process and batched across N worker processes, on real gold answers (MATH-500 and GSM8K test
-from ../shared/data) in a mix of correct responses spelled differently from the gold answer
-(so they reach math-verify, not the exact-match fast path) and wrong ones.
+process and batched across N worker processes, on real gold answers (MATH-500 and GSM8K test)
+in a mix of correct responses spelled differently from the gold answer (so they reach
+math-verify, not the exact-match fast path) and wrong ones.
 
-    .venv/bin/python benchmarks/bench_math_reward.py --workers 1 2 4 --repeats 3
+    .venv/bin/python benchmarks/bench_math_reward.py --data DIR --workers 1 2 4 --repeats 3
+
+The repository does not ship these sets: DIR must hold them as released, `math500.json` (a
+JSON list of objects with an "answer", the MATH-500 copy of agentica-project/deepscaler,
+`deepscaler/data/test/math.json`) and `gsm8k_test.jsonl` (openai/grade-school-math's
+`grade_school_math/data/test.jsonl`, answers ending in `#### N`).
 
 Prints a markdown table (results in benchmarks/results/math_reward.md).
 """
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from vapo_lightning.rewards.math import MathVerifier, extract_answer
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_FILES = ("math500.json", "gsm8k_test.jsonl")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 FRAC = re.compile(r"(-?)\\[dt]?frac\{?(\d+)\}?\{?(\d+)\}?")
 
@@ -47,9 +52,9 @@ def wrong_form(answer: str, other: str) -> str:
     return other  # another problem's gold answer
 
 
-def make_pairs(seed: int = 0) -> list[tuple[str, str]]:
-    math500 = [row["answer"] for row in json.loads((DATA / "math500.json").read_text())]
-    with open(DATA / "gsm8k_test.jsonl") as f:
+def make_pairs(data: Path, seed: int = 0) -> list[tuple[str, str]]:
+    math500 = [row["answer"] for row in json.loads((data / "math500.json").read_text())]
+    with open(data / "gsm8k_test.jsonl") as f:
         gsm8k = [json.loads(line)["answer"] for line in f]
     pairs = []
     for golds in (math500, gsm8k):
@@ -103,12 +108,27 @@ def bench_pool(pairs, workers: int, repeats: int, batch: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="directory holding math500.json (MATH-500) and gsm8k_test.jsonl (GSM8K test), "
+        "as released; the repository does not ship them",
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=512, help="checks per check_batch call")
     args = parser.parse_args()
+    missing = [name for name in DATA_FILES if not (args.data / name).is_file()]
+    if missing:
+        parser.error(
+            f"--data {args.data}: no {' or '.join(missing)} there. This benchmark needs the "
+            "MATH-500 and GSM8K test sets, which the repository does not ship; the docstring "
+            "of benchmarks/bench_math_reward.py names their sources"
+        )
 
-    pairs = make_pairs()
+    pairs = make_pairs(args.data)
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}"
