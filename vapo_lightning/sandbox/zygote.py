@@ -305,10 +305,10 @@ def start_mount_ns_holder() -> tuple[int, int]:
     1.2 ms here, on every run's critical path, the CPU idle meanwhile (results/sandbox_cpu.md).
     Sent a sandbox's pid when its run starts, the holder opens that process's mount namespace
     and keeps it until the next run's arrives, so that P2's exit no longer tears it down: the
-    holder's close does, while the next run goes on (HumanEval throughput +1-9 % in six
-    alternated rounds, `probe_sandbox_cpu.py --humaneval 5`). One run's namespace, with its
-    /tmp, outlives the run until the next one starts; the holder never enters it and never runs
-    candidate code. Returns its pid and the pipe to it."""
+    holder's close does, while the next run goes on (`benchmarks/probes/probe_sandbox_cpu.py
+    --humaneval 5` measures the throughput). One run's namespace, with its /tmp, outlives the
+    run until the next one starts; the holder never enters it and never runs candidate code.
+    Returns its pid and the pipe to it."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:
