@@ -3,7 +3,7 @@
 Layout convention everywhere: response tensors are (B, T), right-padded, with
 `response_mask` (B, T) true on generated tokens. `values[:, t]` is V(s_t), the critic's
 output at the position *before* response token t (for t = 0 the last prompt position).
-Section numbers refer to VAPO v3; see ../shared/VAPO_SPEC.md for every number used here.
+Section numbers refer to VAPO v3; docs/algorithm.md gives the notation, defaults and checks.
 
 Losses take their normaliser explicitly (e.g. the number of valid tokens of the whole
 mini-batch, all-reduced over ranks by the caller), so splitting a mini-batch into
