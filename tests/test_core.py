@@ -1,4 +1,4 @@
-"""The math core against slow, obvious references and VAPO_SPEC.md's check vectors."""
+"""The math core against slow, obvious references and docs/algorithm.md#check-vectors."""
 
 import math
 

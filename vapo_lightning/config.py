@@ -2,7 +2,8 @@
 
 Every VAPO technique is a switch here (or a callback: value pretraining), so vanilla PPO,
 GRPO, DAPO and each "VAPO without X" ablation are configs of the same trainer
-(configs/*.yaml). Defaults are the paper's; VAPO_SPEC.md lists where each comes from.
+(configs/*.yaml). Defaults are the paper's; the table in
+docs/algorithm.md#defaults-the-papers-training-setup-51 sets each beside the paper's value.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a rollout step logs: verl's metric names (VAPO_SPEC.md "Metrics"), phase timings.
+"""What a rollout step logs: verl's metric names (docs/algorithm.md#metrics), phase timings.
 
 `rollout_metrics` is a pure function of the rollout and the phase timer; the module adds
 the update statistics, reduces across ranks and logs.
