@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from vapo_lightning.data import DataError, read_rows
+from vapo_lightning.jsonl import write_jsonl
 from vapo_lightning.rewards.math import extract_answer
 
 __all__ = ["FORMATS", "Conversion", "convert", "last_boxed", "main", "parser", "write_jsonl"]
@@ -286,18 +286,6 @@ def convert(
                 | item.extra
             )
     return Conversion(rows, errors, duplicates)
-
-
-def write_jsonl(rows: Sequence[dict], out: str | Path) -> Path:
-    """Writes one JSON object per line, through a temporary file and a rename."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
-    return out
 
 
 def parser() -> argparse.ArgumentParser:

@@ -30,7 +30,8 @@ from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from vapo_lightning.tasks import arithmetic, functions
+from vapo_lightning.jsonl import read_jsonl
+from vapo_lightning.tasks import arithmetic, digitwise, functions
 from vapo_lightning.tokenization import train_bpe
 
 __all__ = ["TASKS", "SFTDataModule", "SFTModule", "SFTTask", "chat_prompt", "sft_main"]
@@ -53,6 +54,9 @@ class SFTTask:
     answer_only: Callable[[dict], str] | None = None
     """The row's solution without its working (``\\boxed{N}`` for arithmetic), or None
     where the task has no such form (a program is its own working)."""
+    with_slips: Callable[[dict, random.Random, float], dict] | None = None
+    """``with_slips(row, rng, rate)``: the row with a demonstration that slips at `rate`
+    (`vapo_lightning.tasks.digitwise.with_slips`), or None where the task has none."""
 
 
 def _check_arithmetic(responses: Sequence[str], rows: Sequence[dict]) -> list[bool]:
@@ -67,6 +71,9 @@ TASKS = {
         answer_only=lambda row: arithmetic.boxed(row["answer"]),
     ),
     "functions": SFTTask(functions.generate, functions.check, _ASSETS / "functions"),
+    "digitwise": SFTTask(
+        digitwise.generate, digitwise.check, _ASSETS / "digitwise", with_slips=digitwise.with_slips
+    ),
 }
 """The tasks `SFTDataModule(task=...)` knows; ``functions`` is checked in the sandbox."""
 
@@ -93,6 +100,10 @@ class SFTDataModule(L.LightningDataModule):
             answers sit beside worked solutions. The model learns both styles; answering
             without working is hard for a small model, so this share is what RL can improve
             by choosing to work problems out (the quickstart's 0.5).
+        slip_rate: share of the steps of each demonstration that are slips (drawn with
+            `seed`; tasks with `SFTTask.with_slips`), so the warm start errs at about this
+            rate per step and leaves RL a token-level credit-assignment problem (digitwise's
+            0.075).
         vocab_size: BPE vocabulary size asked of `train_bpe` (byte-level, so every character
             of code is covered; arithmetic needs ~300 tokens).
         batch_size: training sequences per optimiser step.
@@ -102,12 +113,13 @@ class SFTDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        task: Literal["arithmetic", "functions"] = "arithmetic",
+        task: Literal["arithmetic", "functions", "digitwise"] = "arithmetic",
         val_path: str | None = None,
         rl_train_path: str | None = None,
         num_train: int = 40_000,
         seed: int = 1234,
         answer_only_fraction: float = 0.0,
+        slip_rate: float = 0.0,
         vocab_size: int = 512,
         batch_size: int = 64,
         bucket_batches: bool = True,
@@ -123,10 +135,14 @@ class SFTDataModule(L.LightningDataModule):
             )
         if answer_only_fraction > 0 and self.task.answer_only is None:
             raise ValueError(f"data.answer_only_fraction: task {task!r} has no answer-only form")
+        if not 0.0 <= slip_rate < 1.0:
+            raise ValueError(f"data.slip_rate must be in [0, 1), got {slip_rate}")
+        if slip_rate > 0 and self.task.with_slips is None:
+            raise ValueError(f"data.slip_rate: task {task!r} has no demonstrations with slips")
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
         self.bucket_batches, self.seed = bucket_batches, seed
-        self.val_rows = arithmetic.read_jsonl(val_path or self.task.assets / "val.jsonl")
-        rl_rows = arithmetic.read_jsonl(rl_train_path or self.task.assets / "train.jsonl")
+        self.val_rows = read_jsonl(val_path or self.task.assets / "val.jsonl")
+        rl_rows = read_jsonl(rl_train_path or self.task.assets / "train.jsonl")
         exclude = [r["prompt"] for r in self.val_rows + rl_rows]
         self.train_rows = self.task.generate(num_train, seed=seed, exclude=exclude, distinct=False)
         if answer_only_fraction > 0:
@@ -137,6 +153,9 @@ class SFTDataModule(L.LightningDataModule):
                 else r
                 for r in self.train_rows
             ]
+        if slip_rate > 0:
+            slips = random.Random(seed + 2)
+            self.train_rows = [self.task.with_slips(r, slips, slip_rate) for r in self.train_rows]
         texts = [r["prompt"] for r in self.train_rows] + [r["solution"] for r in self.train_rows]
         self.tokenizer = train_bpe(texts, vocab_size=vocab_size)
         self.train_examples = [self._encode(r) for r in self.train_rows]
@@ -231,7 +250,8 @@ class SFTModule(L.LightningModule):
             ``"constant"`` after warm-up.
         min_lr_ratio: final learning rate of the cosine schedule, relative to `lr`.
         max_new_tokens: generation budget in validation (the longest arithmetic solution is
-            ~145 tokens, a functions solution ~30).
+            ~145 tokens, a functions solution ~30, a digitwise one 325).
+        max_position_embeddings: the model's context (prompt + response tokens).
         num_samples: samples per prompt at temperature 1.0 for ``val/accuracy_sampled``.
         eval_seed: seed of validation sampling (the same draws at every validation).
         export_dir: where `on_fit_end` saves model + tokenizer (None: no export).
@@ -249,6 +269,7 @@ class SFTModule(L.LightningModule):
         schedule: str = "cosine",
         min_lr_ratio: float = 0.05,
         max_new_tokens: int = 160,
+        max_position_embeddings: int = 256,
         num_samples: int = 4,
         eval_seed: int = 0,
         export_dir: str | None = None,
@@ -267,7 +288,7 @@ class SFTModule(L.LightningModule):
             num_hidden_layers=num_layers,
             num_attention_heads=hidden_size // 64,
             num_key_value_heads=hidden_size // 64,
-            max_position_embeddings=256,
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=True,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,

@@ -18,12 +18,12 @@ Everything is seeded: `generate(n, seed)` returns the same rows on every machine
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 from collections.abc import Iterable, Sequence
-from pathlib import Path
+
+from vapo_lightning.jsonl import read_jsonl, write_jsonl
+from vapo_lightning.tasks.sampling import disjoint_splits, draw, splits_main
 
 __all__ = [
     "DATA_SOURCE",
@@ -38,7 +38,6 @@ __all__ = [
     "read_jsonl",
     "solve",
     "write_jsonl",
-    "write_splits",
 ]
 
 DATA_SOURCE = "arithmetic"
@@ -115,28 +114,12 @@ def generate(
     With `distinct`, no prompt repeats (difficulty 1 has only ~2,500 distinct problems); with
     ``distinct=False`` repeats are allowed (large SFT sets), exclusions still hold.
     """
-    rng = random.Random(seed)
-    levels = list(difficulties)
-    seen = set(exclude)
-    rows: list[dict] = []
-    attempts = 0
-    while len(rows) < n:
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise RuntimeError(f"could not draw {n} distinct problems from difficulties {levels}")
-        row = make_problem(rng, levels[len(rows) % len(levels)])
-        if row["prompt"] not in seen:
-            if distinct:
-                seen.add(row["prompt"])
-            rows.append(row)
-    return rows
+    return draw(make_problem, n, seed, difficulties, exclude, distinct)
 
 
 def make_splits(n_train: int, n_val: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """Disjoint train / validation problems: validation first, train drawn excluding it."""
-    val = generate(n_val, seed=seed)
-    train = generate(n_train, seed=seed + 1, exclude=[r["prompt"] for r in val])
-    return train, val
+    return disjoint_splits(generate, n_train, n_val, seed)
 
 
 _BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
@@ -154,35 +137,8 @@ def is_correct(response: str, answer: str | int) -> bool:
     return got is not None and got == int(answer)
 
 
-def write_jsonl(rows: Iterable[dict], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_splits(out: str | Path, n_train: int = 2048, n_val: int = 200, seed: int = 0) -> None:
-    """Writes ``out/train.jsonl`` and ``out/val.jsonl`` (see `make_splits`)."""
-    train, val = make_splits(n_train, n_val, seed)
-    write_jsonl(train, Path(out) / "train.jsonl")
-    write_jsonl(val, Path(out) / "val.jsonl")
-
-
 def main(args: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="folder for train.jsonl and val.jsonl")
-    parser.add_argument("--n-train", type=int, default=2048)
-    parser.add_argument("--n-val", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args(args)
-    write_splits(ns.out, ns.n_train, ns.n_val, ns.seed)
-    print(f"wrote {ns.n_train} train and {ns.n_val} val problems to {ns.out}")
+    splits_main(make_splits, __doc__.split("\n")[0], n_train=2048, n_val=200, args=args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from vapo_lightning.tasks.arithmetic import read_jsonl, write_jsonl
+from vapo_lightning.jsonl import read_jsonl, write_jsonl
 from vapo_lightning.tasks.sampling import disjoint_splits, draw, splits_main
 
 __all__ = [

@@ -8,10 +8,11 @@ draws validation first and train excluding it.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from vapo_lightning.jsonl import write_jsonl
 
 __all__ = ["disjoint_splits", "draw", "splits_main"]
 
@@ -73,7 +74,6 @@ def splits_main(
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args(args)
     out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
     for name, rows in zip(("train", "val"), make_splits(ns.n_train, ns.n_val, ns.seed)):
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(rows, out / f"{name}.jsonl")
     print(f"wrote {ns.n_train} train and {ns.n_val} val problems to {out}")
