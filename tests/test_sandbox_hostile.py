@@ -624,10 +624,10 @@ def test_no_kernel_state_crosses_runs(host, seccomp):
 
 
 def test_no_sockets_refuses_what_could_mark_a_shared_network_namespace(host):
-    """The seccomp filter (`layers.sandbox_filter`): no socket but AF_UNIX ones, no io_uring,
-    no keyrings; a Unix socket works but reaches nothing of the host (the host's abstract name
-    is in another network namespace), and so do a socketpair and descriptor passing on it. A
-    syscall of another ABI (x32 here) kills the process."""
+    """The seccomp filter (`seccomp_filter.sandbox_filter`): no socket but AF_UNIX ones, no
+    io_uring, no keyrings; a Unix socket works but reaches nothing of the host (the host's
+    abstract name is in another network namespace), and so do a socketpair and descriptor
+    passing on it. A syscall of another ABI (x32 here) kills the process."""
     pool = host["pool"]
     if "no_sockets" not in pool.layers or KEY_SYSCALLS is None:
         pytest.skip("no seccomp filter on this machine")

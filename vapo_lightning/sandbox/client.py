@@ -190,7 +190,7 @@ class Pool:
     `via_userns=True` makes a root server take the unprivileged path (namespaces created from
     a user namespace, one more process per run) instead of forking each sandbox straight into
     a new PID namespace and making the others there. `seccomp=False` lets the candidate create
-    sockets again (`layers.sandbox_filter`; they still reach nothing without a network
+    sockets again (`seccomp_filter.sandbox_filter`; they still reach nothing without a network
     namespace's way out), and then each run gets a network namespace of its own instead of the
     server's. `cgroup_root` is where the cgroup hierarchies are mounted (None: no per-run
     cgroup; `sandbox.cgroups`).

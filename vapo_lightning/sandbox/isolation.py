@@ -27,12 +27,14 @@ if __package__:
     from . import layers as L
     from . import protocol as P
     from . import runner
+    from . import seccomp_filter as SF
     from .zygote import close_fds_except, new_session, start_mount_ns_holder
 else:  # imported by server.py run as a script
     import cgroups as CG
     import layers as L
     import protocol as P
     import runner
+    import seccomp_filter as SF
     from zygote import close_fds_except, new_session, start_mount_ns_holder
 
 SANDBOX_ENV = {
@@ -62,12 +64,12 @@ class Isolation:
         self.namespaces = opts.get("namespaces", True)
         self.direct = self._direct_pid_ns(opts)
         self.holder_pid, self.holder_w = start_mount_ns_holder() if self.direct else (None, None)
-        # No socket but Unix ones, which cannot send a packet (`layers.sandbox_filter`): then a
-        # network namespace can serve all of this server's runs, taking turns, since none can
-        # leave a mark in it (its counters cannot move), and it is made once
-        # here instead of once per run (~0.6 ms of CPU with its teardown, the largest cost of a
+        # No socket but Unix ones, which cannot send a packet (`seccomp_filter.sandbox_filter`):
+        # then a network namespace can serve all of this server's runs, taking turns, since
+        # none can leave a mark in it (its counters cannot move), and it is made once here
+        # instead of once per run (~0.6 ms of CPU with its teardown, the largest cost of a
         # run that isolation adds: benchmarks/results/sandbox_cpu.md).
-        self.filter_works = L.seccomp_works()
+        self.filter_works = SF.seccomp_works()
         self.seccomp = bool(opts.get("seccomp", True)) and self.filter_works
         self.shared_netns = False
         if self.direct and self.seccomp:
@@ -291,7 +293,7 @@ class Isolation:
         L.prctl(L.PR_SET_DUMPABLE, 0)
         if self.filter_works:
             try:
-                active += L.seccomp_sandbox(no_sockets=self.seccomp)
+                active += SF.seccomp_sandbox(no_sockets=self.seccomp)
             except OSError as err:
                 if self.shared_netns:  # without the filter, the namespace would carry data
                     raise

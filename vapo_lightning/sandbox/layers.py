@@ -1,4 +1,5 @@
-"""Linux isolation primitives over ctypes: namespaces, Landlock, capabilities, rlimits.
+"""Linux isolation primitives over ctypes: namespaces, Landlock, capabilities, rlimits
+(the seccomp filter: `seccomp_filter`).
 
 Everything here is stdlib-only and import-light, because it also runs inside the warm fork
 server (started with ``python -I -S``) and in the sandboxed child after it dropped to an
@@ -15,7 +16,8 @@ import stat
 import sys
 
 IS_LINUX = sys.platform.startswith("linux")
-_libc = ctypes.CDLL(None, use_errno=True) if IS_LINUX else None
+libc = ctypes.CDLL(None, use_errno=True) if IS_LINUX else None
+"""The C library, for every primitive here and in `seccomp_filter`."""
 
 # x86_64 and aarch64 share the new-style numbers for Landlock; capset differs.
 _SYS = (
@@ -54,7 +56,8 @@ def sandbox_uid(server_pid: int) -> int:
     return SANDBOX_UID_BASE + server_pid
 
 
-def _check(ret: int, what: str) -> int:
+def check(ret: int, what: str) -> int:
+    """`ret` of a libc call; OSError with errno when it failed."""
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
@@ -62,20 +65,20 @@ def _check(ret: int, what: str) -> int:
 
 
 def prctl(option: int, arg: int = 0) -> None:
-    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
+    check(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
 
 
 def unshare(flags: int) -> None:
-    _check(_libc.unshare(flags), "unshare")
+    check(libc.unshare(flags), "unshare")
 
 
 def setns(fd: int, nstype: int) -> None:
-    _check(_libc.setns(fd, nstype), "setns")
+    check(libc.setns(fd, nstype), "setns")
 
 
 def mount(source: str, target: str, fstype: str | None, flags: int, data: str = "") -> None:
-    _check(
-        _libc.mount(
+    check(
+        libc.mount(
             source.encode(),
             target.encode(),
             fstype.encode() if fstype else None,
@@ -192,7 +195,7 @@ _CAP_DATA = (_CapData * 2)()
 
 def drop_capabilities() -> None:
     """Empty effective, permitted and inheritable sets (v3 capset: two 32-bit words)."""
-    _check(_libc.syscall(_SYS["capset"], ctypes.byref(_CAP_HEADER), _CAP_DATA), "capset")
+    check(libc.syscall(_SYS["capset"], ctypes.byref(_CAP_HEADER), _CAP_DATA), "capset")
 
 
 def drop_privileges(uid: int = NOBODY, gid: int = NOBODY) -> None:
@@ -225,7 +228,7 @@ class _PathBeneath(ctypes.Structure):
 def landlock_abi() -> int:
     if not IS_LINUX or "ll_create" not in _SYS:
         return 0
-    ret = _libc.syscall(_SYS["ll_create"], None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    ret = libc.syscall(_SYS["ll_create"], None, ctypes.c_size_t(0), ctypes.c_uint32(1))
     return max(ret, 0)
 
 
@@ -243,8 +246,8 @@ def landlock_ruleset(rules: list[tuple[int, int]], abi: int) -> int:
     fs_all = landlock_fs_all(abi)
     attr = _RulesetAttr(fs_all, LL_NET_ALL if abi >= 4 else 0, LL_SCOPE_ALL if abi >= 6 else 0)
     size = ctypes.sizeof(attr) if abi >= 6 else (16 if abi >= 4 else 8)
-    rs = _check(
-        _libc.syscall(_SYS["ll_create"], ctypes.byref(attr), ctypes.c_size_t(size), 0),
+    rs = check(
+        libc.syscall(_SYS["ll_create"], ctypes.byref(attr), ctypes.c_size_t(size), 0),
         "landlock_create_ruleset",
     )
     try:
@@ -252,7 +255,7 @@ def landlock_ruleset(rules: list[tuple[int, int]], abi: int) -> int:
             if not stat.S_ISDIR(os.fstat(fd).st_mode):
                 allowed &= LL_FILE_RIGHTS  # directory rights on a file: EINVAL
             rule = _PathBeneath(allowed & fs_all, fd)
-            _check(_libc.syscall(_SYS["ll_add"], rs, 1, ctypes.byref(rule), 0), "landlock_add_rule")
+            check(libc.syscall(_SYS["ll_add"], rs, 1, ctypes.byref(rule), 0), "landlock_add_rule")
     except BaseException:
         os.close(rs)
         raise
@@ -270,7 +273,7 @@ def landlock_parts(abi: int) -> list[str]:
 def landlock_enforce(ruleset_fd: int, abi: int) -> list[str]:
     """Confines this process (and its future children) with the ruleset; closes nothing."""
     prctl(PR_SET_NO_NEW_PRIVS, 1)
-    _check(_libc.syscall(_SYS["ll_restrict"], ruleset_fd, 0), "landlock_restrict_self")
+    check(libc.syscall(_SYS["ll_restrict"], ruleset_fd, 0), "landlock_restrict_self")
     return landlock_parts(abi)
 
 
@@ -299,165 +302,3 @@ def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, 
         (resource.RLIMIT_MSGQUEUE, 0),
     ):
         resource.setrlimit(res, (value, value))
-
-
-# --- seccomp: no socket that could reach, or leave a mark in, a network namespace -----------
-class _SockFilter(ctypes.Structure):
-    _fields_ = (
-        ("code", ctypes.c_uint16),
-        ("jt", ctypes.c_uint8),
-        ("jf", ctypes.c_uint8),
-        ("k", ctypes.c_uint32),
-    )
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter)))
-
-
-# Audit arch and syscall numbers per machine (seccomp filters see raw numbers).
-_SECCOMP_ABI = (
-    {
-        "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "ptrace": 101, "prctl": 157,
-                                "add_key": 248, "request_key": 249, "keyctl": 250,
-                                "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300,
-                                "process_vm_readv": 310, "process_vm_writev": 311,
-                                "io_uring_setup": 425, "pidfd_getfd": 438}),
-        "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "ptrace": 117, "prctl": 167,
-                                 "add_key": 217, "request_key": 218, "keyctl": 219,
-                                 "inotify_init1": 26, "fanotify_init": 262,
-                                 "process_vm_readv": 270, "process_vm_writev": 271,
-                                 "io_uring_setup": 425, "pidfd_getfd": 438}),
-    }.get(os.uname().machine)
-    if IS_LINUX
-    else None
-)  # fmt: skip
-_DENIED_ALWAYS = {
-    "no_ptrace": ("ptrace", "pidfd_getfd", "process_vm_readv", "process_vm_writev"),
-    "no_fs_watch": ("inotify_init", "inotify_init1", "fanotify_init"),
-}
-_DENIED_NO_SOCKETS = ("io_uring_setup", "add_key", "request_key", "keyctl")
-_LD_W_ABS, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
-_RET_ALLOW, _RET_EPERM, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
-_X32_BIT, _AF_UNIX = 0x40000000, 1
-_SECCOMP_MODE_FILTER, PR_SET_SECCOMP = 2, 22
-
-
-def _assemble(prog: list[tuple]) -> list[tuple[int, int, int, int]]:
-    """(op, k, true-label, false-label) or a label string -> BPF (code, jt, jf, k)."""
-    where, at = {}, 0
-    for ins in prog:
-        if isinstance(ins, str):
-            where[ins] = at
-        else:
-            at += 1
-    out = []
-    for ins in prog:
-        if isinstance(ins, str):
-            continue
-        op, k, jt, jf = (*ins, None, None)[:4]
-        here = len(out) + 1
-        out.append((op, where[jt] - here if jt else 0, where[jf] - here if jf else 0, k))
-    return out
-
-
-def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
-    """The seccomp program of every sandbox, and what it refuses (EPERM) and why:
-
-    - `no_ptrace`: ptrace, pidfd_getfd and process_vm_readv/writev, so that the program
-      cannot reach into another process of its run, such as the runner that holds the
-      result pipe in stdin mode (the runner is also not dumpable, which the kernel checks
-      for these calls; the filter also covers children that exec and so become dumpable).
-    - `not_dumpable`: prctl(PR_SET_DUMPABLE), so that the program cannot make itself
-      dumpable again: a crash then never starts a piped core_pattern helper in the host's
-      namespaces (RLIMIT_CORE = 1 stops that for exec'd children as well).
-    - `no_fs_watch`: inotify and fanotify, which would show a run the file opens of the
-      concurrent runs on the directories they all read (/usr, the stdlib), and whose
-      instances count against a per-user limit.
-    - `no_sockets` (when asked): every socket but AF_UNIX ones, from `socket()` or
-      `socketpair()`, and `io_uring_setup` (io_uring does socket operations without these
-      syscalls), so that nothing can send a packet or move a counter of the network
-      namespace. Unix sockets stay (asyncio's self-pipe, multiprocessing's pipes, its
-      forkserver and managers): a path name lives in the run's private /tmp, an abstract
-      name in the network namespace only as long as the socket, i.e. at most until the
-      run's PID namespace ends, before the next run of that namespace starts (a server's
-      runs take turns). Also refused then: the kernel keyrings (`add_key`, `request_key`,
-      `keyctl`), whose `request_key` upcalls run helpers such as the DNS resolver in the
-      host's namespaces.
-
-    Any other syscall ABI (32-bit compat, x32) kills the process: its numbers would get past
-    the checks."""
-    arch, nr = _SECCOMP_ABI
-    denied = [name for names in _DENIED_ALWAYS.values() for name in names if name in nr]
-    denied += list(_DENIED_NO_SOCKETS) if no_sockets else []
-    prog: list = [
-        (_LD_W_ABS, 4),  # seccomp_data.arch
-        (_JEQ, arch, "native", "kill"),
-        "native",
-        (_LD_W_ABS, 0),  # seccomp_data.nr
-        (_JSET, _X32_BIT, "kill", "denied"),
-        "denied",
-    ]
-    prog += [(_JEQ, nr[name], "deny", None) for name in denied]
-    prog += [(_JEQ, nr["prctl"], "prctl", None)]
-    if no_sockets:
-        prog += [
-            (_JEQ, nr["socketpair"], "unix_only", None),
-            (_JEQ, nr["socket"], "unix_only", None),
-        ]
-    prog += [(_RET, _RET_ALLOW), "prctl", (_LD_W_ABS, 16)]  # args[0] (low word): the option
-    prog += [(_JEQ, PR_SET_DUMPABLE, "deny", "allow")]
-    if no_sockets:
-        prog += ["unix_only", (_LD_W_ABS, 16), (_JEQ, _AF_UNIX, "allow", "deny")]  # family
-    prog += [
-        "allow",
-        (_RET, _RET_ALLOW),
-        "deny",
-        (_RET, _RET_EPERM),
-        "kill",
-        (_RET, _RET_KILL_PROCESS),
-    ]
-    return _assemble(prog)
-
-
-def seccomp_filter_array(program: list[tuple[int, int, int, int]]) -> _SockFprog:
-    """The program as the kernel reads it (built before any fork: see `_CAP_HEADER`)."""
-    insns = (_SockFilter * len(program))(*[_SockFilter(*ins) for ins in program])
-    fprog = _SockFprog(len(program), insns)
-    fprog._keep = insns  # the array must outlive the struct that points at it
-    return fprog
-
-
-FILTERS = (
-    {flag: seccomp_filter_array(sandbox_filter(flag)) for flag in (False, True)}
-    if _SECCOMP_ABI
-    else {}
-)
-
-
-def seccomp_works() -> bool:
-    """Whether `seccomp_sandbox` can be installed here (tried in a throw-away child)."""
-    if not FILTERS:
-        return False
-    pid = os.fork()
-    if pid == 0:
-        try:
-            prctl(PR_SET_NO_NEW_PRIVS, 1)
-            seccomp_sandbox(no_sockets=True)
-        except BaseException:
-            os._exit(1)
-        os._exit(0)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-
-
-def seccomp_sandbox(no_sockets: bool) -> list[str]:
-    """Installs `sandbox_filter` on this process and its future children (needs no_new_privs
-    or CAP_SYS_ADMIN). Returns the names of the layers it provides."""
-    if not FILTERS:
-        raise OSError(0, "seccomp: syscall numbers unknown on this machine")
-    prog = FILTERS[no_sockets]
-    _check(
-        _libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
-        "seccomp",
-    )
-    return [*_DENIED_ALWAYS, "not_dumpable", *(["no_sockets"] if no_sockets else [])]

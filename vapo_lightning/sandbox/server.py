@@ -16,9 +16,9 @@ As root (the default there) there is no C: the server forks P2 straight into a n
 namespace; P2 makes its mount/IPC/UTS namespaces and mounts as root, then drops to the
 server's own sandbox uid and enters a user namespace of its own before anything else. Its
 network namespace is the server's own (nothing up), made once, when the seccomp filter
-(`layers.sandbox_filter`) keeps every run from writing to it; otherwise P2 makes one of its
-own too. A holder process (`zygote.start_mount_ns_holder`) takes each run's mount namespace
-off the run's exit path.
+(`seccomp_filter.sandbox_filter`) keeps every run from writing to it; otherwise P2 makes one
+of its own too. A holder process (`zygote.start_mount_ns_holder`) takes each run's mount
+namespace off the run's exit path.
 
 Each sandbox (P2, or C on the unprivileged path) first joins a memory and a pids cgroup of
 its run's own (`cgroups`), made with its spare and removed after the run, so that everything
