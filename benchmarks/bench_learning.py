@@ -1,35 +1,68 @@
-"""Learning study: the paper's Table 1 in miniature on the quickstart task.
+"""Learning study: the paper's Table 1 in miniature, at equal policy updates.
 
-Runs `vapo fit -c configs/quickstart.yaml [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO and
-VAPO without each of its seven techniques, for several seeds, reads `val/accuracy` from each
-run's TensorBoard events, and writes a table in the shape of Table 1 (final and best
-accuracy, mean ± std over seeds, next to the paper's AIME 2024 score) and the curves.
+For one task (`--task arithmetic`: the quickstart; `--task digitwise`: the credit-assignment
+task) it runs `vapo fit -c <task config> [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO, VAPO
+without each of its seven techniques and an SAO-style row, for several seeds, and writes a
+table in the shape of Table 1 with a 95 % confidence interval per row, Welch's test of each
+row against VAPO (Holm-corrected), accuracy per length bucket and the early-step curves.
 
-Runs already finished under `--root` are read, not rerun, so the study can be resumed or
-extended seed by seed. `--jobs 2` runs two fits at a time with one thread each.
+Fair budgets: every row gets `--updates` policy-update steps. A row with value pretraining
+runs P more rollout steps first (its own column); it is validated at rollout step `updates`
+(the equal-samples view, P fewer policy updates) and again after its last update (the
+equal-updates view, from its last checkpoint by `vapo validate`). Rows without group sampling
+see as many responses per step as the others (prompts_per_step × n prompts, n = 1).
 
-    .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 --out benchmarks/results/learning.md
-    .venv/bin/python benchmarks/bench_learning.py --seeds 0 1 2 --jobs 2 --root runs/learning50 \
-        --out benchmarks/results/learning.md -- --trainer.max_steps=50      # what was run
+Finished runs under `--root` are read, not rerun (each run's folder has a DONE file), so the
+study can be resumed or extended seed by seed. `--jobs 2` runs two fits at a time, one thread each.
+
+    python benchmarks/bench_learning.py --task digitwise --seeds 0 1 2 3 4 --jobs 2
+    python benchmarks/bench_learning.py --task arithmetic --seeds 0 1 2 3 4 --jobs 2
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = "configs/quickstart.yaml"
-# (name, layer over the quickstart config or None, the paper's Table 1 AIME24 score)
+
+
+@dataclass(frozen=True)
+class Task:
+    config: str
+    val: str
+    updates: int  # policy-update steps per row
+    buckets: tuple[tuple[int, int], ...]  # difficulty ranges reported separately
+    out: str
+    layers: dict[str, str]  # task-specific layers in place of the shared ones
+
+
+TASKS = {
+    "arithmetic": Task(
+        "configs/quickstart.yaml", "vapo_lightning/assets/arithmetic/val.jsonl", 50,
+        ((1, 3), (4, 6), (7, 10)), "benchmarks/results/learning.md", {},
+    ),
+    "digitwise": Task(
+        "configs/digitwise.yaml", "vapo_lightning/assets/digitwise/val.jsonl", 40,
+        ((2, 10), (11, 19), (20, 28)), "benchmarks/results/learning_credit.md",
+        {"DAPO": "configs/digitwise/dapo.yaml"},
+    ),
+}  # fmt: skip
+
+# (name, layer over the task's config or None, the paper's Table 1 AIME24 score)
 RUNS = [
     ("VAPO", None, 60),
     ("vanilla PPO", "configs/baselines/ppo.yaml", 5),
@@ -42,16 +75,92 @@ RUNS = [
     ("w/o token-level loss", "configs/ablations/vapo_wo_token_level_loss.yaml", 53),
     ("w/o positive-example LM loss", "configs/ablations/vapo_wo_positive_example_nll.yaml", 54),
     ("w/o group-sampling", "configs/ablations/vapo_wo_group_sampling.yaml", 55),
-    # not in Table 1: VAPO's critic and advantages with GRPO's policy loss (seq-level, clip
-    # 0.2, no NLL), to tell the loss from the advantage estimator where PPO/GRPO beat VAPO
-    ("VAPO with GRPO's loss", "configs/ablations/vapo_with_grpo_loss.yaml", None),
-    ("VAPO with GRPO's loss, token-level", "configs/ablations/vapo_with_grpo_loss_token_level.yaml", None),
-    ("VAPO with GRPO's loss, Clip-Higher", "configs/ablations/vapo_with_grpo_loss_clip_higher.yaml", None),
+    ("SAO-style (n=1, 2 critic steps)", "configs/baselines/sao.yaml", None),
 ]
 
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def load(path: str) -> dict:
+    return yaml.safe_load((ROOT / path).read_text()) or {}
+
+
+def value_pretraining_steps(base: dict, layer: dict) -> int:
+    """P of the row: the ValuePretraining callback's steps in the callbacks it runs with
+    (a layer's list replaces the base's), 0 without the callback."""
+    callbacks = (layer.get("trainer") or {}).get("callbacks", base["trainer"]["callbacks"])
+    for cb in callbacks:
+        if cb["class_path"].endswith(".ValuePretraining"):
+            return int((cb.get("init_args") or {}).get("steps", 50))
+    return 0
+
+
+def row_overrides(task: Task, layer_path: str | None) -> tuple[int, list[str]]:
+    """(P, the row's command-line overrides): the fair budget and the equal responses."""
+    base, layer = load(task.config), load(layer_path) if layer_path else {}
+    p = value_pretraining_steps(base, layer)
+    args = [
+        f"--trainer.max_steps={task.updates + p}",
+        f"--trainer.val_check_interval={task.updates}",
+    ]
+    n = ((layer.get("model") or {}).get("generation") or {}).get("n")
+    if n == 1:  # one response per prompt: as many prompts as the others' responses
+        per_step = base["data"]["prompts_per_step"] * base["model"]["generation"]["n"]
+        args.append(f"--data.prompts_per_step={per_step}")
+    return p, args
+
+
+def vapo(command: str, configs: list[str], run_dir: Path, args: list[str], log: str) -> None:
+    cmd = [str(ROOT / ".venv/bin/vapo"), command, *(a for c in configs for a in ("-c", c)),
+           f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false",
+           "--trainer.callbacks+=vapo_lightning.callbacks.ValidationSamples",
+           f"--trainer.callbacks.path={run_dir / 'val_samples.jsonl'}", *args]  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    (run_dir / log).write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed; see {run_dir / log}")
+
+
+def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> float:
+    """One row, one seed: fit, then (P > 0) validate the last checkpoint. Minutes taken."""
+    done = run_dir / "DONE"
+    if done.exists():
+        return float(done.read_text())
+    p, args = row_overrides(task, layer)
+    configs = [task.config, *([layer] if layer else [])]
+    start = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "val_samples.jsonl").unlink(missing_ok=True)
+    vapo(
+        "fit",
+        configs,
+        run_dir,
+        [f"--seed_everything={seed}", "--model.hf_export_dir=null", *args, *extra],
+        "log.txt",
+    )
+    if p:
+        last = run_dir / "checkpoints" / "last.ckpt"
+        vapo(
+            "validate",
+            configs,
+            run_dir,
+            [f"--seed_everything={seed}", f"--ckpt_path={last}", *extra],
+            "log_validate.txt",
+        )
+        last.unlink()  # the study keeps curves and samples, not weights
+    minutes = (time.time() - start) / 60
+    done.write_text(f"{minutes:.2f}")
+    return minutes
+
+
+# ------------------------------------------------------------------ reading the runs
 
 
 def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
@@ -64,142 +173,195 @@ def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
-def mean_curve(runs: list[list[tuple[int, float]]], window: int = 1) -> tuple[list, list]:
-    """Mean over seeds at each step all runs have, then a trailing moving average."""
+def bucket_accuracy(run_dir: Path, step: int, difficulty: dict[str, int], buckets) -> list[float]:
+    """Accuracy of the validation samples at `step`, per difficulty bucket."""
+    hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
+    with (run_dir / "val_samples.jsonl").open() as f:
+        for line in f:
+            s = json.loads(line)
+            if s["step"] != step:
+                continue
+            # the sample's prompt is the chat-formatted one: the longest task prompt it holds
+            k = difficulty[max((p for p in difficulty if p in s["prompt"]), key=len)]
+            i = next(i for i, (lo, hi) in enumerate(buckets) if lo <= k <= hi)
+            hits[i].append(bool(s["correct"]))
+    return [statistics.mean(h) if h else math.nan for h in hits.values()]
+
+
+def ci95(xs: list[float]) -> str:
+    """mean ± half-width of the 95 % t interval, in points."""
+    from scipy import stats
+
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return f"{100 * m:.1f}"
+    half = stats.t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return f"{100 * m:.1f} ± {100 * half:.1f}"
+
+
+def welch_holm(
+    reference: list[float], rows: dict[str, list[float]]
+) -> dict[str, tuple[float, float]]:
+    """Welch's t-test of each row against the reference, p-values Holm-adjusted over the
+    rows: {name: (difference of means, adjusted p)}."""
+    from scipy import stats
+
+    raw = {n: float(stats.ttest_ind(xs, reference, equal_var=False).pvalue) for n, xs in rows.items()
+           if len(xs) > 1 and len(reference) > 1}  # fmt: skip
+    adjusted, running = {}, 0.0
+    for i, (name, p) in enumerate(sorted(raw.items(), key=lambda kv: kv[1])):
+        running = max(running, min(1.0, (len(raw) - i) * p))
+        adjusted[name] = running
+    return {
+        n: (statistics.mean(rows[n]) - statistics.mean(reference), adjusted.get(n, math.nan))
+        for n in rows
+    }
+
+
+def mean_curve(runs: list[list[tuple[int, float]]], shift: int, window: int) -> tuple[list, list]:
+    """Mean over seeds at each step all runs have, x shifted by -P, trailing moving average."""
     by_step = [dict(r) for r in runs]
     steps = sorted(set.intersection(*(set(d) for d in by_step)))
     means = [statistics.mean(d[s] for d in by_step) for s in steps]
     smooth = [statistics.mean(means[max(0, i - window + 1) : i + 1]) for i in range(len(means))]
-    return steps, smooth
+    return [s - shift for s in steps], smooth
 
 
-def fit(layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> float:
-    done = run_dir / "DONE"
-    if done.exists():
-        return float(done.read_text())
-    cmd = [str(ROOT / ".venv/bin/vapo"), "fit", "-c", BASE, *(["-c", layer] if layer else []),
-           f"--seed_everything={seed}", f"--trainer.default_root_dir={run_dir}",
-           "--trainer.enable_progress_bar=false", "--model.hf_export_dir=null", *extra]  # fmt: skip
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
-    }
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    (run_dir / "log.txt").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
-    if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed; see {run_dir / 'log.txt'}")
-    minutes = (time.time() - start) / 60
-    done.write_text(f"{minutes:.2f}")
-    return minutes
-
-
-def mean_std(xs: list[float]) -> str:
-    if len(xs) == 1:
-        return f"{100 * xs[0]:.1f}"
-    return f"{100 * statistics.mean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"
-
-
-PANELS = [  # (tag, y label, scale, moving-average window)
-    ("val/accuracy", "val/accuracy (%), mean over seeds", 100, 1),
-    ("rollout/accuracy", "rollout/accuracy (%), mean over seeds, 5-step average", 100, 5),
-    ("response_length/mean", "response_length/mean (tokens), mean over seeds, 5-step average", 1, 5),
-]
-
-
-def plot(curves: dict[str, dict[str, list]], out_png: Path) -> None:
-    """`curves[tag][name]`: one curve per seed."""
+def plot(rows: list[dict], task_name: str, out_png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(6 * len(PANELS), 5))
-    for ax, (tag, label, scale, window) in zip(axes, PANELS):
-        for i, (name, runs) in enumerate(curves[tag].items()):
-            steps, means = mean_curve(runs, window)
-            style = "-" if name in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
-            marker = "o" if tag == "val/accuracy" else None
-            ax.plot(steps, [scale * m for m in means], style, marker=marker, label=name,
+    panels = [("rollout/accuracy", "rollout accuracy (%), 5-step average", 100),
+              ("response_length/mean", "response length (tokens), 5-step average", 1)]  # fmt: skip
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, (tag, label, scale) in zip(axes, panels):
+        for i, row in enumerate(rows):
+            steps, means = mean_curve(row["curves"][tag], row["p"], 5)
+            style = "-" if row["name"] in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
+            ax.plot(steps, [scale * m for m in means], style, label=row["name"],
                     color=plt.cm.tab20.colors[(2 * i) % 20 + (2 * i) // 20])  # fmt: skip
-        ax.set_xlabel("rollout step")
-        ax.set_ylabel(label)
-    axes[0].set_title("Quickstart task: accuracy vs rollout steps")
+        ax.axvline(0, color="grey", lw=0.5)
+        ax.set_xlabel("policy-update step (value pretraining at < 0)")
+        ax.set_ylabel(label + ", mean over seeds")
+    axes[0].set_title(f"{task_name}: training rollouts")
     axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
 
 
+def ordering_vs_paper(rows: list[dict]) -> str:
+    """Spearman's rank correlation of our final means with Table 1's scores, and the pairs
+    of rows whose order agrees with the paper's."""
+    from scipy import stats
+
+    scored = [r for r in rows if r["paper"] is not None]
+    ours, paper = [statistics.mean(r["final"]) for r in scored], [r["paper"] for r in scored]
+    rho = stats.spearmanr(ours, paper).statistic
+    pairs = [
+        (a, b) for i, a in enumerate(scored) for b in scored[i + 1 :] if a["paper"] != b["paper"]
+    ]
+    agree = sum((statistics.mean(a["final"]) - statistics.mean(b["final"])) * (a["paper"] - b["paper"]) > 0
+                for a, b in pairs)  # fmt: skip
+    return (f"Spearman's rank correlation with Table 1 over the {len(scored)} rows it scores: "
+            f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.")  # fmt: skip
+
+
+def report(task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str) -> str:
+    lo_hi = " / ".join(f"{lo}-{hi}" for lo, hi in task.buckets)
+    tests = welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
+    out = [
+        f"# Learning study: Table 1 in miniature ({task_name} task)\n",
+        f"Command: `{command}`  ",
+        f"Each run: `vapo fit -c {task.config} [-c <layer>] --seed_everything=<seed>` for "
+        f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. "
+        "val/accuracy: mean@k at temperature 1.0 on the validation set "
+        f"(`{task.val}`). Final = after the last policy update (equal updates); "
+        "equal samples = at the same number of rollout steps as the rows without value "
+        "pretraining. ± is the 95 % confidence interval of the mean over seeds; p is Welch's "
+        "test against VAPO, Holm-adjusted over the rows.\n",
+        f"| run | paper (AIME24) | value-pretraining rollouts | start % | final % | vs VAPO (points, p) "
+        f"| equal samples % | final % by difficulty {lo_hi} | minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        diff, p = tests.get(r["name"], (0.0, math.nan))
+        versus = "-" if r["name"] == "VAPO" else f"{100 * diff:+.1f}, p = {p:.3f}"
+        buckets = " / ".join(f"{100 * statistics.mean(b):.1f}" for b in zip(*r["buckets"]))
+        out.append(
+            f"| {r['name']} | {r['paper'] if r['paper'] is not None else '-'} | {r['p']} "
+            f"| {ci95(r['start'])} | {ci95(r['final'])} | {versus} | {ci95(r['equal_samples'])} "
+            f"| {buckets} | {statistics.mean(r['minutes']):.1f} |"
+        )
+    out += [
+        "",
+        ordering_vs_paper(rows),
+        "",
+        "DAPO's rollout accuracy and length are over the groups its dynamic sampling keeps: "
+        "its curves are not comparable with the other rows.",
+        "",
+        f"![rollout accuracy and response length vs policy-update step]({Path(task.out).stem}_curves.png)",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def collect(task: Task, name: str, layer: str | None, paper, seeds, dirs, minutes) -> dict:
+    p, _ = row_overrides(task, layer)
+    difficulty = {}
+    with (ROOT / task.val).open() as f:
+        for line in f:
+            row = json.loads(line)
+            difficulty[row["prompt"]] = row["difficulty"]
+    out = {"name": name, "paper": paper, "p": p, "start": [], "final": [], "equal_samples": [],
+           "buckets": [], "minutes": [minutes[name, s] for s in seeds], "curves": {}}  # fmt: skip
+    for s in seeds:
+        val = dict(scalar_curve(dirs[name, s], "val/accuracy"))
+        out["start"].append(val[0])
+        out["final"].append(val[task.updates + p])
+        out["equal_samples"].append(val[task.updates])
+        out["buckets"].append(
+            bucket_accuracy(dirs[name, s], task.updates + p, difficulty, task.buckets)
+        )
+    for tag in ("rollout/accuracy", "response_length/mean"):
+        out["curves"][tag] = [scalar_curve(dirs[name, s], tag) for s in seeds]
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", choices=sorted(TASKS), default="digitwise")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--only", nargs="*", default=None, help="run names to include (default all)")
     ap.add_argument("--jobs", type=int, default=1, help="fits at a time (each gets 2/jobs threads)")
-    ap.add_argument("--root", type=Path, default=ROOT / "runs/learning")
-    ap.add_argument("--out", type=Path, default=None, help="markdown file (default: stdout)")
-    ap.add_argument("extra", nargs="*", help="overrides for every fit, after `--`: -- --trainer.max_steps=20")
+    ap.add_argument("--root", type=Path, default=None, help="default: runs/learning_<task>")
+    ap.add_argument("--out", type=Path, default=None, help="markdown file (default: the task's)")
+    ap.add_argument("--no-report", action="store_true", help="run only, write nothing")
+    ap.add_argument("extra", nargs="*", help="overrides for every run, after `--`")
     args = ap.parse_args()
-    args.root = args.root.resolve()
+    task = TASKS[args.task]
+    root = (args.root or ROOT / f"runs/learning_{args.task}").resolve()
+    out = args.out or ROOT / task.out
     if args.jobs > 1:
         os.environ["OMP_NUM_THREADS"] = str(max(1, 2 // args.jobs))
-    runs = [r for r in RUNS if args.only is None or r[0] in args.only]
-    jobs = [(name, layer, seed) for name, layer, _ in runs for seed in args.seeds]
-    dirs = {(n, s): args.root / slug(n) / f"seed{s}" for n, _, s in jobs}
-    for d in dirs.values():
-        d.mkdir(parents=True, exist_ok=True)
+    runs = [(n, task.layers.get(n, layer), paper) for n, layer, paper in RUNS
+            if args.only is None or n in args.only]  # fmt: skip
+    jobs = [(name, layer, seed) for seed in args.seeds for name, layer, _ in runs]
+    dirs = {(n, s): root / slug(n) / f"seed{s}" for n, _, s in jobs}
     with ThreadPoolExecutor(args.jobs) as pool:
         minutes = dict(zip(
             [(n, s) for n, _, s in jobs],
-            pool.map(lambda j: fit(j[1], j[2], dirs[j[0], j[2]], args.extra), jobs),
+            pool.map(lambda j: run(task, j[1], j[2], dirs[j[0], j[2]], args.extra), jobs),
         ))  # fmt: skip
-
-    curves = {
-        tag: {name: [scalar_curve(dirs[name, s], tag) for s in args.seeds] for name, _, _ in runs}
-        for tag, *_ in PANELS
-    }
-    out = [
-        "# Learning study: Table 1 in miniature (quickstart task)\n",
-        f"Command: `.venv/bin/python benchmarks/bench_learning.py --seeds {' '.join(map(str, args.seeds))}"
-        f"{' --jobs ' + str(args.jobs) if args.jobs > 1 else ''}"
-        f"{' --root ' + str(args.root.relative_to(ROOT)) if args.root.is_relative_to(ROOT) else ''}"
-        f" --out benchmarks/results/learning.md{' -- ' + ' '.join(args.extra) if args.extra else ''}`  ",
-        f"Each run: `vapo fit -c {BASE} [-c <layer>] --seed_everything=<seed>`; val/accuracy is "
-        "mean@4 at temperature 1.0 on the 200 validation problems.\n",
-        "| run | paper (AIME24) | start % | final % (mean ± std) | best % | gain (points) "
-        "| rollout acc., last 5 steps % | response length, last 5 steps (mean over seeds) "
-        "| minutes per run |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, _, paper in runs:
-        cs = curves["val/accuracy"][name]
-        last5 = {
-            tag: [statistics.mean(v for _, v in c[-5:]) for c in curves[tag][name]]
-            for tag in ("rollout/accuracy", "response_length/mean")
-        }
-        start = [c[0][1] for c in cs]
-        final = [c[-1][1] for c in cs]
-        best = [max(v for _, v in c) for c in cs]
-        gain = [f - s for f, s in zip(final, start)]
-        mins = statistics.mean(minutes[name, s] for s in args.seeds)
-        out.append(
-            f"| {name} | {paper if paper is not None else '-'} | {mean_std(start)} | {mean_std(final)} "
-            f"| {mean_std(best)} | {mean_std(gain)} | {mean_std(last5['rollout/accuracy'])} "
-            f"| {statistics.mean(last5['response_length/mean']):.1f} | {mins:.1f} |"
-        )
-    if any(name == "DAPO" for name, _, _ in runs):
-        out.append(
-            "\nDAPO's rollout accuracy and length are over the groups its dynamic sampling keeps "
-            "(not all right, not all wrong): not comparable with the other rows."
-        )
-    out.append("\n![val/accuracy, rollout accuracy and response length vs rollout step]"
-               "(learning_curves.png)\n")  # fmt: skip
-    text = "\n".join(out) + "\n"
-    if args.out:
-        args.out.write_text(text)
-        plot(curves, args.out.parent / "learning_curves.png")
+    if args.no_report:
+        return
+    rows = [collect(task, n, layer, paper, args.seeds, dirs, minutes) for n, layer, paper in runs]
+    command = " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]])
+    text = report(args.task, task, args.seeds, rows, command)
+    out.write_text(text)
+    plot(rows, args.task, out.with_name(out.stem + "_curves.png"))
     print(text)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
