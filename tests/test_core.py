@@ -466,3 +466,31 @@ def test_actor_loss_matches_reference(agg):
     assert math.isclose(stats["kl_loss"].item(), float(kl), rel_tol=1e-4)
     bare, bare_stats = core.actor_loss(lp, old, adv, mask, correct, norm, n_correct, agg=agg, nll_coef=0.0)
     assert math.isclose(bare.item(), pg, rel_tol=1e-5) and "nll_loss" not in bare_stats
+
+
+def test_observation_tokens_are_not_steps():
+    """Tokens inside a response that are context, not actions (a tool's output), are holes
+    in the mask: the sparse reward lands on the last action, and advantages and returns at
+    the actions equal plain GAE over the sequence with those tokens deleted, whatever the
+    values at the holes. The length-adaptive lambda counts actions only."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 5, 40
+    mask = torch.arange(T)[None] < torch.tensor([40, 31, 17, 2, 25])[:, None]
+    mask[:, 5:12] &= torch.tensor([True, False, True, False, False])[:, None]  # observations
+    mask[2, 14:17] = False  # a response that ends in an observation: last action at 13
+    scores = torch.randn(B, generator=g)
+    values = torch.randn(B, T, generator=g)
+    values[~mask] = float("nan")  # garbage at observation and padding positions
+    rewards = core.sparse_rewards(scores, mask)
+    lam = core.length_adaptive_lam(mask.sum(-1), 0.05)
+    adv, ret = core.gae(rewards, values, mask, 1.0, lam)
+    assert rewards[2, 13] == scores[2] and rewards.count_nonzero() == B
+    for b in range(B):
+        keep = mask[b].nonzero().squeeze(-1)
+        n = len(keep)
+        dense_mask = torch.ones(1, n, dtype=torch.bool)
+        dense_rewards = core.sparse_rewards(scores[b : b + 1], dense_mask)
+        ref_adv, ref_ret = gae_reference(dense_rewards, values[b : b + 1, keep], dense_mask, 1.0, lam[b : b + 1])
+        torch.testing.assert_close(adv[b, keep].double(), ref_adv[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ret[b, keep].double(), ref_ret[0], atol=1e-5, rtol=1e-5)
+        assert adv[b, ~mask[b]].eq(0).all() and ret[b, ~mask[b]].eq(0).all()

@@ -153,13 +153,16 @@ def gae(
 def sparse_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     """Places each sequence's scalar reward on its last valid token (VAPO "Notation").
 
-    scores: (B,); response_mask: (B, T) right-padded. Returns (B, T).
+    scores: (B,); response_mask: (B, T), right-padded, and it may have holes (tokens that
+    are context, not actions, such as a tool's output): the reward goes to the last true
+    position, not to position sum(mask) - 1. Returns (B, T).
     """
-    lengths = response_mask.long().sum(-1)
-    rewards = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
-    has_tokens = lengths > 0
-    rows = torch.arange(len(scores), device=scores.device)[has_tokens]
-    rewards[rows, lengths[has_tokens] - 1] = scores[has_tokens]
+    mask = response_mask.bool()
+    T = mask.shape[1]
+    last = T - 1 - mask.flip(-1).long().argmax(-1)  # (B,) index of the last true position
+    rewards = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
+    rows = torch.nonzero(mask.any(-1)).squeeze(-1)
+    rewards[rows, last[rows]] = scores[rows]
     return rewards
 
 
