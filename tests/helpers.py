@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 
 import lightning as L
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.data import PromptDataModule
@@ -99,6 +102,28 @@ def tiny_trainer(tmp: Path, max_steps: int = 2, callbacks=(), **kwargs) -> L.Tra
         enable_model_summary=False,
         **{"accelerator": "cpu", **kwargs},
     )
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the trainable parameters, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set[str]:
+    """The names of the trainable parameters that differ from `snapshot`'s copy."""
+    return {
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and not torch.equal(before[n], p.detach())
+    }
+
+
+def scalars(root: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a run under `root` logged to TensorBoard: tag -> [(step, value)]."""
+    (event_file,) = glob.glob(f"{root}/lightning_logs/version_0/events.out.tfevents.*")
+    acc = EventAccumulator(event_file)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def skip_without_vllm() -> None:

@@ -1,9 +1,64 @@
-"""`ValidationSamples`: `vapo validate` (or fit) writes what the model answered, as JSONL."""
+"""The built-in callbacks (`vapo_lightning/callbacks.py`): value pretraining freezes the actor,
+then releases it and saves the critic; the entropy alert; validation samples to JSONL."""
 
 import json
 
-from tests.helpers import build_tokenizer, tiny_data, tiny_module, tiny_trainer
-from vapo_lightning.callbacks import ValidationSamples
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification
+
+from tests.helpers import (
+    build_tokenizer,
+    changed,
+    scalars,
+    snapshot,
+    tiny_data,
+    tiny_module,
+    tiny_trainer,
+)
+from vapo_lightning.callbacks import EntropyTracker, ValidationSamples, ValuePretraining
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
+    L.seed_everything(1)
+    module = tiny_module(tok)
+    module.configure_model()
+    policy0, critic0 = snapshot(module.policy), snapshot(module.critic)
+    warmup = ValuePretraining(steps=2, save_dir=str(tmp_path / "warm_critic"))
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[warmup])
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert changed(policy0, module.policy) == set()  # the policy is fixed during warm-up
+    assert changed(critic0, module.critic) == set(critic0)
+    assert not warmup.active and not module.actor_frozen
+    logged = scalars(tmp_path)
+    assert [v for _, v in logged["warmup/active"]] == [1.0, 1.0]
+    assert "actor/pg_loss" not in logged
+
+    # The saved critic is a drop-in critic for a later run that skips the warm-up.
+    reloaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "warm_critic")
+    for name, p in module.critic.named_parameters():
+        torch.testing.assert_close(reloaded.state_dict()[name], p.detach())
+
+
+def test_entropy_collapse_is_judged_against_the_runs_early_entropy(recwarn):
+    tracker = EntropyTracker(reference_steps=3)
+    for step, mean in enumerate([0.06, 0.05, 0.04, 0.017, 0.012], 1):  # short, certain answers
+        tracker._warn(mean, step)
+    assert len(recwarn) == 0
+    with pytest.warns(
+        UserWarning, match=r"0\.0040 nats at rollout step 6, below 0\.1 × this run's early"
+    ):
+        tracker._warn(0.004, 6)
+    resumed = EntropyTracker(reference_steps=3)
+    resumed.load_state_dict(tracker.state_dict())
+    resumed._warn(0.001, 7)  # warned once per run, also across a resume
+    assert len(recwarn) == 0
 
 
 def test_validation_generations_go_to_a_jsonl_file(tmp_path):

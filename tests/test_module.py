@@ -1,50 +1,30 @@
-"""End-to-end behaviour of VAPOModule on a tiny randomly initialised Llama, offline."""
-
-import glob
+"""VAPOModule (`vapo_lightning/module.py`) end to end on a tiny randomly initialised Llama,
+offline: every parameter moves and the metrics are logged, bf16, resume, export, the baselines,
+start-up checks and non-finite updates."""
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from tests.helpers import (
     build_tokenizer,
-    make_rows,
+    changed,
+    scalars,
+    snapshot,
     tiny_data,
     tiny_module,
     tiny_trainer,
-    write_jsonl,
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
 from vapo_lightning.config import Algorithm, Optim
-from vapo_lightning.data import DataError
 from vapo_lightning.rollout import GenerationConfig
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-def snapshot(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def changed(before, model):
-    return {
-        n
-        for n, p in model.named_parameters()
-        if p.requires_grad and not torch.equal(before[n], p.detach())
-    }
-
-
-def scalars(root):
-    (event_file,) = glob.glob(f"{root}/lightning_logs/version_0/events.out.tfevents.*")
-    acc = EventAccumulator(event_file)
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
@@ -159,27 +139,6 @@ def test_bf16_fit_is_the_same_when_autocast_caches_casts(tok, tmp_path, monkeypa
         assert [k for k in uncached if not torch.equal(uncached[k], cached[k])] == []
 
 
-def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
-    L.seed_everything(1)
-    module = tiny_module(tok)
-    module.configure_model()
-    policy0, critic0 = snapshot(module.policy), snapshot(module.critic)
-    warmup = ValuePretraining(steps=2, save_dir=str(tmp_path / "warm_critic"))
-    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[warmup])
-    trainer.fit(module, datamodule=tiny_data(tmp_path))
-    assert changed(policy0, module.policy) == set()  # the policy is fixed during warm-up
-    assert changed(critic0, module.critic) == set(critic0)
-    assert not warmup.active and not module.actor_frozen
-    logged = scalars(tmp_path)
-    assert [v for _, v in logged["warmup/active"]] == [1.0, 1.0]
-    assert "actor/pg_loss" not in logged
-
-    # The saved critic is a drop-in critic for a later run that skips the warm-up.
-    reloaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "warm_critic")
-    for name, p in module.critic.named_parameters():
-        torch.testing.assert_close(reloaded.state_dict()[name], p.detach())
-
-
 def test_resume_continues_at_the_right_rollout_step(tok, tmp_path):
     L.seed_everything(2)
     ckpt = ModelCheckpoint(
@@ -252,48 +211,6 @@ def test_baselines_run_from_the_same_code(tok, tmp_path, algorithm):
     assert changed(before, module.policy)
 
 
-def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", make_rows(3))
-    with path.open("a") as f:
-        f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:4: malformed JSON"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
-        )
-
-    write_jsonl(path, [*make_rows(2), {"prompt": "What is 1 + 1?"}])
-    with pytest.raises(DataError, match=r"bad\.jsonl:3: field 'answer' is missing"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
-        )
-
-    dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
-    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
-    assert dm.skipped["train/bad_rows"] == 1 and len(dm.train_rows) == 2
-
-    with path.open("a") as f:  # a line that is not JSON is skipped too
-        f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
-    dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
-    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
-    assert dm.skipped["train/bad_rows"] == 2 and len(dm.train_rows) == 2
-
-
-def test_overlong_prompts_error_or_drop(tok, tmp_path):
-    rows = [*make_rows(4), {"prompt": "What is " + " + ".join(["1"] * 50) + "?", "answer": "50"}]
-    path = write_jsonl(tmp_path / "long.jsonl", rows)
-    with pytest.raises(
-        DataError, match=r"long\.jsonl:5: prompt is \d+ tokens, over data.max_prompt_length=20"
-    ):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path), max_prompt_length=20)
-        )
-    dm = tiny_data(
-        tmp_path, train=str(path), max_prompt_length=20, overlong_prompts="drop", val=None
-    )
-    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
-    assert dm.skipped["train/overlong_prompts"] == 1
-
-
 def test_impossible_settings_fail_at_start_up(tok, tmp_path):
     with pytest.raises(ValueError, match=r"mini_batch_size=12 must divide the rollout batch"):
         module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=12, micro_batch_size=4))
@@ -334,44 +251,6 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
         full_module.policy.named_parameters(), resumed_module.policy.parameters()
     ):
         assert torch.equal(p, q), name
-
-
-@pytest.mark.parametrize(
-    "row,match",
-    [
-        ({"prompt": "   ", "answer": "1"}, r"bad\.jsonl:3: field 'prompt' is empty"),
-        ({"prompt": 17, "answer": "1"}, r"bad\.jsonl:3: field 'prompt' must be a non-empty string"),
-        (
-            {"prompt": "What is 1 + 1?", "answer": ""},
-            r"bad\.jsonl:3: field 'answer' is missing or empty",
-        ),
-        (
-            {"prompt": "What is 1 + 1?", "answer": "2", "data_source": 3},
-            r"bad\.jsonl:3: field 'data_source' must be a string",
-        ),
-        (["not", "an", "object"], r"bad\.jsonl:3: expected a JSON object"),
-    ],
-    ids=["empty-prompt", "mistyped-prompt", "empty-answer", "mistyped-source", "not-an-object"],
-)
-def test_bad_rows_name_file_line_and_field(tok, tmp_path, row, match):
-    path = write_jsonl(tmp_path / "bad.jsonl", [*make_rows(2), row])
-    with pytest.raises(DataError, match=match):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
-        )
-
-
-def test_empty_or_missing_dataset_is_an_error_before_training(tok, tmp_path):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(DataError, match=r"data.train: no usable rows"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(empty))
-        )
-    with pytest.raises(DataError, match=r"data.train: file .*nope.jsonl does not exist"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl"))
-        )
 
 
 def poison_actor_logits(monkeypatch, steps):

@@ -1,0 +1,99 @@
+"""PromptDataModule (`vapo_lightning/data.py`): a bad row, an overlong prompt or an empty or
+missing file is named by file, line and field before training starts, or skipped when asked."""
+
+import pytest
+
+from tests.helpers import (
+    build_tokenizer,
+    make_rows,
+    tiny_data,
+    tiny_module,
+    tiny_trainer,
+    write_jsonl,
+)
+from vapo_lightning.data import DataError
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", make_rows(3))
+    with path.open("a") as f:
+        f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:4: malformed JSON"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
+        )
+
+    write_jsonl(path, [*make_rows(2), {"prompt": "What is 1 + 1?"}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: field 'answer' is missing"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
+        )
+
+    dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
+    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
+    assert dm.skipped["train/bad_rows"] == 1 and len(dm.train_rows) == 2
+
+    with path.open("a") as f:  # a line that is not JSON is skipped too
+        f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
+    dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
+    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
+    assert dm.skipped["train/bad_rows"] == 2 and len(dm.train_rows) == 2
+
+
+def test_overlong_prompts_error_or_drop(tok, tmp_path):
+    rows = [*make_rows(4), {"prompt": "What is " + " + ".join(["1"] * 50) + "?", "answer": "50"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r"long\.jsonl:5: prompt is \d+ tokens, over data.max_prompt_length=20"
+    ):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path), max_prompt_length=20)
+        )
+    dm = tiny_data(
+        tmp_path, train=str(path), max_prompt_length=20, overlong_prompts="drop", val=None
+    )
+    tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
+    assert dm.skipped["train/overlong_prompts"] == 1
+
+
+@pytest.mark.parametrize(
+    "row,match",
+    [
+        ({"prompt": "   ", "answer": "1"}, r"bad\.jsonl:3: field 'prompt' is empty"),
+        ({"prompt": 17, "answer": "1"}, r"bad\.jsonl:3: field 'prompt' must be a non-empty string"),
+        (
+            {"prompt": "What is 1 + 1?", "answer": ""},
+            r"bad\.jsonl:3: field 'answer' is missing or empty",
+        ),
+        (
+            {"prompt": "What is 1 + 1?", "answer": "2", "data_source": 3},
+            r"bad\.jsonl:3: field 'data_source' must be a string",
+        ),
+        (["not", "an", "object"], r"bad\.jsonl:3: expected a JSON object"),
+    ],
+    ids=["empty-prompt", "mistyped-prompt", "empty-answer", "mistyped-source", "not-an-object"],
+)
+def test_bad_rows_name_file_line_and_field(tok, tmp_path, row, match):
+    path = write_jsonl(tmp_path / "bad.jsonl", [*make_rows(2), row])
+    with pytest.raises(DataError, match=match):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
+        )
+
+
+def test_empty_or_missing_dataset_is_an_error_before_training(tok, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match=r"data.train: no usable rows"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(empty))
+        )
+    with pytest.raises(DataError, match=r"data.train: file .*nope.jsonl does not exist"):
+        tiny_trainer(tmp_path).fit(
+            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl"))
+        )
