@@ -1,8 +1,9 @@
 """The floor under a sandboxed run: fork + exit of a process the size of the warm server.
 
-Imports what the server imports (its PRELOAD list, `layers`, `runner`), freezes the GC as the
-server does, then forks `--n` children back to back, each exiting at once (`os._exit`), or
-after one small `json.loads` (the first Python work any sandbox does). Prints per fork: wall,
+Imports what the server imports (its PRELOAD list, which brings in `layers`, `runner`,
+`isolation`, `zygote`, `protocol` and `seccomp_filter`), freezes the GC as the server does,
+then forks `--n` children back to back, each exiting at once (`os._exit`), or after one small
+`json.loads` (the first Python work any sandbox does). Prints per fork: wall,
 the parent's and the children's CPU, and minor (copy-on-write) faults on each side. Nothing
 here sets up a namespace, a mount or Landlock: whatever a real run costs above this is theirs
 and the Python around them (`benchmarks/results/sandbox_cpu.md`).

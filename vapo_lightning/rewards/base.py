@@ -1,6 +1,6 @@
 """The reward plug-in API: what a reward callback receives and how its scores are combined.
 
-VAPO's reward is sparse (VAPO_SPEC "Notation"): one scalar per response, placed on the last
+VAPO's reward is sparse (docs/algorithm.md, "Notation"): one scalar per response, placed on the last
 generated token. Users write a `RewardCallback` subclass whose `score` maps a batch of
 `Sample`s to one float per sample; the trainer finds every `RewardCallback` among
 `trainer.callbacks` and adds their scores with their weights (`combine_rewards`).
