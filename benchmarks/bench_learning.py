@@ -57,8 +57,10 @@ TASKS = {
     ),
     "digitwise": Task(
         "configs/digitwise.yaml", "vapo_lightning/assets/digitwise/val.jsonl", 40,
-        ((2, 10), (11, 19), (20, 28)), "benchmarks/results/learning_credit.md",
-        {"DAPO": "configs/digitwise/dapo.yaml"},
+        ((2, 9), (10, 18), (19, 26)), "benchmarks/results/learning_credit.md",
+        {"vanilla PPO": "configs/digitwise/ppo.yaml", "GRPO": "configs/digitwise/grpo.yaml",
+         "DAPO": "configs/digitwise/dapo.yaml",
+         "w/o value-pretraining": "configs/digitwise/vapo_wo_value_pretraining.yaml"},
     ),
 }  # fmt: skip
 

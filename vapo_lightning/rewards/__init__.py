@@ -24,6 +24,7 @@ _BUILT_IN = {
     "FormatReward": "format",
     "OverlongPenalty": "overlong",
     "SandboxFusionReward": "sandbox_fusion",
+    "DigitwiseReward": "digitwise",
 }
 """Each lazily exported name and the module of this package that defines it."""
 
