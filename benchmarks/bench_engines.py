@@ -75,17 +75,16 @@ def child(args: argparse.Namespace) -> dict:
     """One engine: rollout, weight sync and training-step times, as one JSON dict."""
     import lightning as L
 
-    from vapo_lightning.config import Algorithm, Optim, VLLMOptions
+    from vapo_lightning.config import Algorithm, Generation, Optim, VLLMOptions
     from vapo_lightning.data import PromptDataModule
     from vapo_lightning.models import ModelSpec
     from vapo_lightning.module import VAPOModule
     from vapo_lightning.rewards.math import MathReward
-    from vapo_lightning.rollout import GenerationConfig
 
     torch.manual_seed(0)
     on_gpu = args.device == "cuda"
     options = VLLMOptions(gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=1)
-    gen = GenerationConfig(
+    gen = Generation(
         n=args.n, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
         engine=args.engine, vllm=options,
     )  # fmt: skip
@@ -93,7 +92,7 @@ def child(args: argparse.Namespace) -> dict:
     module = VAPOModule(
         policy=ModelSpec(**policy_spec(args.shape)),
         generation=gen,
-        val_generation=GenerationConfig(n=1, max_new_tokens=8, engine=args.engine, vllm=options),
+        val_generation=Generation(n=1, max_new_tokens=8, engine=args.engine, vllm=options),
         algorithm=Algorithm(mini_batch_size=batch, micro_batch_size=min(args.micro_batch, batch)),
         optim=Optim(actor_lr=1e-6, critic_lr=1e-6, warmup_steps=0),
         val_before_train=False,

@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
 from vapo_lightning.rewards.math import MathReward
-from vapo_lightning.rollout import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
@@ -54,7 +53,7 @@ def make_module() -> VAPOModule:
     return VAPOModule(
         policy=ModelSpec(config=POLICY, tokenizer=str(TOKENIZER)),
         algorithm=Algorithm(mini_batch_size=PROMPTS * N, micro_batch_size=PROMPTS * N),
-        generation=GenerationConfig(n=N, max_new_tokens=T, min_new_tokens=T),
+        generation=Generation(n=N, max_new_tokens=T, min_new_tokens=T),
         optim=Optim(actor_lr=1e-5, critic_lr=1e-5, warmup_steps=0),
         val_before_train=False,
     )

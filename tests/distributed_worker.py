@@ -27,12 +27,12 @@ from torch._dynamo.utils import counters
 import vapo_lightning.engines as engines
 import vapo_lightning.module as vapo_module
 from tests.helpers import TINY_LLAMA
-from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.distributed import VAPOStrategy, full_state_dict
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.rewards.base import RewardCallback
-from vapo_lightning.rollout import GenerationConfig, Rollout
+from vapo_lightning.rollout import Rollout
 
 PROMPTS, N, MAX_NEW = 8, 4, 12
 
@@ -84,7 +84,7 @@ def main(
     module = vapo_module.VAPOModule(
         policy=ModelSpec(config=config, tokenizer=tokenizer),
         algorithm=Algorithm(mini_batch_size=per_rank * N, micro_batch_size=4),
-        generation=GenerationConfig(n=N, max_new_tokens=MAX_NEW),
+        generation=Generation(n=N, max_new_tokens=MAX_NEW),
         optim=Optim(actor_lr=1e-3, critic_lr=1e-3, warmup_steps=0),
         val_before_train=False,
         torch_compile=compiled,

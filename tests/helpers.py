@@ -10,12 +10,11 @@ import lightning as L
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
 from vapo_lightning.rewards.base import RewardCallback
-from vapo_lightning.rollout import GenerationConfig
 from vapo_lightning.tokenization import train_bpe
 
 TINY_LLAMA = {
@@ -72,9 +71,9 @@ def tiny_module(tokenizer: Path, **overrides) -> VAPOModule:
     kwargs = {
         "policy": ModelSpec(config=TINY_LLAMA, tokenizer=str(tokenizer)),
         "algorithm": Algorithm(mini_batch_size=8, micro_batch_size=4),
-        "generation": GenerationConfig(n=4, max_new_tokens=12),
+        "generation": Generation(n=4, max_new_tokens=12),
         "optim": Optim(actor_lr=1e-3, critic_lr=1e-3, warmup_steps=0),
-        "val_generation": GenerationConfig(n=2, temperature=1.0, max_new_tokens=12),
+        "val_generation": Generation(n=2, temperature=1.0, max_new_tokens=12),
     }
     kwargs.update(overrides)
     return VAPOModule(**kwargs)

@@ -32,12 +32,12 @@ from transformers import PreTrainedModel
 
 import vapo_lightning.distributed as vapo_distributed
 from tests.helpers import make_rows, write_jsonl
-from vapo_lightning.config import Algorithm
+from vapo_lightning.config import Algorithm, Generation
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.distributed import VAPOStrategy
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
-from vapo_lightning.rollout import GenerationConfig, generate
+from vapo_lightning.rollout import generate
 
 PROMPTS = [[5, 17, 42, 9, 88], [120, 7, 33]]  # left-padded to one batch
 NEW_TOKENS = 8
@@ -66,14 +66,14 @@ def record_building() -> None:
     vapo_distributed.shard = recorded_shard
 
 
-def uneven_config(policy, tok) -> GenerationConfig:
+def uneven_config(policy, tok) -> Generation:
     """Greedy, one sequence per call, stopping at the second token greedy decoding gives the
     first prompt: rank 1's calls (that prompt, then a dummy on it) end after two tokens while
     rank 0's call on the second prompt goes on, so the ranks also decode in lock step across
     calls of different lengths."""
-    probe = GenerationConfig(n=1, max_new_tokens=2, temperature=0.0)
+    probe = Generation(n=1, max_new_tokens=2, temperature=0.0)
     second = generate(policy, PROMPTS[:1], probe, tok.pad_token_id, tok.eos_token_id)
-    return GenerationConfig(n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1,
+    return Generation(n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1,
                             stop_token_ids=[int(second.responses[0, 1])])  # fmt: skip
 
 
@@ -178,7 +178,7 @@ def main(out: Path, checkpoint: str, devices: int) -> None:
     module = VAPOModule(
         policy=ModelSpec(name_or_path=checkpoint),
         algorithm=Algorithm(mini_batch_size=4, micro_batch_size=4),
-        generation=GenerationConfig(n=2, max_new_tokens=16),  # within TINY_LLAMA's 128 positions
+        generation=Generation(n=2, max_new_tokens=16),  # within TINY_LLAMA's 128 positions
         val_before_train=False,
     )
     train = write_jsonl(out / "train.jsonl", make_rows(8))

@@ -6,10 +6,10 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 
 from tests.helpers import TINY_LLAMA, build_tokenizer, tiny_data, tiny_module, tiny_trainer
-from vapo_lightning.config import Algorithm
+from vapo_lightning.config import Algorithm, Generation
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
-from vapo_lightning.rollout import GenerationConfig, Rollout, policy_logits
+from vapo_lightning.rollout import Rollout, policy_logits
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def fit_metrics(tok, root, torch_compile: bool, algorithm: Algorithm) -> dict[st
     module = tiny_module(
         tok,
         algorithm=algorithm,
-        generation=GenerationConfig(n=4, max_new_tokens=10),
+        generation=Generation(n=4, max_new_tokens=10),
         torch_compile=torch_compile,
     )
     root.mkdir()

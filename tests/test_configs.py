@@ -28,7 +28,8 @@ def test_config_parses(path):
         cfg = print_config("sft", "-c", str(path))
         assert cfg["model"] and cfg["data"]
         return
-    layers = ["-c", str(CONFIGS / "quickstart.yaml")] if path.parent.name in ("ablations", "baselines") else []
+    base = {"ablations": "quickstart.yaml", "baselines": "quickstart.yaml", "digitwise": "digitwise.yaml"}
+    layers = ["-c", str(CONFIGS / base[path.parent.name])] if path.parent.name in base else []
     cfg = print_config("fit", *layers, "-c", str(path))
     assert cfg["model"]["policy"] and cfg["data"]["train"]
     overrides = yaml.safe_load(path.read_text())

@@ -12,9 +12,9 @@ import torch
 
 from tests.helpers import TINY_LLAMA, build_tokenizer, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning import core
+from vapo_lightning.config import Generation
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
-from vapo_lightning.rollout import GenerationConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -88,7 +88,7 @@ class WhereTheModelsTrain(L.Callback):
 
 def test_bf16_fit_on_cuda_updates_both_models(tok, tmp_path):
     L.seed_everything(0)
-    module = tiny_module(tok, val_generation=GenerationConfig(n=2, max_new_tokens=12))
+    module = tiny_module(tok, val_generation=Generation(n=2, max_new_tokens=12))
     module.configure_model()
     before = {
         name: {n: p.detach().clone() for n, p in m.named_parameters()}

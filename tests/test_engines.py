@@ -3,10 +3,10 @@
 import torch
 
 from tests.helpers import TINY_LLAMA, build_tokenizer
+from vapo_lightning.config import Generation
 from vapo_lightning.engines import engine_dtype
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
-from vapo_lightning.rollout import GenerationConfig
 
 
 def test_validation_follows_the_training_engine_unless_told(tmp_path):
@@ -14,14 +14,14 @@ def test_validation_follows_the_training_engine_unless_told(tmp_path):
     policy = ModelSpec(config=TINY_LLAMA, tokenizer=tok)
     default = VAPOModule(policy=policy)
     assert (default.gen.engine, default.val_gen.engine) == ("native", "native")
-    follows = VAPOModule(policy=policy, generation=GenerationConfig(engine="vllm"),
-                         val_generation=GenerationConfig(n=1, temperature=0.0))  # fmt: skip
+    follows = VAPOModule(policy=policy, generation=Generation(engine="vllm"),
+                         val_generation=Generation(n=1, temperature=0.0))  # fmt: skip
     assert (follows.gen.engine, follows.val_gen.engine) == ("vllm", "vllm")
     assert follows.uses_vllm
-    told = VAPOModule(policy=policy, generation=GenerationConfig(engine="vllm"),
-                      val_generation=GenerationConfig(engine="native"))  # fmt: skip
+    told = VAPOModule(policy=policy, generation=Generation(engine="vllm"),
+                      val_generation=Generation(engine="native"))  # fmt: skip
     assert told.val_gen.engine == "native"
-    assert not VAPOModule(policy=policy, val_generation=GenerationConfig(engine="native")).uses_vllm
+    assert not VAPOModule(policy=policy, val_generation=Generation(engine="native")).uses_vllm
 
 
 def test_engine_dtype_follows_the_trainer_precision():
@@ -61,7 +61,7 @@ def test_sleep_discards_weights_only_when_an_update_replaces_them(monkeypatch):
     monkeypatch.setattr(VLLMEngine, "load_weights", load_weights)
 
     class Module(RolloutEngines):
-        gen = val_gen = GenerationConfig(engine="vllm")
+        gen = val_gen = Generation(engine="vllm")
         policy = "policy"
 
     m = Module()

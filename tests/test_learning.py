@@ -15,9 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.helpers import build_tokenizer, tiny_data, tiny_module
 from vapo_lightning.callbacks import ValuePretraining
-from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.rewards.base import RewardCallback
-from vapo_lightning.rollout import GenerationConfig
 
 
 class LowFirstToken(RewardCallback):
@@ -81,7 +80,7 @@ def fit(tmp_path, algorithm: Algorithm, steps: int, warmup: int = 0) -> list[flo
     module = tiny_module(
         tok,
         algorithm=algorithm,
-        generation=GenerationConfig(n=4, max_new_tokens=4),
+        generation=Generation(n=4, max_new_tokens=4),
         optim=Optim(actor_lr=3e-2, critic_lr=3e-2, warmup_steps=0),
         val_before_train=False,
     )

@@ -18,8 +18,7 @@ from tests.helpers import (
     tiny_trainer,
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
-from vapo_lightning.config import Algorithm, Optim
-from vapo_lightning.rollout import GenerationConfig
+from vapo_lightning.config import Algorithm, Generation, Optim
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +216,7 @@ def test_impossible_settings_fail_at_start_up(tok, tmp_path):
         tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
     with pytest.raises(ValueError, match=r"needs model.generation.n >= 2"):
         module = tiny_module(tok, algorithm=Algorithm(advantage="group", mini_batch_size=4, micro_batch_size=4),
-                             generation=GenerationConfig(n=1, max_new_tokens=8))  # fmt: skip
+                             generation=Generation(n=1, max_new_tokens=8))  # fmt: skip
         tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
     with pytest.raises(ValueError, match=r"micro_batch_size=3 must divide mini_batch_size=8"):
         Algorithm(mini_batch_size=8, micro_batch_size=3)

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TINY_LLAMA
-from vapo_lightning.rollout import GenerationConfig, generate, policy_logits
+from vapo_lightning.config import Generation
+from vapo_lightning.rollout import generate, policy_logits
 
 PAD, EOS = 0, 2
 
@@ -25,10 +26,10 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 
 def test_chunked_generation_equals_one_call(policy):
     one = generate(
-        policy, PROMPTS, GenerationConfig(n=3, max_new_tokens=10, temperature=0), PAD, EOS
+        policy, PROMPTS, Generation(n=3, max_new_tokens=10, temperature=0), PAD, EOS
     )
     for size in (1, 5, 12):
-        cfg = GenerationConfig(n=3, max_new_tokens=10, temperature=0, max_batch_size=size)
+        cfg = Generation(n=3, max_new_tokens=10, temperature=0, max_batch_size=size)
         chunked = generate(policy, PROMPTS, cfg, PAD, EOS)
         assert torch.equal(chunked.response_mask, one.response_mask)
         assert torch.equal(chunked.input_ids, one.input_ids)
@@ -37,13 +38,13 @@ def test_chunked_generation_equals_one_call(policy):
 
 
 def test_stop_token_ids_end_responses_like_eos(policy):
-    cfg = GenerationConfig(n=1, max_new_tokens=12, temperature=0)
+    cfg = Generation(n=1, max_new_tokens=12, temperature=0)
     free = generate(policy, PROMPTS, cfg, PAD, EOS)
     # Pick a token the greedy responses emit mid-way and declare it a stop token.
     row = int(free.response_lengths.argmax())
     stop = int(free.responses[row, 2])
     cut = generate(
-        policy, PROMPTS, GenerationConfig(**{**cfg.__dict__, "stop_token_ids": [stop]}), PAD, EOS
+        policy, PROMPTS, Generation(**{**cfg.__dict__, "stop_token_ids": [stop]}), PAD, EOS
     )
     for i in range(len(PROMPTS)):
         full = free.responses[i][free.response_mask[i]].tolist()
@@ -56,11 +57,11 @@ def test_stop_token_ids_end_responses_like_eos(policy):
 
 def test_bad_generation_settings_are_rejected():
     with pytest.raises(ValueError, match="max_batch_size"):
-        GenerationConfig(max_batch_size=0)
+        Generation(max_batch_size=0)
 
 
 def test_policy_logits_are_the_response_positions_of_a_full_forward(policy):
-    r = generate(policy, PROMPTS, GenerationConfig(n=2, max_new_tokens=6), PAD, EOS)
+    r = generate(policy, PROMPTS, Generation(n=2, max_new_tokens=6), PAD, EOS)
     T = r.response_mask.shape[1]
     with torch.no_grad():
         full = policy(input_ids=r.input_ids, attention_mask=r.attention_mask,

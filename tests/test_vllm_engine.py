@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 from tests.helpers import skip_without_vllm
 from vapo_lightning import core
-from vapo_lightning.config import VLLMOptions
+from vapo_lightning.config import Generation, VLLMOptions
 from vapo_lightning.engines.vllm import VLLMEngine, check_architecture, import_vllm
 from vapo_lightning.models import load_tokenizer
-from vapo_lightning.rollout import GenerationConfig, generate, policy_logits
+from vapo_lightning.rollout import generate, policy_logits
 
 skip_without_vllm()
 
@@ -69,7 +69,7 @@ def trainer_logprobs(policy, r, temperature=1.0):
 
 def real_update(policy, prompts, tok):
     """One AdamW step of the NLL of sampled answers: every weight moves."""
-    r = native(policy, prompts, tok, GenerationConfig(n=2, max_new_tokens=24, temperature=1.0))
+    r = native(policy, prompts, tok, Generation(n=2, max_new_tokens=24, temperature=1.0))
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     policy.train()
     logits = policy_logits(policy, r)
@@ -80,14 +80,14 @@ def real_update(policy, prompts, tok):
 
 
 def max_logprob_gap(engine, policy, prompts, tok) -> float:
-    cfg = GenerationConfig(n=2, max_new_tokens=24, temperature=1.0)
+    cfg = Generation(n=2, max_new_tokens=24, temperature=1.0)
     r = engine.generate(prompts, cfg, tok.pad_token_id, tok.eos_token_id, seeds=list(range(len(prompts))))
     gap = (r.rollout_logprobs - trainer_logprobs(policy, r)).abs()
     return float(gap[r.response_mask].max())
 
 
 def test_greedy_matches_native_before_and_after_a_sync(engine, policy, prompts, tok):
-    greedy = GenerationConfig(n=1, max_new_tokens=40, temperature=0.0)
+    greedy = Generation(n=1, max_new_tokens=40, temperature=0.0)
     before = native(policy, prompts, tok, greedy)
     assert responses(engine.generate(prompts, greedy, tok.pad_token_id, tok.eos_token_id)) == responses(before)
     assert max_logprob_gap(engine, policy, prompts, tok) < 1e-4  # fp32: the same policy
@@ -134,19 +134,19 @@ def test_sampling_semantics(engine, policy, prompts, tok):
     engine.load_weights(policy)
     eos = tok.eos_token_id
     # n per prompt, on consecutive rows of one group
-    r = engine.generate(prompts, GenerationConfig(n=3, max_new_tokens=16), tok.pad_token_id, eos)
+    r = engine.generate(prompts, Generation(n=3, max_new_tokens=16), tok.pad_token_id, eos)
     assert len(r) == 3 * len(prompts)
     assert r.group_ids.tolist() == [i for i in range(len(prompts)) for _ in range(3)]
     assert (r.input_ids[:, : r.prompt_length][0::3] == r.input_ids[:, : r.prompt_length][1::3]).all()
     # max_new_tokens = min_new_tokens: every response that long, none stopped: all truncated
-    forced = GenerationConfig(n=2, max_new_tokens=12, min_new_tokens=12)
+    forced = Generation(n=2, max_new_tokens=12, min_new_tokens=12)
     r = engine.generate(prompts, forced, tok.pad_token_id, eos)
     assert r.response_lengths.tolist() == [12] * len(r) and r.truncated.all()
     # a stop token: each response ends at its first one (kept, masked in), else is truncated
-    greedy = GenerationConfig(n=1, max_new_tokens=30, temperature=0.0)
+    greedy = Generation(n=1, max_new_tokens=30, temperature=0.0)
     tokens = [t for ids in responses(native(policy, prompts, tok, greedy)) for t in ids if t != eos]
     common = torch.tensor(tokens).mode().values  # a token the model writes often
-    stop = GenerationConfig(n=4, max_new_tokens=30, stop_token_ids=[int(common)])
+    stop = Generation(n=4, max_new_tokens=30, stop_token_ids=[int(common)])
     r = engine.generate(prompts, stop, tok.pad_token_id, eos)
     stopped = 0
     for row, m, trunc in zip(r.responses, r.response_mask, r.truncated):
@@ -158,7 +158,7 @@ def test_sampling_semantics(engine, policy, prompts, tok):
         stopped += ids[-1] == int(common)
     assert stopped > 0
     # the engine's log-probs of what it sampled are the trainer's (fp32), at a temperature too
-    hot = GenerationConfig(n=2, max_new_tokens=20, temperature=0.7)
+    hot = Generation(n=2, max_new_tokens=20, temperature=0.7)
     r = engine.generate(prompts, hot, tok.pad_token_id, eos)
     gap = (r.rollout_logprobs - trainer_logprobs(policy, r, 0.7)).abs()[r.response_mask]
     assert float(gap.max()) < 1e-4
@@ -167,16 +167,16 @@ def test_sampling_semantics(engine, policy, prompts, tok):
 
 def test_top_k_one_is_greedy(engine, policy, prompts, tok):
     engine.load_weights(policy)
-    greedy = engine.generate(prompts, GenerationConfig(n=1, max_new_tokens=20, temperature=0.0), tok.pad_token_id, tok.eos_token_id)
-    top1 = engine.generate(prompts, GenerationConfig(n=2, max_new_tokens=20, top_k=1), tok.pad_token_id, tok.eos_token_id)
+    greedy = engine.generate(prompts, Generation(n=1, max_new_tokens=20, temperature=0.0), tok.pad_token_id, tok.eos_token_id)
+    top1 = engine.generate(prompts, Generation(n=2, max_new_tokens=20, top_k=1), tok.pad_token_id, tok.eos_token_id)
     assert responses(top1)[0::2] == responses(greedy) and responses(top1)[1::2] == responses(greedy)
-    nat = native(policy, prompts, tok, GenerationConfig(n=1, max_new_tokens=20, top_k=1))
+    nat = native(policy, prompts, tok, Generation(n=1, max_new_tokens=20, top_k=1))
     assert responses(nat) == responses(greedy)
 
 
 def test_seeded_sampling_is_reproducible(engine, policy, prompts, tok):
     engine.load_weights(policy)
-    cfg = GenerationConfig(n=2, max_new_tokens=20)
+    cfg = Generation(n=2, max_new_tokens=20)
     a, b, c = (
         engine.generate(prompts, cfg, tok.pad_token_id, tok.eos_token_id, seeds=seeds)
         for seeds in (list(range(8)), list(range(8)), list(range(1, 9)))

@@ -8,10 +8,10 @@ docs/algorithm.md#defaults-the-papers-training-setup-51 sets each beside the pap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Algorithm", "Optim", "VLLMOptions"]
+__all__ = ["Algorithm", "Generation", "Optim", "VLLMOptions"]
 
 
 @dataclass
@@ -171,3 +171,50 @@ class VLLMOptions:
             )
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"generation.vllm.dtype={self.dtype!r}: auto, bfloat16, float16 or float32")
+
+
+@dataclass
+class Generation:
+    """How responses are sampled (§5.1: temperature 1.0; eval top-p 0.7)."""
+
+    n: int = 16
+    """Group sampling: responses per prompt (§4.3; paper 16)."""
+    max_new_tokens: int = 512
+    """Responses stop here and are flagged truncated (still terminal: no bootstrap)."""
+    min_new_tokens: int = 0
+    """Force at least this many tokens (equal to max_new_tokens for fixed-length benchmarks)."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probs of the update use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0: all of them."""
+    engine: Literal["native", "vllm"] | None = None
+    """'native': this package's decoding loop over the Hugging Face forward (CPU runs, tests);
+    'vllm': a vLLM engine in every training process, colocated with the models, given the
+    trainer's weights after each actor update (`engines.vllm`). None: 'native' for
+    model.generation; for model.val_generation, model.generation's engine."""
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    """The vLLM engine's settings (engine='vllm')."""
+    max_batch_size: int | None = None
+    """Sequences per `generate` call; bounds the KV cache (None: the whole rollout at once)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response besides the tokenizer's EOS (e.g. Qwen's <|im_end|>)."""
+    gather_weights: bool = True
+    """FSDP: gather the policy's full weights once per rollout (one copy per device in the
+    parameter dtype while sampling) instead of all-gathering every layer at every decoding
+    step; false where the full weights do not fit beside the sharded training state."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError("generation.n and generation.max_new_tokens must be >= 1")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError("generation.max_batch_size must be >= 1 (or null)")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("generation.temperature and top_k must be >= 0 and top_p in (0, 1]")
+        if self.engine not in (None, "native", "vllm"):
+            raise ValueError(f"generation.engine={self.engine!r}: 'native' or 'vllm'")
+        if isinstance(self.vllm, dict):  # from a checkpoint's hyper-parameters
+            self.vllm = VLLMOptions(**self.vllm)

@@ -20,14 +20,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vapo_lightning import core
-from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
 from vapo_lightning.engines import RolloutEngines
 from vapo_lightning.metrics import ALIASES, PhaseTimer, rollout_metrics
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
 from vapo_lightning.rewards.base import RewardCallback, combine_rewards
 from vapo_lightning.rollout import (
-    GenerationConfig,
     Rollout,
     cat_rollouts,
     critic_values,
@@ -67,9 +66,9 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         policy: ModelSpec,
         critic: ModelSpec | None = None,
         algorithm: Algorithm | None = None,
-        generation: GenerationConfig | None = None,
+        generation: Generation | None = None,
         optim: Optim | None = None,
-        val_generation: GenerationConfig | None = None,
+        val_generation: Generation | None = None,
         val_before_train: bool = True,
         hf_export_dir: str | None = None,
         torch_compile: bool = False,
@@ -79,13 +78,13 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         policy, critic, algorithm, generation, optim, val_generation = (
             cls(**v) if isinstance(v, dict) else v
             for cls, v in [(ModelSpec, policy), (ModelSpec, critic), (Algorithm, algorithm),
-                           (GenerationConfig, generation), (Optim, optim), (GenerationConfig, val_generation)]
+                           (Generation, generation), (Optim, optim), (Generation, val_generation)]
         )  # fmt: skip
         self.policy_spec, self.critic_spec = policy, critic
         self.algo = algorithm or Algorithm()
-        self.gen = generation or GenerationConfig()
+        self.gen = generation or Generation()
         self.optim = optim or Optim()
-        self.val_gen = val_generation or GenerationConfig(
+        self.val_gen = val_generation or Generation(
             n=1, temperature=0.0, max_new_tokens=self.gen.max_new_tokens
         )
         self.gen.engine = self.gen.engine or "native"

@@ -8,18 +8,17 @@ single forward gives the log-probs and values of every response token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from vapo_lightning.config import VLLMOptions
+from vapo_lightning.config import Generation
 from vapo_lightning.generation import calls_in_lock_step, gathered_weights, sample_responses
 from vapo_lightning.rewards.base import Sample
 
 __all__ = [
-    "GenerationConfig",
     "Rollout",
     "assemble",
     "cat_rollouts",
@@ -28,53 +27,6 @@ __all__ = [
     "left_padded",
     "policy_logits",
 ]
-
-
-@dataclass
-class GenerationConfig:
-    """How responses are sampled (§5.1: temperature 1.0; eval top-p 0.7)."""
-
-    n: int = 16
-    """Group sampling: responses per prompt (§4.3; paper 16)."""
-    max_new_tokens: int = 512
-    """Responses stop here and are flagged truncated (still terminal: no bootstrap)."""
-    min_new_tokens: int = 0
-    """Force at least this many tokens (equal to max_new_tokens for fixed-length benchmarks)."""
-    temperature: float = 1.0
-    """Sampling temperature; the log-probs of the update use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
-    top_k: int = 0
-    """Sample among the k most likely tokens only; 0: all of them."""
-    engine: Literal["native", "vllm"] | None = None
-    """'native': this package's decoding loop over the Hugging Face forward (CPU runs, tests);
-    'vllm': a vLLM engine in every training process, colocated with the models, given the
-    trainer's weights after each actor update (`engines.vllm`). None: 'native' for
-    model.generation; for model.val_generation, model.generation's engine."""
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
-    """The vLLM engine's settings (engine='vllm')."""
-    max_batch_size: int | None = None
-    """Sequences per `generate` call; bounds the KV cache (None: the whole rollout at once)."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a response besides the tokenizer's EOS (e.g. Qwen's <|im_end|>)."""
-    gather_weights: bool = True
-    """FSDP: gather the policy's full weights once per rollout (one copy per device in the
-    parameter dtype while sampling) instead of all-gathering every layer at every decoding
-    step; false where the full weights do not fit beside the sharded training state."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1 or self.max_new_tokens < 1:
-            raise ValueError("generation.n and generation.max_new_tokens must be >= 1")
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise ValueError("generation.max_batch_size must be >= 1 (or null)")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("generation.temperature and top_k must be >= 0 and top_p in (0, 1]")
-        if self.engine not in (None, "native", "vllm"):
-            raise ValueError(f"generation.engine={self.engine!r}: 'native' or 'vllm'")
-        if isinstance(self.vllm, dict):  # from a checkpoint's hyper-parameters
-            self.vllm = VLLMOptions(**self.vllm)
 
 
 @dataclass
@@ -151,7 +103,7 @@ class Rollout:
 def generate(
     policy: PreTrainedModel,
     prompt_ids: list[list[int]],
-    cfg: GenerationConfig,
+    cfg: Generation,
     pad_token_id: int,
     eos_token_id: int,
     n: int | None = None,

@@ -24,12 +24,11 @@ def main() -> None:
 
     import lightning as L
 
-    from vapo_lightning.config import Algorithm, Optim
+    from vapo_lightning.config import Algorithm, Generation, Optim
     from vapo_lightning.data import PromptDataModule
     from vapo_lightning.models import ModelSpec
     from vapo_lightning.module import VAPOModule
     from vapo_lightning.rewards.math import MathReward
-    from vapo_lightning.rollout import GenerationConfig
 
     batch, T = cfg["prompts"] * cfg["n"], cfg["max_new_tokens"]
     static = versions("torch", "transformers", "lightning", device=cfg["device"])
@@ -56,7 +55,7 @@ def main() -> None:
         algorithm=Algorithm(
             mini_batch_size=batch, micro_batch_size=cfg["micro_batch"]["vapo"], ppo_epochs=1
         ),
-        generation=GenerationConfig(n=cfg["n"], max_new_tokens=T, min_new_tokens=T),
+        generation=Generation(n=cfg["n"], max_new_tokens=T, min_new_tokens=T),
         optim=Optim(actor_lr=1e-5, critic_lr=1e-5, warmup_steps=0),
         val_before_train=False,
         torch_compile=cfg.get("compile", False),

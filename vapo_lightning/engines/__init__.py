@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from vapo_lightning.config import Generation
 from vapo_lightning.rewards.base import Sample
-from vapo_lightning.rollout import GenerationConfig, Rollout, generate
+from vapo_lightning.rollout import Rollout, generate
 
 __all__ = ["RolloutEngines"]
 
@@ -66,7 +67,7 @@ class RolloutEngines:
     def uses_vllm(self) -> bool:
         return "vllm" in (self.gen.engine, self.val_gen.engine)
 
-    def sample(self, rows: list[dict], gen: GenerationConfig | None = None) -> Rollout:
+    def sample(self, rows: list[dict], gen: Generation | None = None) -> Rollout:
         """n responses per prompt row from the engine `gen` names, with their `Sample`s."""
         gen = gen or self.gen
         tok = self.tokenizer

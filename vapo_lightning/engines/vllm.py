@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from vapo_lightning.config import VLLMOptions
-from vapo_lightning.rollout import GenerationConfig, Rollout, assemble, left_padded
+from vapo_lightning.config import Generation, VLLMOptions
+from vapo_lightning.rollout import Rollout, assemble, left_padded
 
 __all__ = ["EngineSetupError", "VLLMEngine", "check_setup", "import_vllm", "named_full_tensors"]
 
@@ -141,7 +141,7 @@ class VLLMEngine:
     Args:
         policy: the trainer's policy (its config builds the engine's model; its weights are
             loaded in by `load_weights`, here first).
-        options: the engine's settings (`GenerationConfig.vllm`).
+        options: the engine's settings (`Generation.vllm`).
         max_model_len: the longest prompt + response the engine must hold.
         dtype: the engine weights' dtype ("auto" resolved by the caller).
         seed: the run's sampling seed; each engine adds its index (the ranks of one
@@ -231,7 +231,7 @@ class VLLMEngine:
     def generate(
         self,
         prompt_ids: list[list[int]],
-        cfg: GenerationConfig,
+        cfg: Generation,
         pad_token_id: int,
         eos_token_id: int,
         n: int | None = None,
