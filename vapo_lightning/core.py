@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vapo_lightning.token_stats import entropy_from_logits, logprobs_from_logits
+
 LossAgg = Literal["token", "sequence"]
 
 __all__ = [
@@ -211,102 +213,7 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> 
 
 
 # --------------------------------------------------------------------------- per-token quantities
-
-
-def _at_least_fp32(x: Tensor, tau: float = 1.0) -> Tensor:
-    """x / tau in fp32 (or x's dtype if wider); x itself (no copy) when nothing changes."""
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x if tau == 1.0 else x / tau
-
-
-def _per_row(logits: Tensor, tau: float, chunk: int, f) -> tuple[Tensor, Tensor]:
-    """(f(rows, z, lse), lse) for each chunk of rows of (N, V) logits: z = logits / tau in
-    >= fp32 and lse = logsumexp(z) (N,); one (chunk, V) temporary at a time."""
-    out = logits.new_empty(logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32))
-    lse = torch.empty_like(out)
-    for i in range(0, logits.shape[0], chunk):
-        rows = slice(i, i + chunk)
-        z = _at_least_fp32(logits[rows], tau)
-        lse[rows] = torch.logsumexp(z, dim=-1)
-        out[rows] = f(rows, z, lse[rows])
-    return out, lse
-
-
-class _TokenLogProbs(torch.autograd.Function):
-    """log softmax(z / tau)[label] per row of (N, V) logits, chunk by chunk in >= fp32.
-
-    Saves the logits as given (bf16 stays bf16) and the (N,) logsumexp, not an fp32 copy of
-    the logits: the backward recomputes softmax one chunk at a time,
-    d logp / dz = (onehot(label) - softmax(z / tau)) / tau.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, tau: float, chunk: int) -> Tensor:
-        out, lse = _per_row(
-            logits, tau, chunk, lambda rows, z, m: z.gather(-1, labels[rows, None]).squeeze(-1) - m
-        )
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.tau, ctx.chunk = tau, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
-        logits, labels, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], ctx.chunk):
-            rows = slice(i, i + ctx.chunk)
-            g = grad_out[rows, None] / ctx.tau  # (chunk, 1): the 1/tau of dz/dlogits
-            d = -torch.exp(_at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]) * g
-            d.scatter_add_(-1, labels[rows, None], g)
-            grad[rows] = d
-        return grad, None, None, None
-
-
-class _TokenEntropy(torch.autograd.Function):
-    """H(softmax(z / tau)) per row of (N, V) logits, chunk by chunk in >= fp32; saves the
-    logits as given plus (N,) logsumexp and entropy. dH/dz = -p * (log p + H) / tau."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, tau: float, chunk: int) -> Tensor:
-        out, lse = _per_row(
-            logits, tau, chunk, lambda rows, z, m: m - (torch.softmax(z, dim=-1) * z).sum(-1)
-        )
-        ctx.save_for_backward(logits, lse, out)
-        ctx.tau, ctx.chunk = tau, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:
-        logits, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for i in range(0, logits.shape[0], ctx.chunk):
-            rows = slice(i, i + ctx.chunk)
-            logp = _at_least_fp32(logits[rows], ctx.tau) - lse[rows, None]
-            g = grad_out[rows, None] / ctx.tau
-            grad[rows] = -torch.exp(logp) * (logp + entropy[rows, None]) * g
-        return grad, None, None
-
-
-def logprobs_from_logits(
-    logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int = 4096
-) -> Tensor:
-    """log p(label) under softmax(logits / temperature): (B, T, V) logits and (B, T) labels
-    -> (B, T), in fp32 (or the logits' dtype if wider).
-
-    `chunk_rows` positions at a time: never a full (B, T, V) log_softmax, at most a
-    (chunk_rows, V) fp32 temporary, in the forward and in the backward, and no fp32 copy of
-    bf16 logits is kept for the backward. PPO's ratio exp(logp - logp_old) needs fp32
-    log-probs: mixed precision hands over bf16 logits, divided by the temperature only in fp32.
-    """
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _TokenLogProbs.apply(flat, labels.reshape(-1), temperature, chunk_rows).reshape(labels.shape)
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_rows: int = 4096) -> Tensor:
-    """Per-token entropy of softmax(logits / temperature), H = logsumexp(z) - sum softmax(z) * z,
-    (..., V) -> (...), in fp32 (or wider); chunked like `logprobs_from_logits`."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _TokenEntropy.apply(flat, temperature, chunk_rows).reshape(logits.shape[:-1])
+# logprobs_from_logits and entropy_from_logits: chunked, memory-lean kernels in `token_stats`.
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

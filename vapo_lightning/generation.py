@@ -81,7 +81,9 @@ class GrowingLayer(CacheLayerMixin):
         self._v = value_states.new_empty(B, H, size, value_states.shape[-1], dtype=dtype)
         self.is_initialized = True
 
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args, **kwargs
+    ) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -118,7 +120,9 @@ class GrowingLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length
 
     def _unsupported(self, *args, **kwargs) -> None:
-        raise NotImplementedError("GrowingLayer is a decoding cache: no beam search, crop or offload")
+        raise NotImplementedError(
+            "GrowingLayer is a decoding cache: no beam search, crop or offload"
+        )
 
     reorder_cache = crop = offload = prefetch = reset = _unsupported
 
@@ -175,7 +179,9 @@ def cache_dtype(key_states: Tensor) -> torch.dtype:
         low = None
     if not decodes_in_autocast_dtype(device):
         low = None
-    wider = key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
+    wider = (
+        key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
+    )
     return low if wider else key_states.dtype
 
 
@@ -261,6 +267,28 @@ def calls_in_lock_step(model: torch.nn.Module, calls: int) -> int:
     return int(most)
 
 
+def _growing_cache(capacity: int) -> Cache:
+    """A KV cache whose layers hold `capacity` positions from the start (prompt + the most
+    new tokens): it never grows, never over-allocates."""
+    return Cache(layer_class_to_replicate=partial(GrowingLayer, capacity=capacity))
+
+
+def _cache_argument(model: PreTrainedModel) -> str:
+    """transformers >= 5.2x names the forward's cache argument `cache`; earlier 5.x
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _every_rank_done(done_here: bool, synced: bool, device: torch.device) -> bool:
+    """Whether decoding may stop; a synced (sharded) rank keeps decoding, feeding pads,
+    until every rank is done."""
+    if not synced:
+        return done_here
+    left = torch.tensor(float(not done_here), device=device)
+    dist.all_reduce(left)
+    return left.item() == 0
+
+
 @torch.no_grad()
 @without_cudnn_attention()
 @decoding()  # attention in the cache's dtype (`attention.py`)
@@ -290,18 +318,14 @@ def sample_responses(
     (`lock_step`; None: whenever the model is sharded; `gathered_weights` says when not).
     """
     device, B = input_ids.device, input_ids.shape[0]
+    synced = is_lock_step(model) if lock_step is None else lock_step
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    synced = is_lock_step(model) if lock_step is None else lock_step
-    capacity = input_ids.shape[1] + max_new_tokens  # never grows, never over-allocates
-    cache = Cache(layer_class_to_replicate=partial(GrowingLayer, capacity=capacity))
-    # transformers >= 5.2x names the argument `cache`; earlier 5.x `past_key_values`.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache, cache_arg = _growing_cache(input_ids.shape[1] + max_new_tokens), _cache_argument(model)
     rows = torch.arange(B, device=device)  # the output row of each batch row
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    mask = attention_mask.long()
+    mask, tokens, steps = attention_mask.long(), input_ids, 0
     position = (mask.cumsum(-1) - 1).clamp(min=0)
-    tokens, steps = input_ids, 0
     for t in range(max_new_tokens):
         logits = model(
             input_ids=tokens,
@@ -318,19 +342,14 @@ def sample_responses(
         out[rows, t] = new
         steps = t + 1
         done = done | torch.isin(new, stop)
-        finished = all_done = bool(done.all())
-        if synced:  # every rank keeps decoding (feeding pads) until all are done
-            left = torch.tensor(float(not all_done), device=device)
-            dist.all_reduce(left)
-            finished = left.item() == 0
-        if finished or steps == max_new_tokens:
+        all_done = bool(done.all())
+        if _every_rank_done(all_done, synced, device) or steps == max_new_tokens:
             break
         if len(done) > 1 and done.float().mean() >= compact_fraction:
             # finished rows leave the batch; a synced rank with none left keeps one to feed
             keep = rows.new_zeros(1) if all_done else (~done).nonzero().squeeze(-1)
             cache.batch_select_indices(keep)
-            rows, done, mask, position = rows[keep], done[keep], mask[keep], position[keep]
-            new = new[keep]
+            rows, done, mask, position, new = (x[keep] for x in (rows, done, mask, position, new))
         tokens = new[:, None]
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
         position = position[:, -1:] + 1
