@@ -67,6 +67,21 @@ def test_all_or_nothing():
         cb.close()
 
 
+def test_correct_means_every_test_passed(reward):
+    """With partial credit a program that passes 1 of 12 tests scores > 0, but it is not
+    correct: only a full pass counts for accuracy and the positive-example NLL."""
+    tests = [{"input": [x], "output": x * x} for x in range(12)]  # only x = 0, 1 pass `return x`
+    samples = [
+        _sample("def f(x):\n    return x * x", tests, fn_name="f"),
+        _sample("def f(x):\n    return x", tests, fn_name="f"),
+        _sample("def f(x):\n    return 0", tests, fn_name="f"),  # x = 0 only: 1 of 12
+    ]
+    scores = reward.score(samples)
+    assert scores == [1.0, 2 / 12, 1 / 12]
+    assert reward.correct_threshold is not None  # a verifier: no "total reward > 0" fallback
+    assert [s > reward.correct_threshold for s in scores] == [True, False, False]
+
+
 def test_missing_tests_are_errors_not_zeros(reward):
     outcome = combine_rewards([reward], [_sample("x = 1", None)])
     assert outcome.errors == 1

@@ -110,6 +110,10 @@ class CodeReward(RewardCallback):
     for the trainer to log, e.g. ``{f"code/{k}": v for k, v in reward.last_stats.items()}``.
     """
 
+    correct_threshold = 1.0 - 1e-9
+    """A verifier: "correct" (accuracy, the positive-example NLL) means every test passed, the
+    only score of 1.0, with or without `all_or_nothing`; a partial pass is not correct."""
+
     def __init__(
         self,
         all_or_nothing: bool = False,
