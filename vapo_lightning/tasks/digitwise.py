@@ -1,10 +1,11 @@
 """A synthetic task for token-level credit assignment: digit-by-digit sums mod 10.
 
 A problem lists K labelled digit pairs, K = `difficulty` from 2 to 26 (labels a to z):
-``Add each pair mod 10: a) 4 3 b) 7 5 c) 1 8``. The reference solution works one pair per
+``Add each pair mod 10: a43 b75 c18``. The reference solution works one pair per
 labelled step, in order: ``a) 4+3=7 b) 7+5=2 c) 1+8=9``; the answer is the digits it wrote,
 ``729``. The labels let a small model find the next pair by matching, as in the arithmetic
-task, so what it must get right is each step. The task has the three properties VAPO's
+task (the label and its two digits sit together, so one position of the prompt holds a whole
+pair), and what it must get right is each step. The task has the three properties VAPO's
 argument is about (arXiv 2504.05118, §3-4):
 
 - long responses of very different lengths: with the project's digit-splitting BPE a
@@ -56,7 +57,7 @@ DATA_SOURCE = "digitwise"
 LABELS = string.ascii_lowercase
 MIN_DIGITS, MAX_DIGITS = 2, len(LABELS)
 PROMPT_PREFIX = "Add each pair mod 10: "
-_PAIR = re.compile(r"([a-z])\) (\d) (\d)")
+_PAIR = re.compile(r"([a-z])(\d)(\d)")
 _STEP = re.compile(r"([a-z])\) (\d)\+(\d)=(\d)")
 
 
@@ -72,7 +73,7 @@ def make_problem(rng: random.Random, difficulty: int) -> dict:
     if not MIN_DIGITS <= difficulty <= MAX_DIGITS:
         raise ValueError(f"difficulty must be in [{MIN_DIGITS}, {MAX_DIGITS}], got {difficulty}")
     ps = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(difficulty)]
-    prompt = PROMPT_PREFIX + " ".join(f"{label}) {x} {y}" for label, (x, y) in zip(LABELS, ps))
+    prompt = PROMPT_PREFIX + " ".join(f"{label}{x}{y}" for label, (x, y) in zip(LABELS, ps))
     return {
         "prompt": prompt,
         "answer": "".join(str((x + y) % 10) for x, y in ps),
