@@ -43,3 +43,12 @@ def test_unknown_key_is_rejected():
         main(["fit", "-c", str(CONFIGS / "tiny_cpu.yaml"), "--model.algorithm.clip_hihg=0.3"])
     assert exit_.value.code != 0
     assert "clip_hihg" in err.getvalue()
+
+
+def test_group_help_shows_each_fields_documentation(capsys):
+    """`--model.algorithm.help Algorithm` prints the attribute docstrings of the dataclass."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.algorithm.help", "Algorithm"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Critic optimiser steps on each mini-batch before its actor step" in out
+    assert "default: 1" in out

@@ -18,6 +18,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -247,6 +248,8 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     import_from_working_directory()
     quiet_lightning()
+    # The config dataclasses document each field in an attribute docstring: that is the help.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     command = argv[0] if argv else None
     if command in (None, "-h", "--help") or (
         command not in COMMANDS and not command.startswith("-")
