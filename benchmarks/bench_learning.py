@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -175,18 +175,33 @@ def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
-def bucket_accuracy(run_dir: Path, step: int, difficulty: dict[str, int], buckets) -> list[float]:
-    """Accuracy of the validation samples at `step`, per difficulty bucket."""
-    hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
+def val_points(run_dir: Path) -> list[float]:
+    """val/accuracy of each validation of a run, in the order they ran (the fit's, then the
+    final `vapo validate`'s): not merged by step, as the two processes count steps apart."""
+    points = []
+    for path in sorted(glob.glob(f"{run_dir}/lightning_logs/version_*/events.out.tfevents.*"),
+                       key=lambda p: int(Path(p).parent.name.split("_")[1])):  # fmt: skip
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        if "val/accuracy" in acc.Tags()["scalars"]:
+            points += [
+                e.value for e in sorted(acc.Scalars("val/accuracy"), key=lambda e: e.wall_time)
+            ]
+    return points
+
+
+def bucket_accuracy(run_dir: Path, difficulty: dict[str, int], buckets) -> list[float]:
+    """Accuracy of the last validation's samples (the last block of one step in the file),
+    per difficulty bucket."""
     with (run_dir / "val_samples.jsonl").open() as f:
-        for line in f:
-            s = json.loads(line)
-            if s["step"] != step:
-                continue
-            # the sample's prompt is the chat-formatted one: the longest task prompt it holds
-            k = difficulty[max((p for p in difficulty if p in s["prompt"]), key=len)]
-            i = next(i for i, (lo, hi) in enumerate(buckets) if lo <= k <= hi)
-            hits[i].append(bool(s["correct"]))
+        samples = [json.loads(line) for line in f]
+    last = [s for s in samples if s["step"] == samples[-1]["step"]]
+    hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
+    for s in last:
+        # the sample's prompt is the chat-formatted one: the longest task prompt it holds
+        k = difficulty[max((p for p in difficulty if p in s["prompt"]), key=len)]
+        i = next(i for i, (lo, hi) in enumerate(buckets) if lo <= k <= hi)
+        hits[i].append(bool(s["correct"]))
     return [statistics.mean(h) if h else math.nan for h in hits.values()]
 
 
@@ -270,7 +285,9 @@ def ordering_vs_paper(rows: list[dict]) -> str:
             f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.")  # fmt: skip
 
 
-def report(task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str) -> str:
+def report(
+    task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str, png: str
+) -> str:
     lo_hi = " / ".join(f"{lo}-{hi}" for lo, hi in task.buckets)
     tests = welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
     out = [
@@ -303,7 +320,7 @@ def report(task_name: str, task: Task, seeds: list[int], rows: list[dict], comma
         "DAPO's rollout accuracy and length are over the groups its dynamic sampling keeps: "
         "its curves are not comparable with the other rows.",
         "",
-        f"![rollout accuracy and response length vs policy-update step]({Path(task.out).stem}_curves.png)",
+        f"![rollout accuracy and response length vs policy-update step]({png})",
         "",
     ]
     return "\n".join(out)
@@ -319,13 +336,13 @@ def collect(task: Task, name: str, layer: str | None, paper, seeds, dirs, minute
     out = {"name": name, "paper": paper, "p": p, "start": [], "final": [], "equal_samples": [],
            "buckets": [], "minutes": [minutes[name, s] for s in seeds], "curves": {}}  # fmt: skip
     for s in seeds:
-        val = dict(scalar_curve(dirs[name, s], "val/accuracy"))
+        val = val_points(dirs[name, s])  # start, at `updates` rollout steps, [after P more]
+        if len(val) < (3 if p else 2):
+            raise RuntimeError(f"{dirs[name, s]}: {len(val)} validations, expected {3 if p else 2}")
         out["start"].append(val[0])
-        out["final"].append(val[task.updates + p])
-        out["equal_samples"].append(val[task.updates])
-        out["buckets"].append(
-            bucket_accuracy(dirs[name, s], task.updates + p, difficulty, task.buckets)
-        )
+        out["equal_samples"].append(val[1])
+        out["final"].append(val[-1])
+        out["buckets"].append(bucket_accuracy(dirs[name, s], difficulty, task.buckets))
     for tag in ("rollout/accuracy", "response_length/mean"):
         out["curves"][tag] = [scalar_curve(dirs[name, s], tag) for s in seeds]
     return out
@@ -339,10 +356,15 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="fits at a time (each gets 2/jobs threads)")
     ap.add_argument("--root", type=Path, default=None, help="default: runs/learning_<task>")
     ap.add_argument("--out", type=Path, default=None, help="markdown file (default: the task's)")
+    ap.add_argument(
+        "--updates", type=int, default=None, help="policy updates per row (default: the task's)"
+    )
     ap.add_argument("--no-report", action="store_true", help="run only, write nothing")
     ap.add_argument("extra", nargs="*", help="overrides for every run, after `--`")
     args = ap.parse_args()
     task = TASKS[args.task]
+    if args.updates is not None:
+        task = replace(task, updates=args.updates)
     root = (args.root or ROOT / f"runs/learning_{args.task}").resolve()
     out = args.out or ROOT / task.out
     if args.jobs > 1:
@@ -360,9 +382,10 @@ def main() -> None:
         return
     rows = [collect(task, n, layer, paper, args.seeds, dirs, minutes) for n, layer, paper in runs]
     command = " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]])
-    text = report(args.task, task, args.seeds, rows, command)
+    png = out.with_name(out.stem + "_curves.png")
+    text = report(args.task, task, args.seeds, rows, command, png.name)
     out.write_text(text)
-    plot(rows, args.task, out.with_name(out.stem + "_curves.png"))
+    plot(rows, args.task, png)
     print(text)
 
 

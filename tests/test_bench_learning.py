@@ -43,21 +43,33 @@ def test_dapo_overlong_window_starts_above_the_longest_correct_answer(task):
     from vapo_lightning.tokenization import train_bpe
 
     t = B.TASKS[task]
-    rows = read_jsonl(B.ROOT / t.val) + read_jsonl(B.ROOT / t.val.replace("val.jsonl", "train.jsonl"))
+    rows = read_jsonl(B.ROOT / t.val) + read_jsonl(
+        B.ROOT / t.val.replace("val.jsonl", "train.jsonl")
+    )
     if task == "arithmetic":
         tok = AutoTokenizer.from_pretrained(B.ROOT / "vapo_lightning/assets/quickstart_sft")
     else:
         tok = train_bpe([r["prompt"] for r in rows] + [r["solution"] for r in rows])
-    longest = max(len(tok(" " + r["solution"], add_special_tokens=False)["input_ids"]) for r in rows) + 1
+    longest = (
+        max(len(tok(" " + r["solution"], add_special_tokens=False)["input_ids"]) for r in rows) + 1
+    )
     layer = B.load(t.layers.get("DAPO", "configs/baselines/dapo.yaml"))
-    (cb,) = [c for c in layer["trainer"]["callbacks"] if c["class_path"].endswith("OverlongPenalty")]
+    (cb,) = [
+        c for c in layer["trainer"]["callbacks"] if c["class_path"].endswith("OverlongPenalty")
+    ]
     assert cb["init_args"]["max_length"] - cb["init_args"]["cache_length"] > longest
-    assert cb["init_args"]["max_length"] <= B.load(t.config)["model"]["generation"]["max_new_tokens"]
+    assert (
+        cb["init_args"]["max_length"] <= B.load(t.config)["model"]["generation"]["max_new_tokens"]
+    )
 
 
 def test_welch_holm_matches_hand_computed_values():
     ref = [0.50, 0.52, 0.48, 0.51, 0.49]
-    rows = {"same": [0.50, 0.49, 0.51, 0.52, 0.48], "better": [0.60, 0.62, 0.59, 0.61, 0.63], "worse": [0.40, 0.45, 0.42, 0.41, 0.44]}
+    rows = {
+        "same": [0.50, 0.49, 0.51, 0.52, 0.48],
+        "better": [0.60, 0.62, 0.59, 0.61, 0.63],
+        "worse": [0.40, 0.45, 0.42, 0.41, 0.44],
+    }
     got = B.welch_holm(ref, rows)
 
     def welch_p(a, b):  # the textbook formula, two-sided
@@ -84,16 +96,24 @@ def test_ci95_is_the_t_interval():
     assert B.ci95(xs) == f"{100 * 0.25:.1f} ± {100 * half:.1f}"
 
 
-def test_bucket_accuracy_reads_the_samples_of_one_step(tmp_path):
-    difficulty = {"Start at 3. a) + 1": 1, "Start at 3. a) + 1 b) + 2": 2, "Start at 5. a) - 1 b) + 2 c) + 1": 3}
+def test_bucket_accuracy_reads_the_last_validation(tmp_path):
+    difficulty = {
+        "Start at 3. a) + 1": 1,
+        "Start at 3. a) + 1 b) + 2": 2,
+        "Start at 5. a) - 1 b) + 2 c) + 1": 3,
+    }
     samples = [
+        (0, "User: Start at 3. a) + 1\nAssistant:", False),  # an earlier validation: ignored
         (10, "User: Start at 3. a) + 1\nAssistant:", True),
-        (10, "User: Start at 3. a) + 1 b) + 2\nAssistant:", False),  # holds the difficulty-1 prompt too
+        (
+            10,
+            "User: Start at 3. a) + 1 b) + 2\nAssistant:",
+            False,
+        ),  # holds the difficulty-1 prompt too
         (10, "User: Start at 3. a) + 1 b) + 2\nAssistant:", True),
         (10, "User: Start at 5. a) - 1 b) + 2 c) + 1\nAssistant:", False),
-        (0, "User: Start at 3. a) + 1\nAssistant:", False),  # another step: ignored
     ]
     with (tmp_path / "val_samples.jsonl").open("w") as f:
         for step, prompt, ok in samples:
             f.write(json.dumps({"step": step, "prompt": prompt, "correct": ok}) + "\n")
-    assert B.bucket_accuracy(tmp_path, 10, difficulty, ((1, 1), (2, 3))) == [1.0, 1 / 3]
+    assert B.bucket_accuracy(tmp_path, difficulty, ((1, 1), (2, 3))) == [1.0, 1 / 3]
