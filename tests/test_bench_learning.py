@@ -8,10 +8,9 @@ import math
 import statistics
 
 import pytest
+from scipy import stats
 
 from benchmarks import bench_learning as B
-
-scipy = pytest.importorskip("scipy")
 
 
 @pytest.mark.parametrize("task", sorted(B.TASKS))
@@ -76,7 +75,7 @@ def test_welch_holm_matches_hand_computed_values():
         va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
         t = (statistics.mean(a) - statistics.mean(b)) / math.sqrt(va + vb)
         df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-        return 2 * scipy.stats.t.sf(abs(t), df)
+        return 2 * stats.t.sf(abs(t), df)
 
     raw = {k: welch_p(v, ref) for k, v in rows.items()}
     order = sorted(raw, key=raw.get)

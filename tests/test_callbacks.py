@@ -20,11 +20,6 @@ from tests.helpers import (
 from vapo_lightning.callbacks import EntropyTracker, ValidationSamples, ValuePretraining
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
 def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
     L.seed_everything(1)
     module = tiny_module(tok)

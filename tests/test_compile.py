@@ -5,16 +5,11 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from tests.helpers import TINY_LLAMA, build_tokenizer, tiny_data, tiny_module, tiny_trainer
+from tests.helpers import TINY_LLAMA, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning.config import Algorithm, Generation
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 from vapo_lightning.rollout import Rollout, policy_logits
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import TINY_LLAMA, build_tokenizer, tiny_data, tiny_module, tiny_trainer
+from tests.helpers import TINY_LLAMA, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning import core
 from vapo_lightning.config import Generation
 from vapo_lightning.generation import sample_responses
@@ -18,10 +18,6 @@ from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ missing file is named by file, line and field before training starts, or skipped
 import pytest
 
 from tests.helpers import (
-    build_tokenizer,
     make_rows,
     tiny_data,
     tiny_module,
@@ -12,11 +11,6 @@ from tests.helpers import (
     write_jsonl,
 )
 from vapo_lightning.data import DataError
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from vapo_lightning.core import length_adaptive_lam
 from vapo_lightning.sft import SFTDataModule
@@ -78,8 +79,6 @@ def test_response_lengths_span_the_length_adaptive_lambda():
     for r in rows:
         by_k[r["difficulty"]] = len(tok(" " + r["solution"])["input_ids"]) + 1  # + EOS
     assert by_k == {k: 8 * k + 1 for k in by_k}
-    import torch
-
     lam = length_adaptive_lam(torch.tensor([by_k[D.MIN_DIGITS], by_k[D.MAX_DIGITS]]), 0.05)
     assert lam[0] == 0 and 0.89 < lam[1] < 0.91
 

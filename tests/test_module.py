@@ -9,7 +9,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from tests.helpers import (
-    build_tokenizer,
     changed,
     scalars,
     snapshot,
@@ -19,11 +18,6 @@ from tests.helpers import (
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
 from vapo_lightning.config import Algorithm, Generation, Optim
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):

@@ -3,7 +3,7 @@ reward failing on most samples for several steps stops the run with its message.
 
 import pytest
 
-from tests.helpers import build_tokenizer, tiny_data, tiny_module, tiny_trainer
+from tests.helpers import tiny_data, tiny_module, tiny_trainer
 from vapo_lightning.rewards import RewardCallback, RewardError
 
 
@@ -15,10 +15,6 @@ class Broken(RewardCallback):
     def score(self, samples):
         return [None if i % self.fail_every == 0 else 1.0 for i in range(len(samples))]
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_errors_are_on_the_progress_bar(tok, tmp_path):

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import build_tokenizer, tiny_module
+from tests.helpers import tiny_module
 from vapo_lightning import core
 from vapo_lightning.config import Algorithm
 from vapo_lightning.metrics import PhaseTimer
@@ -19,10 +19,6 @@ from vapo_lightning.rollout import Rollout, critic_values, policy_logits
 
 B, P, T = 8, 6, 10
 
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def rollout(vocab: int) -> Rollout:

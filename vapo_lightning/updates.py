@@ -151,7 +151,8 @@ class PPOUpdates:
             # With an entropy bonus the entropy needs its graph; otherwise only its value.
             with torch.set_grad_enabled(a.entropy_coef > 0):
                 entropy = core.entropy_from_logits(logits, temperature)  # (B, T)
-            micro.old_logprobs, _ = pi_old(rows, logprobs), entropy_old(rows, entropy)
+            micro.old_logprobs = pi_old(rows, logprobs)
+            entropy_old(rows, entropy)  # recorded for the metrics (one pass)
             is_weights = (  # truncated importance sampling against the engine that sampled
                 correction.truncated_is_weights(
                     micro.old_logprobs, micro.rollout_logprobs, m, a.rollout_is_cap
