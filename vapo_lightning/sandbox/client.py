@@ -1,16 +1,19 @@
-"""Host side: the warm server processes, a pool of them, and `evaluate`.
+"""Host side: the warm server processes, a pool of them, `evaluate` and `execute`.
 
 The host sends the program and the test *inputs* to a warm server, receives the raw frames the
 sandbox wrote, decodes them as plain JSON and judges them with `compare` — the expected outputs
-never leave this process.
+never leave this process. `execute` (a code-interpreter tool call) runs one program the same
+way and returns what it printed instead of a verdict.
 """
 
 from __future__ import annotations
 
 import atexit
+import binascii
 import json
 import os
 import queue
+import re
 import struct
 import subprocess
 import sys
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT as DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.compare import judge
 from vapo_lightning.sandbox.protocol import frame
+
+_EXIT_CODE = re.compile(rb"-?[0-9]{1,9}")
 
 SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
 
@@ -91,6 +96,25 @@ class Result:
     @property
     def fraction(self) -> float:
         return self.passed / self.total if self.total else 0.0
+
+
+@dataclass
+class Execution:
+    """What one executed program did (`Pool.execute`)."""
+
+    status: str
+    """ok | error (nonzero exit, uncaught exception, killed by a signal) | timeout |
+    memory_limit | output_limit (the whole run's `Limits.output_bytes` was reached) |
+    setup_error (the sandbox failed before the program ran) | server_error."""
+    exit_code: int | None
+    """The program's exit status (minus the signal that killed it); None if it did not end."""
+    stdout: str
+    stderr: str
+    """Decoded as UTF-8, invalid bytes replaced; an uncaught exception's traceback is here."""
+    truncated: bool
+    """stdout or stderr was cut at `max_output_bytes` (the first bytes are kept)."""
+    layers: list[str] = field(default_factory=list)
+    total_ms: float = 0.0
 
 
 class WarmServer:
@@ -242,11 +266,7 @@ class Pool:
             "timeout_s": float(timeout_s),
             "limits": limits.__dict__,
         }
-        server = self.idle.get()
-        try:
-            header, raw = server.run(request)
-        finally:
-            self.idle.put(server)
+        header, raw = self._run(request)
         per_test, errors = judge(raw, tests, fn_name)
         return Result(
             passed=sum(per_test),
@@ -260,6 +280,57 @@ class Pool:
             total_ms=(time.perf_counter() - t0) * 1e3,
         )
 
+    def execute(
+        self,
+        code: str,
+        timeout_s: float = 5.0,
+        limits: Limits | None = None,
+        max_output_bytes: int = 16384,
+    ) -> Execution:
+        """Runs `code` once as ``__main__`` with empty stdin and returns its exit status,
+        stdout and stderr, each cut at `max_output_bytes` (a flood ends truncated, not failed).
+
+        The program is the same confined child as a stdin-mode test (same layers, `limits` and
+        wall-clock `timeout_s`); each call is a fresh program in a fresh sandbox: no
+        interpreter state and no file of an earlier call is left. On a timeout the output is
+        what the program wrote before it. Output is sent back base64-encoded, at most twice
+        `max_output_bytes` * 4/3: keep that below `Limits.output_bytes`."""
+        t0 = time.perf_counter()
+        if type(max_output_bytes) is not int or max_output_bytes < 0:
+            raise ValueError(f"max_output_bytes must be an int >= 0, not {max_output_bytes!r}")
+        request = {
+            "mode": "execute",
+            "code": code,
+            "max_output_bytes": max_output_bytes,
+            "timeout_s": float(timeout_s),
+            "limits": (limits or self.limits).__dict__,
+        }
+        header, raw = self._run(request)
+        exit_code, stdout, stderr, truncated = _read_execution(raw, max_output_bytes)
+        status = header.get("status", "server_error")
+        if status not in ("timeout", "memory_limit", "output_limit", "server_error"):
+            if exit_code is not None:  # the program ended: its own status decides
+                status = "ok" if exit_code == 0 else "error"
+            else:  # the runner never saw it end: it did not start, or it took the runner down
+                status = "setup_error" if header.get("setup_errors") else "error"
+        return Execution(
+            status=status,
+            exit_code=exit_code if status in ("ok", "error") else None,
+            stdout=stdout,
+            stderr=stderr,
+            truncated=truncated,
+            layers=header.get("layers", []),
+            total_ms=(time.perf_counter() - t0) * 1e3,
+        )
+
+    def _run(self, request: dict) -> tuple[dict, bytes]:
+        """One request on an idle server (waits for one)."""
+        server = self.idle.get()
+        try:
+            return server.run(request)
+        finally:
+            self.idle.put(server)
+
     def spare_sessions(self) -> set[int]:
         """Session ids of the idle sandboxes forked ahead (not leftovers of any run)."""
         return {sid for s in self.servers for sid in s.query_spares()}
@@ -267,6 +338,33 @@ class Pool:
     def close(self) -> None:
         for s in self.servers:
             s.close()
+
+
+def _read_execution(raw: bytes, max_output_bytes: int) -> tuple[int | None, str, str, bool]:
+    """(exit code or None, stdout, stderr, truncated) from execute mode's frames (`runner`).
+    Only whole lines count (the server may have cut the last); a malformed one is skipped."""
+    streams = {b"1": bytearray(), b"2": bytearray()}
+    exit_code, truncated = None, False
+    for line in raw.split(b"\n")[:-1]:
+        parts = line.split(b" ", 2)
+        if len(parts) != 3 or parts[0] != b"0":
+            continue
+        kind, rest = parts[1], parts[2]
+        if kind in streams:
+            try:
+                streams[kind] += binascii.a2b_base64(rest)
+            except (binascii.Error, ValueError):
+                continue
+        elif kind == b"C":
+            truncated = True
+        elif kind == b"X" and exit_code is None and _EXIT_CODE.fullmatch(rest):
+            exit_code = int(rest)
+    for data in streams.values():
+        if len(data) > max_output_bytes:  # (the runner cuts already; never trust a length)
+            del data[max_output_bytes:]
+            truncated = True
+    out, err = (bytes(streams[k]).decode("utf-8", "replace") for k in (b"1", b"2"))
+    return exit_code, out, err, truncated
 
 
 _default: Pool | None = None
@@ -293,3 +391,9 @@ def evaluate(
     `timeout_s` bounds the whole call (plus a fixed overhead of a few milliseconds).
     """
     return default_pool().evaluate(code, tests, fn_name, timeout_s)
+
+
+def execute(code: str, timeout_s: float = 5.0, max_output_bytes: int = 16384) -> Execution:
+    """Runs `code` once in the sandbox and returns what it printed (`Pool.execute`), through
+    the process-wide pool. Each call is a fresh program: no state is kept between calls."""
+    return default_pool().execute(code, timeout_s, max_output_bytes=max_output_bytes)

@@ -314,22 +314,26 @@ class Isolation:
         if caps_dropped:
             active.append("no_caps")
         sys.executable = sys._base_executable = self.python
-        stdin_mode = req["fn_name"] is None
+        mode = P.request_mode(req)
         own_pidns = "pidns" in active
-        confine = self._enforce_landlock(ruleset, stdin_mode and not own_pidns, ctl_w, active)
+        # Stdin and execute mode run the program as our child, confined the same way.
+        per_child = mode != "function" and not own_pidns
+        confine = self._enforce_landlock(ruleset, per_child, ctl_w, active)
         # Also our check that the server is alive (else EPIPE): see PDEATHSIG above.
         os.write(ctl_w, ("L " + json.dumps(active) + "\n").encode())
         os.close(ctl_w)
-        if stdin_mode:
+        if mode == "stdin":
             runner.run_stdin_mode(
                 req["code"], req["inputs"], res_w, int(lim["stdout_bytes"]), own_pidns, confine
             )
+        elif mode == "execute":
+            runner.run_execute_mode(req["code"], res_w, req["max_output_bytes"], own_pidns, confine)
         else:
             runner.run_function_mode(req["code"], req["inputs"], req["fn_name"], res_w)
 
     def _enforce_landlock(self, ruleset: int | None, per_test: bool, ctl_w, active: list[str]):
-        """Enforces the ruleset here, or, with `per_test` (stdin mode without a PID
-        namespace), returns the function each test's child calls to enforce it there."""
+        """Enforces the ruleset here, or, with `per_test` (stdin or execute mode without a PID
+        namespace), returns the function each program's child calls to enforce it there."""
         confine = None
         if ruleset is not None:
             if per_test:

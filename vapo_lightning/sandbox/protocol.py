@@ -2,11 +2,14 @@
 
 Host and server (the server's stdin / stdout): a frame is a 4-byte big-endian length and that
 many bytes of JSON. A request ``{"code", "inputs", "fn_name", "timeout_s", "limits"}`` is one
-frame; the reply is a frame holding a JSON header, then ``header["raw_len"]`` raw bytes of the
-result pipe (the host decodes them). The request ``{"op": "spares"}`` is answered with
-``{"spare_sids": [...]}``: the session ids of the idle spares, once the spares a run leaves to
-fork after its reply are forked. The server hands a run's request frame on, as received, to
-its sandbox's request pipe.
+frame (function mode with a `fn_name`, stdin mode without); an execution request (a tool call:
+one run of the program, its output returned) is ``{"mode": "execute", "code",
+"max_output_bytes", "timeout_s", "limits"}`` (`request_mode`). The reply is a frame holding a
+JSON header, then ``header["raw_len"]`` raw bytes of the result pipe (the host decodes them;
+`runner` lists the frames each mode writes there). The request ``{"op": "spares"}`` is
+answered with ``{"spare_sids": [...]}``: the session ids of the idle spares, once the spares a
+run leaves to fork after its reply are forked. The server hands a run's request frame on, as
+received, to its sandbox's request pipe.
 
 Server to zygote (a SOCK_SEQPACKET pair): one message per sandbox to fork, the tmpfs size in
 MiB (``=i``) then ``host_dir\\0cgroup\\0...`` (host_dir empty when the sandbox gets a private
@@ -38,6 +41,23 @@ DEFAULT_LIMITS = {
     "output_bytes": 8 << 20,
 }
 """A request's ``limits`` when the host gives none (the probe run, the first spares)."""
+
+
+MODES = ("function", "stdin", "execute")
+
+
+def request_mode(req: dict) -> str:
+    """The mode of a run request: its ``mode`` when it names one, else function mode with a
+    `fn_name` and stdin mode without. ValueError for anything else (the server answers
+    ``server_error``, before any sandbox is used)."""
+    mode = req.get("mode") or ("stdin" if req.get("fn_name") is None else "function")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    if mode == "execute":
+        cap = req.get("max_output_bytes")
+        if type(cap) is not int or cap < 0:
+            raise ValueError("max_output_bytes must be an int >= 0")
+    return mode
 
 
 def frame(blob: bytes) -> bytes:

@@ -6,10 +6,19 @@ one frame per test to the result pipe, which the host decodes and compares with 
     ``<i> R <json>``           function mode: the return value, encoded as plain JSON
     ``<i> E <json string>``    function mode: the exception type the call raised
     ``<i> O <exit> <json>``    stdin mode: exit status and the captured stdout text
+    ``0 1 <base64>``           execute mode: the next bytes of the program's stdout (fd 1)
+    ``0 2 <base64>``           execute mode: the next bytes of its stderr (fd 2)
+    ``0 C <fd>``               execute mode: that stream passed ``max_output_bytes``; the rest
+                               was read and dropped
+    ``0 X <exit>``             execute mode: the program's exit status (it has ended)
 
-The candidate shares this process (function mode) or is its child (stdin mode), so it can
-write forged frames too; that is harmless, because a forged frame is just a claimed output, and
-claiming the right output requires computing it.
+Execute mode forwards output as it comes, so that what a program printed before its timeout
+has reached the server when the server kills the run.
+
+The candidate shares this process (function mode) or is its child (stdin and execute mode),
+so it can write forged frames too; that is harmless, because a forged frame is just a claimed
+output, and claiming the right output requires computing it (in execute mode the output is
+the program's own anyway; the host reads any frame without trusting it).
 
 Also here: `DirFdFinder`, which imports stdlib modules through directory file descriptors
 opened before the uid drop (the interpreter may live under a mode-700 home such as /root).
@@ -17,12 +26,14 @@ opened before the uid drop (the interpreter may live under a mode-700 home such 
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import importlib.machinery
 import importlib.util
 import json
 import math
 import os
+import select
 import sys
 import time
 import types
@@ -262,6 +273,123 @@ def run_stdin_mode(
         # host expects can equal: the host fails such output instead of reading U+FFFD.
         text_out = json.dumps(out.decode("utf-8", "surrogateescape"))
         _write_all(res_fd, f"{i} O {exit_code} {text_out}\n".encode())
+
+
+def run_execute_mode(
+    code: str,
+    res_fd: int,
+    max_output_bytes: int,
+    own_pid_namespace: bool,
+    confine: Callable[[], None] | None = None,
+) -> None:
+    """Runs the program once as __main__ in a fresh child, stdin empty, like one stdin-mode
+    test; forwards the first `max_output_bytes` of its stdout and of its stderr as they come
+    (the rest is read and dropped, so that a flood cannot block it), then its exit status.
+
+    The run ends when the child exits, not when its pipes close (a daemon it left may hold
+    them): what it left running is killed as in stdin mode, then the pipes are drained."""
+    path = _write_program(code, "main.py")
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in (res_fd, out_r, err_r):
+                os.close(fd)
+            if confine is not None:
+                confine()
+        except BaseException as err:  # the program does not run
+            with contextlib.suppress(OSError):
+                os.write(err_w, f"sandbox: could not confine the program: {err!r}\n".encode())
+            os._exit(126)
+        _execute_program(code, path, out_w, err_w)
+    os.close(out_w)
+    os.close(err_w)
+    streams = {
+        out_r: _Capped(1, max_output_bytes, res_fd),
+        err_r: _Capped(2, max_output_bytes, res_fd),
+    }
+    exited = os.pidfd_open(pid)
+    poller = select.poll()
+    for fd in (out_r, err_r, exited):
+        poller.register(fd, select.POLLIN)
+    running = True
+    while running:
+        for fd, _ in poller.poll():
+            if fd == exited:
+                running = False
+            elif not streams[fd].read(fd):
+                poller.unregister(fd)
+    _, status = os.waitpid(pid, 0)
+    os.close(exited)
+    if own_pid_namespace:  # what the program left running (daemons); spares us, pid 1
+        with contextlib.suppress(OSError):
+            os.kill(-1, 9)
+    kill_descendants()
+    for fd, stream in streams.items():  # no writer is left: what is in the pipe, then EOF
+        os.set_blocking(fd, False)
+        with contextlib.suppress(OSError):
+            while stream.read(fd):
+                pass
+        os.close(fd)
+    _write_all(res_fd, f"0 X {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+class _Capped:
+    """One output stream of an executed program: its first `room` bytes go out as ``0 <fd>
+    <base64>`` frames, then one ``0 C <fd>`` frame if more came."""
+
+    def __init__(self, fd_number: int, room: int, res_fd: int) -> None:
+        self.fd_number, self.room, self.res_fd, self.cut = fd_number, room, res_fd, False
+
+    def read(self, fd: int) -> bool:
+        """Reads one chunk of the pipe `fd` and forwards what fits; False at EOF."""
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return False
+        piece = chunk[: self.room]
+        if piece:
+            self.room -= len(piece)
+            encoded = binascii.b2a_base64(piece, newline=False)
+            _write_all(self.res_fd, b"0 %d %s\n" % (self.fd_number, encoded))
+        if len(piece) < len(chunk) and not self.cut:
+            self.cut = True
+            _write_all(self.res_fd, b"0 C %d\n" % self.fd_number)
+        return True
+
+
+def _execute_program(code: str, path: str, out_fd: int, err_fd: int) -> None:
+    """Child of the runner in execute mode: fd 0 is /dev/null (`zygote.new_session`), fd 1 and
+    2 are the pipes to the runner. Runs the program as __main__ and ends as Python would: an
+    uncaught exception's traceback on stderr and status 1, `sys.exit(text)` prints the text."""
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    os.close(out_fd)
+    os.close(err_fd)
+    status = 0
+    try:
+        exec(compile(code, path, "exec"), _as_module("__main__", path))
+    except SystemExit as err:
+        if err.code is None or isinstance(err.code, int):
+            status = err.code or 0
+        else:
+            status = 1
+            with contextlib.suppress(BaseException):
+                print(err.code, file=sys.stderr)
+    except BaseException as err:
+        status = 1
+        # The traceback from the program's own frames on (not this function's), printed by
+        # the program's excepthook as the interpreter would; the source lines come from `path`.
+        err.__traceback__ = err.__traceback__.tb_next if err.__traceback__ else None
+        with contextlib.suppress(BaseException):
+            sys.excepthook(type(err), err, err.__traceback__)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            status = status or 1
+    os._exit(status & 0xFF)
 
 
 class _FdLoader:

@@ -10,7 +10,7 @@ unprivileged user (or as root with ``via_userns``):
      └─ C   uid of its own, new user/net/mnt/pid/ipc/uts namespaces; reports P2's pid, waits
          └─ P2  pid 1 of the new PID namespace: private /tmp, /dev/shm, /proc; rlimits,
              │  no capabilities, Landlock, scrubbed env, then `runner`
-             └─ P3 ...  stdin mode: one child per test
+             └─ P3 ...  stdin mode: one child per test; execute mode: the one program
 
 As root (the default there) there is no C: the server forks P2 straight into a new PID
 namespace; P2 makes its mount/IPC/UTS namespaces and mounts as root, then drops to the
@@ -113,6 +113,7 @@ class Server:
     def handle(self, req: dict, blob: bytes | None = None) -> tuple[dict, bytes]:
         """Runs one request (`blob`: its JSON as received, passed on to the sandbox as is)."""
         t0 = time.perf_counter()
+        P.request_mode(req)  # an unknown mode fails here, before a spare is used
         deadline = t0 + float(req["timeout_s"])
         cap = int(req["limits"]["output_bytes"])
         sp = self._spare_for(req, deadline)
@@ -183,6 +184,7 @@ class Server:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 status = "timeout"
+                _drain(sp.res_r, raw, cap)  # what the run wrote until now (execute mode's)
                 break
             events = poller.poll(remaining * 1000)
             for fd, _ in events:
