@@ -204,6 +204,11 @@ class Generation:
     """FSDP: gather the policy's full weights once per rollout (one copy per device in the
     parameter dtype while sampling) instead of all-gathering every layer at every decoding
     step; false where the full weights do not fit beside the sharded training state."""
+    max_turns: int = 4
+    """With model.tools: tool calls per response; past them a call's end is ordinary text."""
+    max_observation_tokens: int = 256
+    """With model.tools: tokens of one observation; a longer output is cut and says so.
+    Observations count against max_new_tokens."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -214,6 +219,8 @@ class Generation:
             raise ValueError("generation.min_new_tokens must lie in [0, max_new_tokens]")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("generation.temperature and top_k must be >= 0 and top_p in (0, 1]")
+        if self.max_turns < 0 or self.max_observation_tokens < 1:
+            raise ValueError("generation.max_turns must be >= 0, max_observation_tokens >= 1")
         if self.engine not in (None, "native", "vllm"):
             raise ValueError(f"generation.engine={self.engine!r}: 'native' or 'vllm'")
         if isinstance(self.vllm, dict):  # from a checkpoint's hyper-parameters

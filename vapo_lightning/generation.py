@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from functools import partial
 
 import torch
@@ -35,6 +36,7 @@ from vapo_lightning.attention import decodes_in_autocast_dtype, decoding
 
 __all__ = [
     "GrowingLayer",
+    "StopText",
     "eager",
     "gathered_weights",
     "sample_responses",
@@ -203,6 +205,49 @@ def next_tokens(logits: Tensor, temperature: float, top_p: float, top_k: int = 0
     return torch.multinomial(logits.softmax(-1), 1).squeeze(-1)
 
 
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_texts(tokenizer) -> list[str]:
+    """Each vocabulary token's text on its own (cached per tokenizer)."""
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+        _TOKEN_TEXTS[tokenizer] = texts
+    return texts
+
+
+class StopText:
+    """Ends a row once the text it sampled in this call contains one of `markers` (a tool's
+    `call_end`), for the rows where `enabled`; `lengths[row]` is then its number of tokens.
+
+    `token_texts`: each token id's text (`token_texts(tokenizer)`); a marker may span several
+    tokens. Markers are matched in the text of single tokens joined, so a marker must not
+    lie inside a multi-byte character.
+    """
+
+    def __init__(
+        self, token_texts: Sequence[str], markers: Sequence[str], enabled: Sequence[bool]
+    ) -> None:
+        self.texts, self.markers, self.enabled = token_texts, list(markers), list(enabled)
+        self.keep = max(len(m) for m in self.markers) - 1  # tail that may start a marker
+        self.tails = [""] * len(self.enabled)
+        self.lengths: dict[int, int] = {}
+
+    def __call__(self, rows: Tensor, new: Tensor, t: int, done: Tensor) -> Tensor:
+        """(b,) whether row k of the batch (output row ``rows[k]``) ends at token t."""
+        hit = torch.zeros_like(done)
+        for k, (row, token, finished) in enumerate(zip(rows.tolist(), new.tolist(), done.tolist())):
+            if finished or not self.enabled[row]:
+                continue
+            text = self.tails[row] + self.texts[token]
+            if any(m in text for m in self.markers):
+                hit[k] = True
+                self.lengths[row] = t + 1
+            self.tails[row] = text[-self.keep :] if self.keep else ""
+        return hit
+
+
 def is_lock_step(model: torch.nn.Module) -> bool:
     """A sharded (FSDP) model under several ranks: each forward gathers weights from all of
     them, so every rank must make the same forwards."""
@@ -308,6 +353,7 @@ def sample_responses(
     min_new_tokens: int = 0,
     compact_fraction: float = 0.25,
     lock_step: bool | None = None,
+    stop_text: StopText | None = None,
 ) -> Tensor:
     """Samples one response per left-padded prompt row: (B, T) token ids, T <= max_new_tokens,
     each row ending at its first stop token and padded after it with `pad_token_id`.
@@ -316,6 +362,7 @@ def sample_responses(
     batch, then leave it: few cache copies, little wasted compute. A sharded (FSDP) model
     gathers weights in every forward, so its ranks all decode until every rank is done
     (`lock_step`; None: whenever the model is sharded; `gathered_weights` says when not).
+    `stop_text` also ends rows at a text (a tool call's end; it records where).
     """
     device, B = input_ids.device, input_ids.shape[0]
     synced = is_lock_step(model) if lock_step is None else lock_step
@@ -341,7 +388,10 @@ def sample_responses(
         new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop
         out[rows, t] = new
         steps = t + 1
-        done = done | torch.isin(new, stop)
+        hit = torch.isin(new, stop)
+        if stop_text is not None:
+            hit = hit | stop_text(rows, new, t, done)
+        done = done | hit
         all_done = bool(done.all())
         if _every_rank_done(all_done, synced, device) or steps == max_new_tokens:
             break

@@ -66,6 +66,10 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         m["critic/vf_explained_var"] = core.explained_variance(r.values, r.returns, mask)
     if r.lam_actor is not None:
         m["actor/lambda_actor/mean"] = r.lam_actor.mean()
+    if r.tool_calls is not None:
+        m["tools/calls/mean"] = r.tool_calls.float().mean()
+        m["tools/observation_tokens/mean"] = r.observation_tokens.float().mean()
+        m["tools/share_of_responses"] = (r.tool_calls > 0).float().mean()
     if r.rollout_logprobs is not None and r.old_logprobs is not None:  # engine vs trainer
         diff = correction.probs_diff(r.old_logprobs, r.rollout_logprobs, mask)
         m["training/rollout_probs_diff_mean"] = core.masked_mean(diff, mask)

@@ -32,6 +32,7 @@ from vapo_lightning.rollout import (
     critic_values,
     policy_logits,
 )
+from vapo_lightning.tools.base import Tool, from_spec, spec
 from vapo_lightning.updates import PPOUpdates, as_list
 from vapo_lightning.validation import ValidationMixin
 
@@ -49,6 +50,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         generation: how rollouts are sampled (group size n, temperature, lengths).
         optim: AdamW learning rates, warm-up, gradient clipping.
         val_generation: how validation samples (k = n samples per prompt, mean@k).
+        tools: tools the policy may call mid-response (`vapo_lightning.tools`), in training
+            and validation rollouts; observations are context, never actions.
         val_before_train: score the validation set once before the first update.
         hf_export_dir: at the end of fit, save policy (with tokenizer) and critic here in
             Hugging Face format (`<dir>/policy`, `<dir>/critic`).
@@ -69,6 +72,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         generation: Generation | None = None,
         optim: Optim | None = None,
         val_generation: Generation | None = None,
+        tools: list[Tool] | None = None,
         val_before_train: bool = True,
         hf_export_dir: str | None = None,
         torch_compile: bool = False,
@@ -89,6 +93,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         )
         self.gen.engine = self.gen.engine or "native"
         self.val_gen.engine = self.val_gen.engine or self.gen.engine  # validation follows
+        self.tools = [from_spec(t) for t in tools or []]
         self.val_before_train = val_before_train
         self.hf_export_dir = hf_export_dir
         if torch_compile and not hasattr(torch.compiler, "set_stance"):
@@ -99,7 +104,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             )
         self.torch_compile = torch_compile
         hparams = {"policy": policy, "critic": critic, "algorithm": self.algo, "generation": self.gen,
-                   "optim": self.optim, "val_generation": self.val_gen, "val_before_train": val_before_train,
+                   "optim": self.optim, "val_generation": self.val_gen, "tools": [spec(t) for t in self.tools],
+                   "val_before_train": val_before_train,
                    "hf_export_dir": hf_export_dir, "torch_compile": torch_compile}  # fmt: skip
         # Plain dicts, so checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(
@@ -111,6 +117,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         self.actor_frozen = False  # set by ValuePretraining: only the critic learns
         self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
         self.bad_updates = {"actor": 0, "critic": 0}  # consecutive non-finite updates
+        self.tool_errors, self._tool_errors_shown = 0, set()
         self._init_validation()
         self._init_engines()
 
@@ -160,6 +167,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
                     f"batch data.prompts_per_step × model.generation.n = {per_step} × {self.gen.n} = {batch}"
                 )
         self.check_generation(dm)  # context, engine setup (`engines.RolloutEngines`)
+        for tool in self.tools:
+            tool.setup()  # (a sandbox pool per process)
         if self.algo.advantage == "group" and self.gen.n < 2:
             raise ValueError(
                 "model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2"
@@ -192,11 +201,13 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
         rounds, n = self.algo.dynamic_sampling_rounds, self.gen.n
         kept, rows, want, errors = [], batch, len(batch) * n, 0
+        self.tool_errors = 0
         with timer("weight_sync"):  # vLLM: the policy's new weights into the engine
             self.sync_engine()
         for round_ in range(rounds + 1):
             with timer("gen"):
                 r = self.sample(rows)
+            self.count_tool_use(r, timer)
             with timer("reward"):
                 self.score(r)
             errors += self.reward_errors
@@ -221,6 +232,21 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         if self.trainer.world_size > 1:  # equal batches: the same number of optimiser steps
             size = self.all_gather(size).min()
         return r.select(torch.arange(int(size)))
+
+    def count_tool_use(self, r: Rollout, timer: PhaseTimer) -> None:
+        """Tool time leaves `timing_s/gen` for `timing_s/tools`; each failed call counts in
+        `tools/errors`, and each kind of failure is shown once, with its message."""
+        if not self.tools:
+            return
+        timer.totals["tools"] += r.tool_seconds
+        timer.totals["gen"] -= r.tool_seconds
+        self.tool_errors += len(r.tool_errors)
+        for tool, kind, message in r.tool_errors:
+            if (tool, kind) not in self._tool_errors_shown:
+                self._tool_errors_shown.add((tool, kind))
+                rank_zero_warn(
+                    f"tool {tool!r} failed ({kind}): {message} (counted in tools/errors)"
+                )
 
     def score(self, r: Rollout) -> None:
         """Reward callbacks -> R per response (placed on the last token in `compute_advantages`)."""
@@ -247,7 +273,9 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         for idx, micro in self.micro_batches(r):
             logits = policy_logits(self.policy, micro)
             T = logits.shape[1]
-            r.old_logprobs[idx, :T] = core.logprobs_from_logits(logits, micro.responses, temperature)
+            r.old_logprobs[idx, :T] = core.logprobs_from_logits(
+                logits, micro.responses, temperature
+            )
             r.entropy[idx, :T] = core.entropy_from_logits(logits, temperature)
             if self.ref_policy is not None:
                 ref_logits = policy_logits(self.ref_policy, micro)
@@ -292,7 +320,11 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         lam_critic (1: Monte-Carlo), and always Monte-Carlo while value pretraining (§4.1,
         §5.1); without decoupling, with the actor's lambda."""
         a = self.algo
-        lam = 1.0 if self.actor_frozen else (a.lam_critic if a.decoupled_gae else self.actor_lambda(r))
+        lam = (
+            1.0
+            if self.actor_frozen
+            else (a.lam_critic if a.decoupled_gae else self.actor_lambda(r))
+        )
         rewards = core.sparse_rewards(r.scores, r.response_mask)
         return core.gae(rewards, r.values, r.response_mask, a.gamma, lam)[1]
 
@@ -351,6 +383,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
                 "reward/errors": self.reward_errors,
             }
         )
+        if self.tools:
+            m["tools/errors"] = self.tool_errors
         if len(lrs) > 1:
             m["critic/lr"] = lrs[1]
         m.update({alias: m[name] for alias, name in ALIASES.items() if name in m})
@@ -382,6 +416,8 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
 
     def teardown(self, stage: str) -> None:
         self.close_engine()
+        for tool in self.tools:
+            tool.close()
 
     def on_train_end(self) -> None:
         if self.hf_export_dir:

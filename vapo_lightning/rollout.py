@@ -12,20 +12,31 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from vapo_lightning.config import Generation
-from vapo_lightning.generation import calls_in_lock_step, gathered_weights, sample_responses
+from vapo_lightning.generation import (
+    StopText,
+    calls_in_lock_step,
+    gathered_weights,
+    sample_responses,
+    token_texts,
+)
 from vapo_lightning.rewards.base import Sample
+from vapo_lightning.tools.base import Tool
+from vapo_lightning.tools.turns import SampleFn, Segment, Turns, run_turns
 
 __all__ = [
     "Rollout",
     "assemble",
+    "assemble_turns",
     "cat_rollouts",
     "critic_values",
     "generate",
+    "generate_turns",
     "left_padded",
     "policy_logits",
+    "sample_turns",
 ]
 
 
@@ -35,7 +46,8 @@ class Rollout:
 
     input_ids: Tensor  # (B, P + T) left-padded prompt, right-padded response
     attention_mask: Tensor  # (B, P + T)
-    response_mask: Tensor  # (B, T) bool, true on generated tokens up to and incl. EOS
+    response_mask: Tensor  # (B, T) bool, true on the model's tokens up to and incl. EOS
+    # (false on padding and on tool observations, which are context: `tools.turns`)
     group_ids: Tensor  # (B,) the prompt each response answers
     truncated: Tensor  # (B,) bool, hit max_new_tokens without EOS
     samples: list[Sample] = field(default_factory=list)
@@ -50,6 +62,10 @@ class Rollout:
     lam_actor: Tensor | None = None  # (B,)
     ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
     rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), engine=vllm
+    tool_calls: Tensor | None = None  # (B,) tool calls of each response, with model.tools
+    observation_tokens: Tensor | None = None  # (B,) tokens of their observations
+    tool_errors: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, kind, message)
+    tool_seconds: float = 0.0  # time spent in tools while sampling
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -63,8 +79,12 @@ class Rollout:
         return self.input_ids[:, self.prompt_length :]
 
     @property
-    def response_lengths(self) -> Tensor:  # (B,)
+    def response_lengths(self) -> Tensor:  # (B,) the model's own tokens
         return self.response_mask.sum(-1)
+
+    @property
+    def response_extent(self) -> Tensor:  # (B,) tokens incl. observations: where padding starts
+        return self.attention_mask[:, self.prompt_length :].sum(-1)
 
     @property
     def position_ids(self) -> Tensor:  # (B, P + T), counting from the first real token
@@ -87,7 +107,7 @@ class Rollout:
         response pads), so micro-batch forwards do no wasted work."""
         P = self.prompt_length
         first = int((self.attention_mask[:, :P].sum(0) > 0).long().argmax()) if P else 0
-        T = int(self.response_lengths.max())
+        T = int(self.response_extent.max())
         out = {  # contiguous: a compiled forward (torch_compile) guards on the strides
             "input_ids": self.input_ids[:, first : P + T].contiguous(),
             "attention_mask": self.attention_mask[:, first : P + T].contiguous(),
@@ -107,13 +127,18 @@ def generate(
     pad_token_id: int,
     eos_token_id: int,
     n: int | None = None,
+    tools: list[Tool] | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Rollout:
     """Samples `n` responses for each prompt (`generation.sample_responses`: KV cache grown in
     place, finished responses leave the batch); stops at EOS (or any of
     ``cfg.stop_token_ids``), ``cfg.max_batch_size`` sequences per call.
 
-    temperature 0 means greedy. Tokens after the first stop token become padding.
+    temperature 0 means greedy. Tokens after the first stop token become padding. With
+    `tools` (and their `tokenizer`), responses call them mid-way: `generate_turns`.
     """
+    if tools:
+        return generate_turns(policy, prompt_ids, cfg, tokenizer, tools, n)
     n = cfg.n if n is None else n
     if not prompt_ids:  # (sharded, the other ranks would wait for this one forever)
         raise ValueError("generate: no prompts (every rank must sample at least one)")
@@ -152,6 +177,80 @@ def generate(
     return assemble(ids, attn, response, stop, pad_token_id, n)
 
 
+@torch.no_grad()
+def generate_turns(
+    policy: PreTrainedModel,
+    prompt_ids: list[list[int]],
+    cfg: Generation,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[Tool],
+    n: int | None = None,
+) -> Rollout:
+    """`generate` with tool calls (`tools.turns.run_turns`) on this package's sampler.
+
+    Each round samples the open responses from their whole context (prompt, model tokens and
+    observations so far): the KV cache of a paused response is rebuilt by one prefill, not
+    kept (what that costs: `benchmarks/results/tools.md`).
+    """
+    n = cfg.n if n is None else n
+    if cfg.min_new_tokens:
+        raise ValueError("model.generation.min_new_tokens must be 0 with model.tools")
+    device = next(policy.parameters()).device
+    stop = sorted({tokenizer.eos_token_id, *cfg.stop_token_ids})
+    texts, markers = token_texts(tokenizer), [tool.call_end for tool in tools]
+
+    def sample(
+        contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]
+    ) -> list[Segment]:
+        segments, chunk = [], cfg.max_batch_size or len(contexts)
+        for i in range(0, len(contexts), chunk):
+            ids, attn = left_padded(contexts[i : i + chunk], 1, tokenizer.pad_token_id, device)
+            stop_text = StopText(texts, markers, pause[i : i + chunk])
+            out = sample_responses(
+                policy, ids, attn, max_new_tokens=max(budgets[i : i + chunk]),
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
+                lock_step=False, stop_text=stop_text,
+            )  # fmt: skip
+            for k, row in enumerate(out.tolist()):
+                ends = [j + 1 for j, token in enumerate(row) if token in stop][:1]
+                segments.append(
+                    Segment(row[: stop_text.lengths.get(k, ends[0] if ends else len(row))])
+                )
+        return segments
+
+    with gathered_weights(policy, cfg.gather_weights) as lock_step:
+        if lock_step:  # ranks would make different numbers of forwards
+            raise ValueError(
+                "model.tools with a sharded policy needs model.generation.gather_weights=true"
+            )
+        return sample_turns(sample, prompt_ids, cfg, tokenizer, tools, n, device)
+
+
+def sample_turns(
+    sample: SampleFn,
+    prompt_ids: list[list[int]],
+    cfg: Generation,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[Tool],
+    n: int,
+    device: torch.device | str,
+) -> Rollout:
+    """n responses per prompt from an engine's `sample` (`tools.turns.SampleFn`), calling
+    `tools` as ``cfg`` allows, as one rollout."""
+    turns = run_turns(
+        sample,
+        [p for p in prompt_ids for _ in range(n)],
+        tools,
+        tokenizer,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=sorted({tokenizer.eos_token_id, *cfg.stop_token_ids}),
+        max_turns=cfg.max_turns,
+        max_observation_tokens=cfg.max_observation_tokens,
+    )
+    return assemble_turns(prompt_ids, turns, tokenizer.pad_token_id, n, device)
+
+
 def left_padded(
     prompt_ids: list[list[int]], n: int, pad_token_id: int, device: torch.device | str = "cpu"
 ) -> tuple[Tensor, Tensor]:
@@ -185,6 +284,37 @@ def assemble(
         response_mask=response_mask,
         group_ids=groups,
         truncated=~has_eos,
+    )
+
+
+def assemble_turns(
+    prompt_ids: list[list[int]], turns: Turns, pad_token_id: int, n: int, device: torch.device | str
+) -> Rollout:
+    """The rollout of a multi-turn sampling: responses right-padded, `response_mask` true on
+    the model's tokens only, every token of a response (observations too) attended."""
+    ids, attn = left_padded(prompt_ids, n, pad_token_id, device)
+    B, T = len(turns.responses), max(1, max(len(r) for r in turns.responses))
+    response = torch.full((B, T), pad_token_id, dtype=torch.long)
+    actions = torch.zeros((B, T), dtype=torch.bool)
+    attended = torch.zeros((B, T), dtype=torch.long)
+    logprobs = torch.zeros((B, T))
+    for i, (tokens, acts) in enumerate(zip(turns.responses, turns.actions)):
+        response[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        actions[i, : len(acts)] = torch.tensor(acts, dtype=torch.bool)
+        attended[i, : len(tokens)] = 1
+        if turns.logprobs is not None:
+            logprobs[i, : len(tokens)] = torch.tensor(turns.logprobs[i])
+    return Rollout(
+        input_ids=torch.cat([ids, response.to(device)], 1),
+        attention_mask=torch.cat([attn, attended.to(device)], 1),
+        response_mask=actions.to(device),
+        group_ids=torch.arange(len(prompt_ids), device=device).repeat_interleave(n),
+        truncated=~torch.tensor(turns.finished, device=device),
+        rollout_logprobs=logprobs.to(device) if turns.logprobs is not None else None,
+        tool_calls=torch.tensor(turns.calls, device=device),
+        observation_tokens=torch.tensor(turns.observation_tokens, device=device),
+        tool_errors=turns.errors,
+        tool_seconds=turns.tool_seconds,
     )
 
 

@@ -27,7 +27,7 @@ __all__ = ["RolloutEngines"]
 
 class RolloutEngines:
     """Mixed into VAPOModule: needs `policy`, `policy_spec`, `tokenizer`, `algo`, `gen`,
-    `val_gen`, `trainer`."""
+    `val_gen`, `tools`, `trainer`."""
 
     def _init_engines(self) -> None:
         self._vllm: Any = None
@@ -77,11 +77,15 @@ class RolloutEngines:
             # Validation (a forked, seeded RNG) draws one seed per prompt: reproducible.
             seeds = None if self.training else torch.randint(2**31 - 1, (len(prompts),)).tolist()
             r = self._vllm.generate(
-                prompts, gen, tok.pad_token_id, tok.eos_token_id, seeds=seeds, device=self.device
-            )
+                prompts, gen, tok.pad_token_id, tok.eos_token_id, seeds=seeds, device=self.device,
+                tools=self.tools, tokenizer=tok,
+            )  # fmt: skip
         else:
             self.policy.eval()
-            r = generate(self.policy, prompts, gen, tok.pad_token_id, tok.eos_token_id)
+            r = generate(
+                self.policy, prompts, gen, tok.pad_token_id, tok.eos_token_id,
+                tools=self.tools, tokenizer=tok,
+            )  # fmt: skip
         texts = tok.batch_decode(r.responses, skip_special_tokens=True)
         r.samples = [
             Sample(
@@ -97,7 +101,7 @@ class RolloutEngines:
                 r.group_ids.tolist(),
                 texts,
                 r.responses.cpu(),
-                r.response_lengths.tolist(),
+                r.response_extent.tolist(),  # (observations included)
                 r.truncated.tolist(),
             )
         ]

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vapo_lightning.config import Generation, VLLMOptions
-from vapo_lightning.rollout import Rollout, assemble, left_padded
+from vapo_lightning.rollout import Rollout, assemble, left_padded, sample_turns
+from vapo_lightning.tools.turns import Segment
 
 __all__ = ["EngineSetupError", "VLLMEngine", "check_setup", "import_vllm", "named_full_tensors"]
 
@@ -237,13 +238,17 @@ class VLLMEngine:
         n: int | None = None,
         seeds: list[int] | None = None,
         device: torch.device | str = "cpu",
+        tools: list | None = None,
+        tokenizer: Any = None,
     ) -> Rollout:
         """`rollout.generate`'s rollout, sampled by the engine, with `rollout_logprobs`.
         `seeds`: one per prompt for reproducible sampling (validation); None: the engine's
-        own stream."""
+        own stream. With `tools` (and their `tokenizer`): `generate_turns`."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if tools:
+            return self.generate_turns(prompt_ids, cfg, tokenizer, tools, n, seeds, device)
         n = cfg.n if n is None else n
         stop = sorted({eos_token_id, *cfg.stop_token_ids})
         mine = slice(0, len(prompt_ids))
@@ -266,7 +271,11 @@ class VLLMEngine:
             for i in range(len(prompt_ids))
         ]
         # vLLM runs its own kernels in its own dtype: no autocast from a bf16-mixed step around it
-        with self._awake(), torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        with (
+            self._awake(),
+            torch.autocast("cuda", enabled=False),
+            torch.autocast("cpu", enabled=False),
+        ):
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
                 per_prompt,
@@ -287,6 +296,74 @@ class VLLMEngine:
         logprobs = logprobs.to(device)
         r.rollout_logprobs = torch.where(r.response_mask, logprobs, torch.zeros_like(logprobs))
         return r
+
+    def generate_turns(
+        self,
+        prompt_ids: list[list[int]],
+        cfg: Generation,
+        tokenizer: Any,
+        tools: list,
+        n: int | None = None,
+        seeds: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Rollout:
+        """`generate` with tool calls (`tools.turns.run_turns`): each round is one
+        `LLM.generate` over the open responses, stopping at the tools' `call_end` strings;
+        the engine's prefix cache holds the context a paused response goes on from, so only
+        the observation's tokens are new work."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.tp_group is not None:
+            raise ValueError("model.tools with vllm.tensor_parallel_size > 1 is not supported")
+        if cfg.min_new_tokens:
+            raise ValueError("model.generation.min_new_tokens must be 0 with model.tools")
+        n = cfg.n if n is None else n
+        stop = sorted({tokenizer.eos_token_id, *cfg.stop_token_ids})
+        markers = [tool.call_end for tool in tools]
+        rounds = iter(range(1 << 30))
+
+        def sample(
+            contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]
+        ) -> list[Segment]:
+            round_ = next(rounds)
+            common = dict(
+                n=1,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k if cfg.top_k > 0 else -1,
+                stop_token_ids=stop,
+                include_stop_str_in_output=True,
+                logprobs=0,
+            )
+            params = [  # validation: a seed per response and round, from its prompt's seed
+                SamplingParams(
+                    **common,
+                    max_tokens=budget,
+                    stop=markers if paused else None,
+                    seed=None if seeds is None else seeds[row // n] + 7919 * (row % n) + round_,
+                )
+                for row, budget, paused in zip(rows, budgets, pause)
+            ]
+            with (
+                self._awake(),
+                torch.autocast("cuda", enabled=False),
+                torch.autocast("cpu", enabled=False),
+            ):
+                outputs = self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=list(c)) for c in contexts],
+                    params,
+                    use_tqdm=False,
+                )
+            return [
+                Segment(
+                    list(c.token_ids),
+                    [entry[token].logprob for token, entry in zip(c.token_ids, c.logprobs)],
+                )
+                for c in (out.outputs[0] for out in outputs)
+            ]
+
+        return sample_turns(sample, prompt_ids, cfg, tokenizer, tools, n, device)
 
     def _gather_group_prompts(
         self, prompt_ids: list[list[int]], seeds: list[int] | None

@@ -1,0 +1,229 @@
+"""Tools in the rollout: the multi-turn loop's token layout, budgets and failures
+(`tools.turns`), the native sampler's pause at a call (`generation.StopText`), and the
+rollout it assembles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from tests.tool_helpers import Broken, Upper
+from vapo_lightning.config import Generation
+from vapo_lightning.generation import StopText, token_texts
+from vapo_lightning.rollout import generate
+from vapo_lightning.tools import Segment, ToolOutput, observation_ids, run_turns
+from vapo_lightning.tools.base import from_spec, spec
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok):
+    return PreTrainedTokenizerFast.from_pretrained(tok)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class ScriptedEngine:
+    """An engine whose responses follow a script: row i emits the tokens of ``scripts[i]``
+    in order, stopping as a real engine would (stop token, budget, or, when paused, the
+    token that completes a `call_end`). Records every call."""
+
+    def __init__(self, tokenizer, scripts: list[str], markers: list[str]):
+        self.tok, self.markers = tokenizer, markers
+        self.scripts = [[*encode(tokenizer, s), tokenizer.eos_token_id] for s in scripts]
+        self.pos = [0] * len(scripts)
+        self.calls: list[tuple[list[int], list[int], list[bool]]] = []
+
+    def __call__(self, contexts, budgets, pause, rows):
+        self.calls.append((list(rows), list(budgets), list(pause)))
+        out = []
+        for row, budget, paused in zip(rows, budgets, pause):
+            ids: list[int] = []
+            while len(ids) < budget and self.pos[row] < len(self.scripts[row]):
+                token = self.scripts[row][self.pos[row]]
+                ids.append(token)
+                self.pos[row] += 1
+                if token == self.tok.eos_token_id:
+                    break
+                if paused and any(m in self.tok.decode(ids) for m in self.markers):
+                    break
+            out.append(Segment(ids))
+        return out
+
+
+def run(tokenizer, scripts, tools, **kw):
+    engine = ScriptedEngine(tokenizer, scripts, [t.call_end for t in tools])
+    prompts = [encode(tokenizer, "What is 1 + 2?")] * len(scripts)
+    kw = {"max_new_tokens": 200, "max_turns": 4, "max_observation_tokens": 64, **kw}
+    turns = run_turns(
+        engine, prompts, tools, tokenizer, stop_token_ids=[tokenizer.eos_token_id], **kw
+    )
+    return turns, engine
+
+
+def test_token_layout_prompt_model_observation_model(tokenizer):
+    """A response that calls once: its model tokens up to the call's end, the observation
+    (context: actions false), then the model's tokens to EOS; responses that never call,
+    or leave a block unclosed, are ordinary text. The calls of one round come together."""
+    tool = Upper()
+    scripts = [
+        "Let me <code>abc</code> so 3",
+        "3 + 4",
+        "Let me <code>print(1) and 2",
+        "a <code>x</code> b <code>y</code> c",
+    ]
+    turns, engine = run(tokenizer, scripts, [tool])
+    eos = tokenizer.eos_token_id
+    obs = encode(tokenizer, "<output>ABC</output>")
+    first = turns.responses[0][
+        : len(turns.responses[0]) - len(obs) - len(encode(tokenizer, " so 3")) - 1
+    ]
+    assert tokenizer.decode(first).endswith("</code>")
+    assert turns.responses[0] == first + obs + encode(tokenizer, " so 3") + [eos]
+    assert turns.actions[0] == [True] * len(first) + [False] * len(obs) + [True] * (
+        len(turns.responses[0]) - len(first) - len(obs)
+    )
+    for i in (1, 2):  # no call: every token is the model's, the script to its end
+        assert turns.responses[i] == [*encode(tokenizer, scripts[i]), eos]
+        assert all(turns.actions[i]) and turns.calls[i] == 0
+    assert turns.calls == [1, 0, 0, 2]
+    assert turns.observation_tokens[0] == len(obs)
+    assert turns.finished == [True] * 4
+    assert tool.seen[0] == ["abc", "x"]  # round 1: both paused responses, one batch
+    assert tool.seen[1] == ["y"]
+    assert engine.calls[1][0] == [0, 3]  # round 2 samples only the responses that paused
+    assert turns.errors == [] and turns.logprobs is None
+
+
+def test_max_turns_then_call_end_is_ordinary_text(tokenizer):
+    """After `max_turns` calls a response is not paused again: its next call_end is text."""
+    tool = Upper()
+    turns, engine = run(
+        tokenizer, ["<code>a</code> <code>b</code> <code>c</code> end"], [tool], max_turns=2
+    )
+    assert turns.calls == [2] and tool.seen == [["a"], ["b"]]
+    assert engine.calls[-1][2] == [False]  # the last round ran unpaused
+    text = tokenizer.decode(turns.responses[0])
+    assert "<output>A</output>" in text and "<output>B</output>" in text
+    assert "<output>C</output>" not in text and "<code>c</code> end" in text
+    assert turns.finished == [True]
+
+
+def test_observations_count_against_the_budget(tokenizer):
+    """Every token of a response, observations included, counts against max_new_tokens; a
+    response that runs out inside an observation is truncated, not finished."""
+
+    class Long(Upper):
+        def run(self, calls):
+            return [ToolOutput("9" * 400) for _ in calls]
+
+    script = "<code>a</code> then more words after the output"
+    n_call = len(encode(tokenizer, "<code>a</code>"))
+    turns, _ = run(
+        tokenizer, [script], [Long()], max_new_tokens=n_call + 10, max_observation_tokens=64
+    )
+    assert len(turns.responses[0]) == n_call + 10 and turns.finished == [False]
+    assert turns.actions[0].count(False) == 10
+    turns, _ = run(tokenizer, [script], [Long()], max_new_tokens=200, max_observation_tokens=30)
+    assert turns.observation_tokens == [30] and turns.finished == [True]
+    obs = [t for t, a in zip(turns.responses[0], turns.actions[0]) if not a]
+    text = tokenizer.decode(obs)
+    assert text.startswith("<output>") and "(output truncated)" in text
+
+
+def test_observation_ids_cut_and_say_so(tokenizer):
+    tool = Upper()
+    short = observation_ids(tool, "42", tokenizer, 64)
+    assert short == encode(tokenizer, "<output>42</output>")
+    long = observation_ids(tool, "1234567890 " * 50, tokenizer, 60)
+    assert 56 <= len(long) <= 60  # the budget, used
+    text = tokenizer.decode(long)
+    assert text.startswith("<output>1234") and text.endswith("\n... (output truncated)</output>")
+
+
+def test_a_tool_that_raises_is_counted_and_the_rollout_goes_on(tokenizer):
+    turns, _ = run(tokenizer, ["<code>a</code> ok", "<code>b</code> ok", "bare"], [Broken()])
+    assert turns.calls == [1, 1, 0] and turns.finished == [True] * 3
+    assert [(t, k) for t, k, _ in turns.errors] == [("broken", "ValueError")] * 2
+    text = tokenizer.decode(turns.responses[0])
+    assert "<output>Tool error: ValueError: boom</output>" in text
+
+
+def test_tool_spec_round_trip():
+    tool = Upper(call_start="[[", call_end="]]")
+    again = from_spec(spec(tool))
+    assert type(again) is Upper and again.call_start == "[[" and again.call_end == "]]"
+    with pytest.raises(TypeError, match="not a vapo_lightning Tool"):
+        from_spec({"class_path": "collections.OrderedDict", "init_args": {}})
+
+
+def test_stop_text_spans_tokens_and_respects_enabled_rows(tokenizer):
+    """A marker split over several tokens still stops its row, at the token completing it."""
+    ids = encode(tokenizer, "x </code> y")
+    stop = StopText(token_texts(tokenizer), ["</code>"], [True, False])
+    done = torch.zeros(2, dtype=torch.bool)
+    hits = []
+    for t, token in enumerate(ids):
+        hit = stop(torch.arange(2), torch.tensor([token, token]), t, done)
+        hits.append(hit.tolist())
+        done |= hit
+    at = next(t for t, h in enumerate(hits) if h[0])
+    assert tokenizer.decode(ids[: at + 1]).endswith("</code>")
+    assert "</code>" not in tokenizer.decode(ids[:at])
+    assert not any(h[1] for h in hits) and stop.lengths == {0: at + 1}
+
+
+class PositionScript(torch.nn.Module):
+    """A 'language model' that writes ``script[position]`` at each position (greedy), for
+    any context: a scripted policy for the native sampler, KV cache and all."""
+
+    def __init__(self, script: list[int], vocab: int):
+        super().__init__()
+        self.script, self.vocab = script, vocab
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=None, logits_to_keep=1, **kw):  # fmt: skip
+        nxt = (position_ids[:, -1:] + 1).clamp(max=len(self.script) - 1)
+        logits = torch.full((*nxt.shape, self.vocab), -1e4)
+        logits.scatter_(-1, torch.tensor(self.script)[nxt].unsqueeze(-1), 0.0)
+
+        class Out:
+            pass
+
+        out = Out()
+        out.logits = logits
+        return out
+
+
+def test_native_sampler_pauses_at_calls_and_assembles_the_rollout(tokenizer):
+    """The native engine end to end on a scripted policy: the rollout holds prompt, model
+    tokens, observation, model tokens; `response_mask` is false exactly on the observation,
+    attention covers it, and `trimmed` keeps it."""
+    prompt = encode(tokenizer, "What is 1 + 2?")
+    before, after = encode(tokenizer, " <code>abc</code>"), encode(tokenizer, " 3")
+    obs = encode(tokenizer, "<output>ABC</output>")
+    eos = tokenizer.eos_token_id
+    # the script is indexed by position: the prompt, the model's tokens, the observation's
+    # positions (never asked: the tool writes them), then the rest
+    script = prompt + before + obs + after + [eos] * 4
+    policy = PositionScript(script, len(tokenizer))
+    cfg = Generation(n=2, max_new_tokens=40, temperature=0.0, max_turns=2)
+    r = generate(
+        policy, [prompt], cfg, tokenizer.pad_token_id, eos, tools=[Upper()], tokenizer=tokenizer
+    )
+    expect = before + obs + after + [eos]
+    T = len(expect)
+    assert r.responses.shape == (2, T)
+    assert r.responses[0].tolist() == expect and r.responses[1].tolist() == expect
+    mask = [True] * len(before) + [False] * len(obs) + [True] * (len(after) + 1)
+    assert r.response_mask[0].tolist() == mask
+    assert r.attention_mask[0, -T:].tolist() == [1] * T
+    assert r.response_lengths.tolist() == [T - len(obs)] * 2
+    assert r.response_extent.tolist() == [T] * 2
+    assert r.tool_calls.tolist() == [1, 1] and r.observation_tokens.tolist() == [len(obs)] * 2
+    assert not r.truncated.any()
+    t = r.trimmed()
+    assert t.response_mask.shape[1] == T and t.responses[0].tolist() == expect
