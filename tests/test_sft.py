@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from vapo_lightning.sft import IGNORE_INDEX, SFTDataModule, SFTModule, chat_prompt, sft_main
 from vapo_lightning.tasks import arithmetic
+from vapo_lightning.tokenization import train_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"num_layers": 1, "hidden_size": 64, "intermediate_size": 128, "max_new_tokens": 40}
@@ -55,7 +56,7 @@ def test_answer_only_fraction_replaces_the_working_of_that_share():
 def test_labels_cover_exactly_the_response_and_eos(data):
     batch = data._collate_train(data.train_examples[:4])
     tok = data.tokenizer
-    for i, (prompt_ids, response_ids) in enumerate(data.train_examples[:4]):
+    for i, (prompt_ids, response_ids, _) in enumerate(data.train_examples[:4]):
         labels = batch["labels"][i]
         kept = labels[labels != IGNORE_INDEX].tolist()
         assert kept == response_ids and kept[-1] == tok.eos_token_id
@@ -63,6 +64,20 @@ def test_labels_cover_exactly_the_response_and_eos(data):
         assert (labels[: len(prompt_ids)] == IGNORE_INDEX).all()
         text = tok.decode(prompt_ids + response_ids, skip_special_tokens=True)
         assert text == chat_prompt(tok, data.train_rows[i]["prompt"]) + " " + data.train_rows[i]["solution"]
+
+
+def test_rows_without_observations_encode_as_one_text(data):
+    """Arithmetic has no tool observations: the tokenizer is the BPE of prompts + solutions and
+    each response is ``" " + solution`` tokenized at once, labelled in full."""
+    rows = data.train_rows
+    ref = train_bpe([r["prompt"] for r in rows] + [r["solution"] for r in rows], vocab_size=512)
+    assert data.tokenizer.get_vocab() == ref.get_vocab()
+    assert data.tokenizer.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    tok = data.tokenizer
+    for row, example in zip(rows, data.train_examples):
+        prompt = tok(chat_prompt(tok, row["prompt"]), add_special_tokens=False)["input_ids"]
+        response = [*tok(" " + row["solution"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
+        assert example == (prompt, response, response)
 
 
 def test_short_run_lowers_the_loss_and_export_reloads(data, tmp_path):

@@ -1,13 +1,19 @@
 """The SFT data: each task's generator and checker (`TASKS`), and the data module that draws
-the demonstrations, trains the tokenizer and serves (prompt, solution + EOS) pairs."""
+the demonstrations, trains the tokenizer and serves (prompt, solution + EOS) pairs.
+
+A solution may hold tool observations, ``<output>...</output>`` spans that a tool appended
+after a tool call (`vapo_lightning.tasks.bignum`). They are context, not actions: the response
+is tokenized segment by segment as the rollout builds it (`encode_response`) and the loss
+skips the observation tokens."""
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -15,13 +21,23 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
 from vapo_lightning.jsonl import read_jsonl
-from vapo_lightning.tasks import arithmetic, digitwise, functions
+from vapo_lightning.tasks import arithmetic, bignum, digitwise, functions
 from vapo_lightning.tokenization import train_bpe
 
-__all__ = ["IGNORE_INDEX", "TASKS", "SFTDataModule", "SFTTask", "chat_prompt"]
+__all__ = [
+    "IGNORE_INDEX",
+    "TASKS",
+    "Example",
+    "SFTDataModule",
+    "SFTTask",
+    "chat_prompt",
+    "encode_response",
+    "split_observations",
+]
 
 IGNORE_INDEX = -100
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
+_OBSERVATION = re.compile(r"(<output>.*?</output>)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -36,8 +52,9 @@ class SFTTask:
     assets: Path
     """Folder of the shipped ``train.jsonl`` (RL prompts) and ``val.jsonl``."""
     answer_only: Callable[[dict], str] | None = None
-    """The row's solution without its working (``\\boxed{N}`` for arithmetic), or None
-    where the task has no such form (a program is its own working)."""
+    """The row's solution without its working (``\\boxed{N}`` for arithmetic; for bignum
+    without the tool call), or None where the task has no such form (a program is its own
+    working)."""
     with_slips: Callable[[dict, random.Random, float], dict] | None = None
     """``with_slips(row, rng, rate)``: the row with a demonstration that slips at `rate`
     (`vapo_lightning.tasks.digitwise.with_slips`), or None where the task has none."""
@@ -54,12 +71,49 @@ TASKS = {
         _ASSETS / "arithmetic",
         answer_only=lambda row: arithmetic.boxed(row["answer"]),
     ),
+    "bignum": SFTTask(bignum.generate, bignum.check, _ASSETS / "bignum", answer_only=bignum.bare),
     "functions": SFTTask(functions.generate, functions.check, _ASSETS / "functions"),
     "digitwise": SFTTask(
         digitwise.generate, digitwise.check, _ASSETS / "digitwise", with_slips=digitwise.with_slips
     ),
 }
 """The tasks `SFTDataModule(task=...)` knows; ``functions`` is checked in the sandbox."""
+
+
+class Example(NamedTuple):
+    """One tokenized SFT pair: the chat prompt, the response + EOS, and the response's labels
+    (its ids, with `IGNORE_INDEX` on observation tokens)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    labels: list[int]
+
+
+def split_observations(solution: str) -> list[tuple[str, bool]]:
+    """The solution's segments in order, as ``(text, is_observation)``: model text, and the
+    ``<output>...</output>`` spans a tool appended (empty model text between spans dropped).
+    A solution without observations is one model segment, itself."""
+    parts = _OBSERVATION.split(solution)  # odd indices: the captured observations
+    return [(text, k % 2 == 1) for k, text in enumerate(parts) if text]
+
+
+def encode_response(
+    tokenizer: PreTrainedTokenizerFast, solution: str
+) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a response + EOS, tokenized segment by segment as the rollout builds
+    it: the model's first segment with the space that starts every response, each
+    observation and each later model segment as it is. Labels are the ids, `IGNORE_INDEX` on
+    the observation tokens (context the policy did not write); EOS is a label."""
+    segments = split_observations(solution)
+    if not segments or segments[0][1]:
+        raise ValueError(f"a response starts with model text, got {solution[:60]!r}")
+    ids: list[int] = []
+    labels: list[int] = []
+    for k, (text, is_observation) in enumerate(segments):
+        piece = tokenizer(" " + text if k == 0 else text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += [IGNORE_INDEX] * len(piece) if is_observation else piece
+    return [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str) -> str:
@@ -72,7 +126,8 @@ class SFTDataModule(L.LightningDataModule):
     """SFT pairs and validation prompts of one task, and the tokenizer they define.
 
     Args:
-        task: which generator and checker (`TASKS`): ``"arithmetic"`` or ``"functions"``.
+        task: which generator and checker (`TASKS`): ``"arithmetic"``, ``"functions"``,
+            ``"digitwise"`` or ``"bignum"``.
         val_path: validation rows (jsonl of the task's rows; None: the task's shipped
             ``assets/<task>/val.jsonl``).
         rl_train_path: the RL prompts, which SFT problems exclude (None: the task's shipped
@@ -83,7 +138,8 @@ class SFTDataModule(L.LightningDataModule):
             alone, with no working (drawn with `seed`), as in real SFT sets where terse
             answers sit beside worked solutions. The model learns both styles; answering
             without working is hard for a small model, so this share is what RL can improve
-            by choosing to work problems out (the quickstart's 0.5).
+            by choosing to work problems out (the quickstart's 0.5). For ``bignum`` it is
+            the share answered without the tool.
         slip_rate: share of the steps of each demonstration that are slips (drawn with
             `seed`; tasks with `SFTTask.with_slips`), so the warm start errs at about this
             rate per step and leaves RL a token-level credit-assignment problem (digitwise's
@@ -97,7 +153,7 @@ class SFTDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        task: Literal["arithmetic", "functions", "digitwise"] = "arithmetic",
+        task: Literal["arithmetic", "functions", "digitwise", "bignum"] = "arithmetic",
         val_path: str | None = None,
         rl_train_path: str | None = None,
         num_train: int = 40_000,
@@ -140,27 +196,30 @@ class SFTDataModule(L.LightningDataModule):
         if slip_rate > 0:
             slips = random.Random(seed + 2)
             self.train_rows = [self.task.with_slips(r, slips, slip_rate) for r in self.train_rows]
-        texts = [r["prompt"] for r in self.train_rows] + [r["solution"] for r in self.train_rows]
+        # The BPE sees each segment on its own, as `encode_response` tokenizes it, so no merge
+        # spans a tool call and its observation (one segment per solution without them).
+        segments = [text for r in self.train_rows for text, _ in split_observations(r["solution"])]
+        texts = [r["prompt"] for r in self.train_rows] + segments
         self.tokenizer = train_bpe(texts, vocab_size=vocab_size)
         self.train_examples = [self._encode(r) for r in self.train_rows]
 
-    def _encode(self, row: dict) -> tuple[list[int], list[int]]:
-        """(prompt ids, response ids + EOS) of one row; the response starts with a space."""
+    def _encode(self, row: dict) -> Example:
+        """The chat prompt's ids and the response's (`encode_response`) of one row."""
         tok = self.tokenizer
         prompt_ids = tok(chat_prompt(tok, row["prompt"]), add_special_tokens=False)["input_ids"]
-        response_ids = tok(" " + row["solution"], add_special_tokens=False)["input_ids"]
-        return prompt_ids, [*response_ids, tok.eos_token_id]
+        return Example(prompt_ids, *encode_response(tok, row["solution"]))
 
-    def _collate_train(self, examples: list[tuple[list[int], list[int]]]) -> dict:
-        """Right-padded sequences; labels are the response tokens, -100 elsewhere."""
-        T = max(len(p) + len(r) for p, r in examples)
+    def _collate_train(self, examples: list[Example]) -> dict:
+        """Right-padded sequences; labels are the response's (`Example.labels`), -100 on the
+        prompt and the padding."""
+        T = max(len(e.prompt_ids) + len(e.response_ids) for e in examples)
         input_ids = torch.full((len(examples), T), self.tokenizer.pad_token_id)  # (B, T)
         labels = torch.full((len(examples), T), IGNORE_INDEX)
         attention_mask = torch.zeros((len(examples), T), dtype=torch.long)
-        for i, (p, r) in enumerate(examples):
+        for i, (p, r, lab) in enumerate(examples):
             n = len(p) + len(r)
             input_ids[i, :n] = torch.tensor(p + r)
-            labels[i, len(p) : n] = torch.tensor(r)
+            labels[i, len(p) : n] = torch.tensor(lab)
             attention_mask[i, :n] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
@@ -190,7 +249,7 @@ class SFTDataModule(L.LightningDataModule):
         B = self.batch_size
         if self.bucket_batches:  # sort within pools of 50 batches, then shuffle the batches
             pool = 50 * B
-            length = [sum(map(len, self.train_examples[i])) for i in range(len(order))]
+            length = [len(e.prompt_ids) + len(e.response_ids) for e in self.train_examples]
             order = [
                 i
                 for s in range(0, len(order), pool)
