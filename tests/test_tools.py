@@ -227,3 +227,164 @@ def test_native_sampler_pauses_at_calls_and_assembles_the_rollout(tokenizer):
     assert not r.truncated.any()
     t = r.trimmed()
     assert t.response_mask.shape[1] == T and t.responses[0].tolist() == expect
+
+
+@pytest.fixture(scope="module")
+def python_tool():
+    from vapo_lightning.tools import PythonTool
+
+    tool = PythonTool(timeout_s=2.0, max_output_bytes=2000, workers=2)
+    yield tool
+    tool.close()
+
+
+def test_python_tool_runs_each_call_in_the_sandbox(python_tool):
+    """What a call prints comes back; a program's own exception shows its last traceback
+    line and is not a tool error; a hang and a flood give short observations saying so, the
+    hang counted as an error; calls share no state (each is a fresh program)."""
+    outs = python_tool.run(
+        [
+            "print(4821*397)",
+            "x = 1\nprint(x / 0)",
+            "while True: pass",
+            "while True: print('y' * 100)",
+            "print(x)",  # x of the second call is not defined here
+            "import os; print(os.getuid() != 0 or 'root')",
+        ]
+    )
+    assert outs[0] == ToolOutput("1913937")
+    assert outs[1].text.endswith("ZeroDivisionError: division by zero") and outs[1].error is None
+    assert "Timed out after 2 s" in outs[2].text and outs[2].error == "timeout"
+    assert outs[3].text.startswith("y" * 100) and "(output truncated)" in outs[3].text
+    assert len(outs[3].text) < 2200
+    assert "NameError" in outs[4].text
+    assert python_tool.run(["print('after a hang')"]) == [ToolOutput("after a hang")]
+
+
+def test_python_tool_keeps_its_config_in_the_spec():
+    from vapo_lightning.tools import PythonTool
+
+    tool = from_spec(spec(PythonTool(call_start="```python\n", call_end="```", timeout_s=3.0)))
+    assert (tool.call_start, tool.call_end, tool.timeout_s) == ("```python\n", "```", 3.0)
+    assert tool.observation("4") == "<output>4</output>"
+    with pytest.raises(ValueError, match="timeout_s"):
+        PythonTool(timeout_s=0)
+
+
+def rollout_with_observations(vocab: int):
+    """tests/test_updates.py's rollout, with tool observations: holes in `response_mask`
+    (context the models read, never actions) inside responses, one ending in one."""
+    from tests.test_updates import rollout
+
+    r = rollout(vocab)
+    mask = r.response_mask.clone()
+    mask[:, 2:4] &= torch.tensor([True, False, True, False, False, True, False, False])[:, None]
+    mask[6, 5:] = False  # a response whose last tokens are an observation
+    mask[:, 0] = True
+    r.response_mask = mask & (r.attention_mask[:, r.prompt_length :] > 0)
+    assert (~r.response_mask & (r.attention_mask[:, r.prompt_length :] > 0)).any()
+    return r
+
+
+def test_observation_tokens_reach_no_loss(tok):
+    """Both models' gradients equal a slow reference over the model's own tokens only: the
+    actor's token-mean surrogate (on-policy, so ratio 1) plus the positive-example NLL, the
+    critic's squared error to the Monte-Carlo return; whitening counts actions only; garbage
+    at observation positions of every per-token field changes nothing."""
+    from collections import defaultdict
+
+    from tests.test_updates import capture_gradients, module_with
+    from vapo_lightning import core
+    from vapo_lightning.rollout import critic_values, policy_logits
+
+    module = module_with(tok, 4)
+    r = rollout_with_observations(module.policy.config.vocab_size)
+    module.compute_old_logprobs(r)
+    module.compute_values(r)
+    module.compute_advantages(r)
+    mask = r.response_mask
+    assert abs(float(core.masked_mean(r.advantages, mask))) < 1e-5
+    n = float(mask.sum())  # unbiased variance over the actions only
+    assert abs(float(core.masked_mean(r.advantages**2, mask)) * n / (n - 1) - 1) < 1e-4
+    assert torch.equal(r.lam_actor, core.length_adaptive_lam(mask.sum(-1), 0.05))
+    for name in ("old_logprobs", "values", "advantages", "returns", "entropy"):
+        getattr(r, name)[~mask] = float("nan")  # garbage wherever the mask is false
+    grads = capture_gradients(module)
+    module.critic_update(r, torch.arange(len(r)), None, defaultdict(list))
+    module.actor_update(r, torch.arange(len(r)), None, defaultdict(list))
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+    a, n_actions = module.algo, mask.sum()
+    n_correct = (mask & r.correct[:, None]).sum()
+    module.policy.zero_grad()
+    module.critic.zero_grad()
+    for b in range(len(r)):  # one response at a time, its whole context, actions by hand
+        row = r.select([b]).trimmed()
+        logp = core.logprobs_from_logits(policy_logits(module.policy, row), row.responses)[0]
+        values = critic_values(module.critic, row)[0]
+        actor = critic = 0.0
+        for t in range(row.response_mask.shape[1]):
+            if not row.response_mask[0, t]:
+                continue
+            ratio = torch.exp(logp[t] - logp[t].detach())
+            actor = actor - row.advantages[0, t] * ratio / n_actions
+            if row.correct[0]:
+                actor = actor - a.nll_coef * logp[t] / n_correct
+            critic = critic + 0.5 * (values[t] - row.scores[0]) ** 2 / n_actions
+        (actor + critic).backward()
+    for prefix, model in (("actor", module.policy), ("critic", module.critic)):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[f"{prefix}.{name}"], p.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_resumed_tools_run_reproduces_the_uninterrupted_run(tok, tmp_path):
+    """Resumed in the middle of a run with tools: the same calls, observations and metrics
+    as the uninterrupted run, and the checkpoint rebuilds the tools from its hyper-parameters."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers import scalars, tiny_data, tiny_module, tiny_trainer
+    from tests.tool_helpers import EverySpace
+    from vapo_lightning.module import VAPOModule
+
+    def run(root, max_steps, ckpt_path=None):
+        L.seed_everything(5)
+        ckpt = ModelCheckpoint(
+            dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
+        )
+        trainer = tiny_trainer(root, max_steps=max_steps, callbacks=[ckpt])
+        module = tiny_module(tok, tools=[EverySpace(fail_over=2)])
+        trainer.fit(module, datamodule=tiny_data(tmp_path), ckpt_path=ckpt_path)
+        return scalars(root)
+
+    full = run(tmp_path / "full", 4)
+    assert min(v for _, v in full["tools/calls/mean"]) > 0.1  # the tool is used
+    assert sum(v for _, v in full["tools/errors"]) > 0  # and fails sometimes
+    run(tmp_path / "part", 2)
+    (tmp_path / "part2").mkdir()
+    (tmp_path / "part2" / "ckpt").symlink_to(tmp_path / "part" / "ckpt")
+    resumed = run(tmp_path / "part2", 4, ckpt_path="last")
+    for name in ("tools/calls/mean", "tools/observation_tokens/mean", "tools/share_of_responses",
+                 "tools/errors", "response_length/mean", "critic/score/mean", "actor/pg_loss"):  # fmt: skip
+        assert [v for _, v in resumed[name]] == [v for s, v in full[name] if s >= 2], name
+    module = VAPOModule.load_from_checkpoint(tmp_path / "part" / "ckpt" / "last.ckpt")
+    assert [type(t) for t in module.tools] == [EverySpace] and module.tools[0].fail_over == 2
+
+
+@pytest.mark.slow
+def test_ddp_run_with_tools_on_two_processes(tmp_path):
+    """Two ranks with tools: each samples its own multi-turn responses; tool metrics are
+    logged (reduced over ranks) alongside the usual ones."""
+    from tests.test_distributed import scalars as dist_scalars
+    from tests.test_distributed import vapo_fit
+
+    tools = "--model.tools=[{class_path: tests.tool_helpers.EverySpace, init_args: {fail_over: 8}}]"
+    vapo_fit(tmp_path, "ddp", "--trainer.max_steps=3", tools)
+    (version,) = tmp_path.glob("lightning_logs/version_*")
+    logged = dist_scalars(version)
+    assert logged["rollout_step"] == [1.0, 2.0, 3.0]
+    assert all(0 < v <= 4 for v in logged["tools/calls/mean"])  # max_turns 4
+    assert all(0 < v <= 1 for v in logged["tools/share_of_responses"])
+    assert all(v > 0 for v in logged["tools/observation_tokens/mean"])
+    assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3

@@ -37,8 +37,13 @@ class EverySpace(Tool):
         super().__init__(call_start="", call_end=" ")
         self.fail_over = fail_over
 
+    def parse(self, text: str) -> str:
+        return text[: text.rfind(self.call_end)]
+
     def run(self, calls: list[str]) -> list[ToolOutput]:
         return [
-            ToolOutput("too long", error="too_long") if len(c) > self.fail_over else ToolOutput(str(len(c)))
+            ToolOutput("too long", error="too_long")
+            if len(c) > self.fail_over
+            else ToolOutput(str(len(c)))
             for c in calls
         ]
