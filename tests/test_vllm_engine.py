@@ -36,8 +36,12 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    questions = [f"a) {a} + {b} = ? b) {a} - {b} + 9 = ?" for a, b in [(3, 4), (17, 8), (25, 6), (9, 9)]]
-    questions += [f"What is {a} + {b} - {c}?" for a, b, c in [(12, 5, 3), (40, 2, 7), (8, 8, 8), (31, 4, 1)]]
+    questions = [
+        f"a) {a} + {b} = ? b) {a} - {b} + 9 = ?" for a, b in [(3, 4), (17, 8), (25, 6), (9, 9)]
+    ]
+    questions += [
+        f"What is {a} + {b} - {c}?" for a, b, c in [(12, 5, 3), (40, 2, 7), (8, 8, 8), (31, 4, 1)]
+    ]
     return [tok.encode(q) for q in questions]
 
 
@@ -81,7 +85,9 @@ def real_update(policy, prompts, tok):
 
 def max_logprob_gap(engine, policy, prompts, tok) -> float:
     cfg = Generation(n=2, max_new_tokens=24, temperature=1.0)
-    r = engine.generate(prompts, cfg, tok.pad_token_id, tok.eos_token_id, seeds=list(range(len(prompts))))
+    r = engine.generate(
+        prompts, cfg, tok.pad_token_id, tok.eos_token_id, seeds=list(range(len(prompts)))
+    )
     gap = (r.rollout_logprobs - trainer_logprobs(policy, r)).abs()
     return float(gap[r.response_mask].max())
 
@@ -89,7 +95,9 @@ def max_logprob_gap(engine, policy, prompts, tok) -> float:
 def test_greedy_matches_native_before_and_after_a_sync(engine, policy, prompts, tok):
     greedy = Generation(n=1, max_new_tokens=40, temperature=0.0)
     before = native(policy, prompts, tok, greedy)
-    assert responses(engine.generate(prompts, greedy, tok.pad_token_id, tok.eos_token_id)) == responses(before)
+    assert responses(
+        engine.generate(prompts, greedy, tok.pad_token_id, tok.eos_token_id)
+    ) == responses(before)
     assert max_logprob_gap(engine, policy, prompts, tok) < 1e-4  # fp32: the same policy
 
     real_update(policy, prompts, tok)
@@ -137,7 +145,9 @@ def test_sampling_semantics(engine, policy, prompts, tok):
     r = engine.generate(prompts, Generation(n=3, max_new_tokens=16), tok.pad_token_id, eos)
     assert len(r) == 3 * len(prompts)
     assert r.group_ids.tolist() == [i for i in range(len(prompts)) for _ in range(3)]
-    assert (r.input_ids[:, : r.prompt_length][0::3] == r.input_ids[:, : r.prompt_length][1::3]).all()
+    assert (
+        r.input_ids[:, : r.prompt_length][0::3] == r.input_ids[:, : r.prompt_length][1::3]
+    ).all()
     # max_new_tokens = min_new_tokens: every response that long, none stopped: all truncated
     forced = Generation(n=2, max_new_tokens=12, min_new_tokens=12)
     r = engine.generate(prompts, forced, tok.pad_token_id, eos)
@@ -167,8 +177,15 @@ def test_sampling_semantics(engine, policy, prompts, tok):
 
 def test_top_k_one_is_greedy(engine, policy, prompts, tok):
     engine.load_weights(policy)
-    greedy = engine.generate(prompts, Generation(n=1, max_new_tokens=20, temperature=0.0), tok.pad_token_id, tok.eos_token_id)
-    top1 = engine.generate(prompts, Generation(n=2, max_new_tokens=20, top_k=1), tok.pad_token_id, tok.eos_token_id)
+    greedy = engine.generate(
+        prompts,
+        Generation(n=1, max_new_tokens=20, temperature=0.0),
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
+    top1 = engine.generate(
+        prompts, Generation(n=2, max_new_tokens=20, top_k=1), tok.pad_token_id, tok.eos_token_id
+    )
     assert responses(top1)[0::2] == responses(greedy) and responses(top1)[1::2] == responses(greedy)
     nat = native(policy, prompts, tok, Generation(n=1, max_new_tokens=20, top_k=1))
     assert responses(nat) == responses(greedy)
@@ -187,7 +204,9 @@ def test_seeded_sampling_is_reproducible(engine, policy, prompts, tok):
 def test_bad_setup_gets_one_clear_line(policy, monkeypatch):
     with pytest.raises(ValueError, match="does not support the policy's architecture"):
         check_architecture(["NoSuchModelForCausalLM"])
-    with pytest.raises(ValueError, match=r"max_new_tokens = 300 tokens exceeds .*max_position_embeddings=256"):
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens = 300 tokens exceeds .*max_position_embeddings=256"
+    ):
         VLLMEngine(policy, OPTIONS, max_model_len=300, dtype=torch.float32, seed=0)
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(ImportError, match=r"engine=vllm needs vLLM.*\.\[vllm-cpu\]"):
@@ -208,10 +227,56 @@ def test_a_bad_engine_setup_stops_before_any_work(tmp_path, monkeypatch):
     args = ["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
             "--model.generation.engine=vllm"]  # fmt: skip
     with pytest.raises(SystemExit) as stop:  # one line, `vapo: error: ...`
-        main([*args, "--model.policy.config.num_attention_heads=4", "--model.policy.config.num_key_value_heads=2"])
+        main(
+            [
+                *args,
+                "--model.policy.config.num_attention_heads=4",
+                "--model.policy.config.num_key_value_heads=2",
+            ]
+        )
     assert "head_dim=16 has no kernel in vLLM's CPU attention" in str(stop.value.code)
     assert "\n" not in str(stop.value.code)
-    with pytest.raises(ValueError, match=r"max_new_tokens=16: .* beyond the policy's context \(max_position_embeddings=64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_new_tokens=16: .* beyond the policy's context \(max_position_embeddings=64\)",
+    ):
         main([*args, "--model.policy.config.max_position_embeddings=64",
               "--model.generation.max_new_tokens=16", "--model.val_generation.max_new_tokens=16"])  # fmt: skip
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_tool_calls_on_vllm_match_the_native_engine(policy, engine, prompts, tok):
+    """Multi-turn with a tool, greedy: the vLLM engine (stop strings, continuing from the
+    whole context) gives the native sampler's tokens, observations and masks; its own
+    log-probs are 0 on observations and match the trainer's on the model's tokens."""
+    from tests.tool_helpers import EverySpace
+
+    tool = EverySpace(call_end="=", fail_over=12)
+    cfg = Generation(n=1, max_new_tokens=48, temperature=0.0, max_turns=2)
+    ours = generate(
+        policy, prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
+    )
+    with pytest.raises(ValueError, match="made with the tokenizer"):
+        engine.generate(
+            prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
+        )
+    with_tokenizer = VLLMEngine(
+        policy, OPTIONS, max_model_len=256, dtype=torch.float32, seed=0, tokenizer=tok
+    )
+    try:
+        theirs = with_tokenizer.generate(
+            prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
+        )
+    finally:
+        with_tokenizer.close()
+    assert ours.tool_calls.sum() > 0 and ours.tool_calls.tolist() == theirs.tool_calls.tolist()
+    assert [row[:n].tolist() for row, n in zip(ours.responses, ours.response_extent)] == [
+        row[:n].tolist() for row, n in zip(theirs.responses, theirs.response_extent)
+    ]
+    T = ours.response_mask.shape[1]
+    assert torch.equal(ours.response_mask, theirs.response_mask[:, :T])
+    observed = theirs.attention_mask[:, theirs.prompt_length :].bool() & ~theirs.response_mask
+    assert observed.any() and theirs.rollout_logprobs[observed].eq(0).all()
+    mine = trainer_logprobs(policy, theirs)
+    diff = (mine - theirs.rollout_logprobs).abs()[theirs.response_mask]
+    assert diff.max() < 1e-3

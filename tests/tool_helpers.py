@@ -27,18 +27,15 @@ class Broken(Upper):
 
 
 class EverySpace(Tool):
-    """A tool an untrained policy calls often: every space it writes closes a call (the
-    call is its text since the last observation). Its output is the call's length; calls
+    """A tool an untrained policy calls often: every space it writes (or `call_end`) closes
+    a call (the call is its text since the last observation). Its output is the call's length; calls
     longer than `fail_over` characters fail (counted in tools/errors)."""
 
     name = "every_space"
 
-    def __init__(self, fail_over: int = 1 << 30) -> None:
-        super().__init__(call_start="", call_end=" ")
+    def __init__(self, fail_over: int = 1 << 30, call_end: str = " ") -> None:
+        super().__init__(call_start="", call_end=call_end)
         self.fail_over = fail_over
-
-    def parse(self, text: str) -> str:
-        return text[: text.rfind(self.call_end)]
 
     def run(self, calls: list[str]) -> list[ToolOutput]:
         return [

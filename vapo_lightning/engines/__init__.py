@@ -128,6 +128,7 @@ class RolloutEngines:
                 dtype=engine_dtype(options.dtype, str(self.trainer.precision)),
                 seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # per engine in VLLMEngine
                 local_rank=self.trainer.local_rank,
+                tokenizer=self.tokenizer if self.tools else None,  # stop strings for calls
             )
         else:
             self._vllm.load_weights(self.policy)

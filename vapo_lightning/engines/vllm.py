@@ -148,6 +148,8 @@ class VLLMEngine:
         seed: the run's sampling seed; each engine adds its index (the ranks of one
             tensor-parallel group share it).
         local_rank: this process's rank on its node (its device), under several ranks.
+        tokenizer: the policy's, for runs with tools: the engine then detokenizes what it
+            samples, to stop at a tool call's end string (without it, token ids only).
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class VLLMEngine:
         dtype: torch.dtype,
         seed: int,
         local_rank: int = 0,
+        tokenizer: Any = None,
     ) -> None:
         vllm = import_vllm()
         config = policy.config
@@ -191,9 +194,12 @@ class VLLMEngine:
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         self._dir = tempfile.TemporaryDirectory(prefix="vapo_vllm_")
         write_model_dir(config, architectures, Path(self._dir.name))
+        self.detokenizes = tokenizer is not None  # tools: to stop at a call's end string
+        if self.detokenizes:
+            tokenizer.save_pretrained(self._dir.name)
         self.llm = vllm.LLM(
             model=self._dir.name,
-            skip_tokenizer_init=True,  # token ids in and out
+            skip_tokenizer_init=tokenizer is None,  # token ids in and out
             load_format="dummy",  # the weights come from the trainer (`load_weights`)
             dtype=str(dtype).removeprefix("torch."),
             max_model_len=max_model_len,
@@ -316,6 +322,8 @@ class VLLMEngine:
 
         if self.tp_group is not None:
             raise ValueError("model.tools with vllm.tensor_parallel_size > 1 is not supported")
+        if not self.detokenizes:
+            raise ValueError("VLLMEngine: tool calls need the engine made with the tokenizer")
         if cfg.min_new_tokens:
             raise ValueError("model.generation.min_new_tokens must be 0 with model.tools")
         n = cfg.n if n is None else n

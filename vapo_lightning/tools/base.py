@@ -62,10 +62,14 @@ class Tool:
     def parse(self, text: str) -> str | None:
         """The call at the end of `text`, the model's text since its last observation, which
         ends with `call_end` (possibly followed by the rest of that token): what lies
-        between the last `call_start` before it and it. None: `call_end` without an opening
-        one, which is ordinary text."""
+        between the last `call_start` before it and it (all of `text` before it when
+        `call_start` is empty). None: `call_end` without an opening one: ordinary text."""
         end = text.rfind(self.call_end)
-        start = text.rfind(self.call_start, 0, end) if end >= 0 else -1
+        if end < 0:
+            return None
+        if not self.call_start:  # no opening text: the call is all the text since then
+            return text[:end]
+        start = text.rfind(self.call_start, 0, end)
         return None if start < 0 else text[start + len(self.call_start) : end]
 
     def run(self, calls: list[str]) -> list[ToolOutput]:
