@@ -361,6 +361,8 @@ def test_resumed_tools_run_reproduces_the_uninterrupted_run(tok, tmp_path):
     full = run(tmp_path / "full", 4)
     assert min(v for _, v in full["tools/calls/mean"]) > 0.1  # the tool is used
     assert sum(v for _, v in full["tools/errors"]) > 0  # and fails sometimes
+    assert 0 <= full["val/tools/share_of_responses"][0][1] <= 1  # validation logs tool use
+    assert full["val/tools/calls/mean"][0][1] >= 0
     run(tmp_path / "part", 2)
     (tmp_path / "part2").mkdir()
     (tmp_path / "part2" / "ckpt").symlink_to(tmp_path / "part" / "ckpt")

@@ -2,7 +2,8 @@
 
 Scored with the same reward callbacks as training (a verifier's `correct_threshold`
 decides "correct"), accumulated with torchmetrics, logged as `val/accuracy` and
-`val/accuracy/<data_source>`. Sampling uses a fixed seed per batch in a forked RNG, so
+`val/accuracy/<data_source>`; with tools also `val/tools/share_of_responses` and
+`val/tools/calls/mean`. Sampling uses a fixed seed per batch in a forked RNG, so
 validation is reproducible and never perturbs the training random stream.
 """
 
@@ -24,6 +25,7 @@ class ValidationMixin:
     def _init_validation(self) -> None:
         self.val_accuracy = MeanMetric()
         self.val_accuracy_by_source = torch.nn.ModuleDict()
+        self.val_tool_share, self.val_tool_calls = MeanMetric(), MeanMetric()
 
     @torch.no_grad()
     def validation_step(self, batch: list[dict], batch_idx: int) -> None:
@@ -35,6 +37,9 @@ class ValidationMixin:
         self.last_val_rollout = r  # for callbacks (ValidationSamples)
         correct = r.correct.float()
         self.val_accuracy.update(correct)
+        if r.tool_calls is not None:
+            self.val_tool_share.update((r.tool_calls > 0).float())
+            self.val_tool_calls.update(r.tool_calls.float())
         for source in sorted({s.data_source for s in r.samples}):
             if source not in self.val_accuracy_by_source:
                 self.val_accuracy_by_source[source] = MeanMetric().to(self.device)
@@ -50,6 +55,11 @@ class ValidationMixin:
     def _compute_val_metrics(self) -> dict[str, Any]:
         metrics = {"val/accuracy": self.val_accuracy.compute()}
         self.val_accuracy.reset()
+        if self.val_tool_share.update_count:
+            metrics["val/tools/share_of_responses"] = self.val_tool_share.compute()
+            metrics["val/tools/calls/mean"] = self.val_tool_calls.compute()
+            self.val_tool_share.reset()
+            self.val_tool_calls.reset()
         for source, metric in self.val_accuracy_by_source.items():
             metrics[f"val/accuracy/{source}"] = metric.compute()
             metric.reset()
