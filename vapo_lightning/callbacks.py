@@ -219,19 +219,21 @@ class EntropyTracker(L.Callback):
 
 class ValidationSamples(L.Callback):
     """Writes every validation generation to a JSONL file, one object per response:
-    ``step, data_source, prompt, response, reward, correct, ground_truth``.
+    ``step, data_source, prompt, response, reward, correct, ground_truth``, and the row's
+    ``difficulty`` where the data has one, ``tool_calls`` in runs with tools.
 
     Args:
         path: the file; each validation run appends to it (under several processes, rank r
-            writes ``<path>.rank<r>``).
+            writes ``<path>.rank<r>``). None: ``val_samples.jsonl`` in the trainer's
+            ``default_root_dir``.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | None = None) -> None:
+        self.path = None if path is None else Path(path)
         self._file: Any = None
 
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        path = self.path
+        path = self.path or Path(trainer.default_root_dir) / "val_samples.jsonl"
         if trainer.world_size > 1:
             path = path.with_name(f"{path.name}.rank{trainer.global_rank}")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,10 +245,17 @@ class ValidationSamples(L.Callback):
         r = getattr(pl_module, "last_val_rollout", None)
         if self._file is None or r is None:
             return
-        for sample, reward, correct in zip(r.samples, r.scores.tolist(), r.correct.tolist()):
+        calls = [None] * len(r) if r.tool_calls is None else r.tool_calls.tolist()
+        for sample, reward, correct, n_calls in zip(
+            r.samples, r.scores.tolist(), r.correct.tolist(), calls
+        ):
             row = {"step": trainer.global_step, "data_source": sample.data_source,
                    "prompt": sample.prompt, "response": sample.response, "reward": reward,
                    "correct": bool(correct), "ground_truth": sample.ground_truth}  # fmt: skip
+            if "difficulty" in sample.extra_info:
+                row["difficulty"] = sample.extra_info["difficulty"]
+            if n_calls is not None:
+                row["tool_calls"] = n_calls
             self._file.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
