@@ -397,3 +397,21 @@ def test_ddp_run_with_tools_on_two_processes(tmp_path):
     assert all(0 < v <= 1 for v in logged["tools/share_of_responses"])
     assert all(v > 0 for v in logged["tools/observation_tokens/mean"])
     assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
+
+
+def test_failing_calls_are_counted_every_step_and_shown_once(tok, tmp_path):
+    """Every failed call counts in tools/errors; each kind of failure is warned about once,
+    with its message, however often it recurs (training and validation)."""
+    import warnings
+
+    from tests.helpers import scalars, tiny_data, tiny_module, tiny_trainer
+    from tests.tool_helpers import EverySpace
+
+    module = tiny_module(tok, tools=[EverySpace(fail_over=0)])  # every non-empty call fails
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(tmp_path, max_steps=3).fit(module, datamodule=tiny_data(tmp_path))
+    logged = scalars(tmp_path)
+    shown = [str(w.message) for w in caught if "counted in tools/errors" in str(w.message)]
+    assert shown == ["tool 'every_space' failed (too_long): too_long (counted in tools/errors)"]
+    assert sum(v for _, v in logged["tools/errors"]) >= 3

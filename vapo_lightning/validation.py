@@ -14,11 +14,14 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
+from vapo_lightning.metrics import PhaseTimer
+
 __all__ = ["ValidationMixin"]
 
 
 class ValidationMixin:
-    """Mixed into VAPOModule; needs `sample`, `score`, `val_gen` and `val_before_train`."""
+    """Mixed into VAPOModule; needs `sample`, `score`, `count_tool_use`, `val_gen` and
+    `val_before_train`."""
 
     val_seed: int = 1234
 
@@ -33,6 +36,7 @@ class ValidationMixin:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.val_seed + batch_idx)
             r = self.sample(batch, self.val_gen)
+        self.count_tool_use(r, PhaseTimer())  # a failing tool is shown in validation too
         self.score(r)
         self.last_val_rollout = r  # for callbacks (ValidationSamples)
         correct = r.correct.float()
