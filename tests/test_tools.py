@@ -169,6 +169,11 @@ def test_stop_text_spans_tokens_and_respects_enabled_rows(tokenizer):
         hit = stop(torch.arange(2), torch.tensor([token, token]), t, done)
         hits.append(hit.tolist())
         done |= hit
+    beyond = len(token_texts(tokenizer)) + 5  # an id of a padded embedding: no text, no stop
+    fresh = StopText(token_texts(tokenizer), ["</code>"], [True])
+    assert not fresh(
+        torch.arange(1), torch.tensor([beyond]), 0, torch.zeros(1, dtype=torch.bool)
+    ).any()
     at = next(t for t, h in enumerate(hits) if h[0])
     assert tokenizer.decode(ids[: at + 1]).endswith("</code>")
     assert "</code>" not in tokenizer.decode(ids[:at])

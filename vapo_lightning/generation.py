@@ -240,7 +240,8 @@ class StopText:
         for k, (row, token, finished) in enumerate(zip(rows.tolist(), new.tolist(), done.tolist())):
             if finished or not self.enabled[row]:
                 continue
-            text = self.tails[row] + self.texts[token]
+            # (a model's embedding may be padded past the vocabulary: such ids have no text)
+            text = self.tails[row] + (self.texts[token] if token < len(self.texts) else "")
             if any(m in text for m in self.markers):
                 hit[k] = True
                 self.lengths[row] = t + 1
