@@ -10,6 +10,7 @@ redirect it to the file you want. The run's logs go to a fresh temporary directo
 from __future__ import annotations
 
 import glob
+import json
 import os
 import platform
 import subprocess
@@ -78,6 +79,51 @@ def main() -> None:
     for step in sorted(rows["reward"]):
         r = [rows[k].get(step, float("nan")) for k in rows]
         print(f"| {step + 1} | {r[0]:.3f} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.1f} | {r[4]:.0f} |")
+    samples = Path(root) / "val_samples.jsonl"
+    if "tools/calls/mean" in m and samples.exists():
+        tool_report(m, samples)
+
+
+def tool_report(m: dict[str, list[tuple[int, float]]], samples: Path) -> None:
+    """Runs with tools: tool use by rollout step, and accuracy and tool use per difficulty at
+    the first and the last validation (`ValidationSamples`' file)."""
+    print(
+        "\n| rollout step | tools/share_of_responses | tools/calls/mean | tools/errors | timing_s/gen | timing_s/tools |"
+    )
+    print("|---|---|---|---|---|---|")
+    keys = [
+        "tools/share_of_responses",
+        "tools/calls/mean",
+        "tools/errors",
+        "timing_s/gen",
+        "timing_s/tools",
+    ]
+    series = {k: dict(m[k]) for k in keys}
+    for step in sorted(series[keys[0]]):
+        r = [series[k].get(step, float("nan")) for k in keys]
+        print(f"| {step + 1} | {r[0]:.3f} | {r[1]:.2f} | {r[2]:.0f} | {r[3]:.2f} | {r[4]:.2f} |")
+    rows = [json.loads(line) for line in samples.open()]
+    first, last = min(r["step"] for r in rows), max(r["step"] for r in rows)
+    print(
+        f"\nPer difficulty, validation at rollout steps {first} and {last} (mean@k at temperature 1):\n"
+    )
+    print(
+        "| difficulty | accuracy | responses that call the tool | accuracy of those that call | of those that answer bare |"
+    )
+    print("|---|---|---|---|---|")
+
+    def pct(xs: list[bool]) -> str:
+        return f"{100 * sum(xs) / len(xs):.1f}%" if xs else "-"
+
+    for level in sorted({r.get("difficulty") for r in rows}, key=str):
+        cells = []
+        for step in (first, last):
+            sel = [r for r in rows if r["step"] == step and r.get("difficulty") == level]
+            called = [r for r in sel if r.get("tool_calls", 0) > 0]
+            bare = [r for r in sel if not r.get("tool_calls", 0)]
+            cells.append((pct([r["correct"] for r in sel]), pct([r.get("tool_calls", 0) > 0 for r in sel]),
+                          pct([r["correct"] for r in called]), pct([r["correct"] for r in bare])))  # fmt: skip
+        print(f"| {level} | " + " | ".join(f"{a} → {b}" for a, b in zip(*cells)) + " |")
 
 
 if __name__ == "__main__":
