@@ -46,8 +46,12 @@ class EvenLength(RewardCallback):
         return [1.0 if len(s.response_ids) % 2 == 0 else -1.0 for s in samples]
 
 
-def scripted_generate(policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=None):
-    """Stands in for `rollout.generate`: the same layout, responses a function of the prompt."""
+def scripted_generate(
+    policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=None, tools=None, tokenizer=None
+):
+    """Stands in for `rollout.generate` (no tools): the same layout, responses a function of
+    the prompt."""
+    assert not tools
     n = cfg.n if n is None else n
     P, T = max(len(p) for p in prompt_ids), cfg.max_new_tokens
     ids = torch.full((len(prompt_ids) * n, P + T), pad_token_id, dtype=torch.long)
@@ -75,7 +79,9 @@ def scripted_generate(policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=Non
 def main(
     out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool, compiled: bool
 ) -> None:
-    engines.generate = scripted_generate  # the native engine's sampler (a missed patch fails parity)
+    engines.generate = (
+        scripted_generate  # the native engine's sampler (a missed patch fails parity)
+    )
     if broken:  # negative control: per-rank normalisers, as if nothing were all-reduced
         vapo_module.VAPOModule.global_sum = lambda self, x: x.float()
     L.seed_everything(0)
