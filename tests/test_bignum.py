@@ -249,3 +249,37 @@ def test_sft_batches_label_model_tokens_only(data):
     n_model = sum(lab != IGNORE_INDEX for r in rows for lab in data._encode(r).labels)
     assert (val["labels"] != IGNORE_INDEX).sum() == n_model
     assert n_model < sum(len(data._encode(r).response_ids) for r in rows)
+
+
+def test_answer_only_from_step_opens_with_full_solutions(tmp_path):
+    train, val = B.make_splits(40, 10, seed=3)
+    write_jsonl(train, tmp_path / "train.jsonl")
+    write_jsonl(val, tmp_path / "val.jsonl")
+    paths = {
+        "val_path": str(tmp_path / "val.jsonl"),
+        "rl_train_path": str(tmp_path / "train.jsonl"),
+    }
+    kw = {"task": "bignum", "num_train": 800, "answer_only_fraction": 0.5, "batch_size": 16}
+    data = SFTDataModule(**paths, **kw, answer_only_from_step=10)
+    plain = SFTDataModule(**paths, **kw)
+    assert data.train_rows == plain.train_rows  # the mix itself is unchanged
+    assert (
+        data.warmup_rows
+        == B.generate(800, seed=1234, exclude=[r["prompt"] for r in val + train], distinct=False)[
+            :160
+        ]
+    )
+    batches = data._batches(data.seed)
+    assert len(batches) == 10 + 800 // 16
+    examples = data._examples
+    warm = [examples[i] for b in batches[:10] for i in b]
+    assert sorted(map(id, warm)) == sorted(map(id, data.warmup_examples))  # each once
+    assert all(IGNORE_INDEX in e.labels for e in warm)  # every one a tool call
+    rest = [i for b in batches[10:] for i in b]
+    assert min(rest) >= 160 and len(set(rest)) == 800
+    bare = sum(IGNORE_INDEX not in examples[i].labels for i in rest) / len(rest)
+    assert 0.4 < bare < 0.6
+    batch = data._collate_train([examples[i] for i in batches[0]])
+    assert (batch["labels"] == IGNORE_INDEX).any(dim=1).all()
+    with pytest.raises(ValueError, match="answer_only_from_step"):
+        SFTDataModule(**paths, **kw | {"num_train": 100}, answer_only_from_step=10)

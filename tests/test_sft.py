@@ -134,3 +134,11 @@ def test_cli_runs_the_shipped_config(tmp_path):
               f"--model.export_dir={tmp_path / 'export'}"])
     assert (tmp_path / "export" / "config.json").exists()
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+
+
+def test_init_std_sets_the_initial_weights(data):
+    for std in (0.02, 0.05):
+        torch.manual_seed(0)
+        module = SFTModule(tokenizer=data.tokenizer, init_std=std, **TINY)
+        weight = module.model.model.layers[0].mlp.up_proj.weight
+        assert abs(weight.std().item() - std) < 0.1 * std

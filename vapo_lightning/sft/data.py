@@ -140,6 +140,12 @@ class SFTDataModule(L.LightningDataModule):
             without working is hard for a small model, so this share is what RL can improve
             by choosing to work problems out (the quickstart's 0.5). For ``bignum`` it is
             the share answered without the tool.
+        answer_only_from_step: optimiser steps at the start of training whose
+            demonstrations all keep their full solution (the first rows drawn, before any
+            becomes answer-only); the answer-only share applies to the batches after them.
+            Answer-only demonstrations slow down learning what only full solutions teach:
+            from a 50/50 start, a small bignum model still guesses the digits its tool calls
+            copy after 1,500 steps. These batches open every pass over the data.
         slip_rate: share of the steps of each demonstration that are slips (drawn with
             `seed`; tasks with `SFTTask.with_slips`), so the warm start errs at about this
             rate per step and leaves RL a token-level credit-assignment problem (digitwise's
@@ -159,6 +165,7 @@ class SFTDataModule(L.LightningDataModule):
         num_train: int = 40_000,
         seed: int = 1234,
         answer_only_fraction: float = 0.0,
+        answer_only_from_step: int = 0,
         slip_rate: float = 0.0,
         vocab_size: int = 512,
         batch_size: int = 64,
@@ -175,6 +182,11 @@ class SFTDataModule(L.LightningDataModule):
             )
         if answer_only_fraction > 0 and self.task.answer_only is None:
             raise ValueError(f"data.answer_only_fraction: task {task!r} has no answer-only form")
+        if not 0 <= answer_only_from_step * batch_size <= num_train:
+            raise ValueError(
+                f"data.answer_only_from_step: {answer_only_from_step} steps of {batch_size} need "
+                f"that many of the {num_train} problems (data.num_train)"
+            )
         if not 0.0 <= slip_rate < 1.0:
             raise ValueError(f"data.slip_rate must be in [0, 1), got {slip_rate}")
         if slip_rate > 0 and self.task.with_slips is None:
@@ -185,6 +197,7 @@ class SFTDataModule(L.LightningDataModule):
         rl_rows = read_jsonl(rl_train_path or self.task.assets / "train.jsonl")
         exclude = [r["prompt"] for r in self.val_rows + rl_rows]
         self.train_rows = self.task.generate(num_train, seed=seed, exclude=exclude, distinct=False)
+        self.warmup_rows = self.train_rows[: answer_only_from_step * batch_size]
         if answer_only_fraction > 0:
             style = random.Random(seed + 1)
             self.train_rows = [
@@ -198,10 +211,12 @@ class SFTDataModule(L.LightningDataModule):
             self.train_rows = [self.task.with_slips(r, slips, slip_rate) for r in self.train_rows]
         # The BPE sees each segment on its own, as `encode_response` tokenizes it, so no merge
         # spans a tool call and its observation (one segment per solution without them).
-        segments = [text for r in self.train_rows for text, _ in split_observations(r["solution"])]
+        solutions = [r["solution"] for r in self.train_rows + self.warmup_rows]
+        segments = [text for sol in solutions for text, _ in split_observations(sol)]
         texts = [r["prompt"] for r in self.train_rows] + segments
         self.tokenizer = train_bpe(texts, vocab_size=vocab_size)
         self.train_examples = [self._encode(r) for r in self.train_rows]
+        self.warmup_examples = [self._encode(r) for r in self.warmup_rows]
 
     def _encode(self, row: dict) -> Example:
         """The chat prompt's ids and the response's (`encode_response`) of one row."""
@@ -242,14 +257,13 @@ class SFTDataModule(L.LightningDataModule):
         """The task's verdict on each response (the arithmetic grader, or the sandbox)."""
         return self.task.check(responses, rows)
 
-    def _batches(self, epoch_seed: int) -> list[list[int]]:
-        order = list(range(len(self.train_examples)))
-        rng = random.Random(epoch_seed)
+    def _shuffled_batches(self, order: list[int], rng: random.Random) -> list[list[int]]:
+        """`order` (indices of `_examples`) in shuffled batches of `batch_size`."""
         rng.shuffle(order)
         B = self.batch_size
         if self.bucket_batches:  # sort within pools of 50 batches, then shuffle the batches
             pool = 50 * B
-            length = [len(e.prompt_ids) + len(e.response_ids) for e in self.train_examples]
+            length = [len(e.prompt_ids) + len(e.response_ids) for e in self._examples]
             order = [
                 i
                 for s in range(0, len(order), pool)
@@ -259,10 +273,21 @@ class SFTDataModule(L.LightningDataModule):
         rng.shuffle(batches)
         return batches
 
+    @property
+    def _examples(self) -> list[Example]:
+        """What the training batches index: the warm-up examples, then the mixed ones."""
+        return self.warmup_examples + self.train_examples
+
+    def _batches(self, epoch_seed: int) -> list[list[int]]:
+        """One pass: the warm-up batches (`answer_only_from_step`), then `train_examples`."""
+        rng, W = random.Random(epoch_seed), len(self.warmup_examples)
+        warmup = self._shuffled_batches(list(range(W)), rng) if W else []
+        return warmup + self._shuffled_batches(list(range(W, W + len(self.train_examples))), rng)
+
     def train_dataloader(self) -> DataLoader:
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         return DataLoader(
-            self.train_examples,
+            self._examples,
             batch_sampler=self._batches(self.seed + epoch),
             collate_fn=self._collate_train,
         )
