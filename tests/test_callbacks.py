@@ -75,3 +75,18 @@ def test_validation_generations_go_to_a_jsonl_file(tmp_path):
     assert all(r["reward"] in (1.0, -1.0) and r["correct"] == (r["reward"] > 0) for r in rows)
     assert {r["prompt"] for r in rows} == {f"What is {a} + {b}?" for a, b in
                                             (((i % 7) + 1, (3 * i) % 5 + 1) for i in range(100, 106))}  # fmt: skip
+
+
+def test_validation_before_training_is_written_at_step_0(tmp_path):
+    """The module scores the start outside Lightning's validation loop; its generations are
+    written too, and they are the ones `val/accuracy` at step 0 was computed from."""
+    tok = build_tokenizer(tmp_path / "tok")
+    out = tmp_path / "samples.jsonl"
+    module = tiny_module(tok)
+    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[ValidationSamples(str(out))],
+                           val_check_interval=2, check_val_every_n_epoch=None)  # fmt: skip
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    rows = [json.loads(line) for line in out.open()]
+    assert [r["step"] for r in rows] == [0] * 12 + [2] * 12
+    start = [r["correct"] for r in rows if r["step"] == 0]
+    assert sum(start) / len(start) == pytest.approx(module.initial_val_accuracy, abs=1e-6)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
+from vapo_lightning.callbacks import ValidationSamples
 from vapo_lightning.metrics import PhaseTimer
 
 __all__ = ["ValidationMixin"]
@@ -76,8 +77,18 @@ class ValidationMixin:
             return
         if self.trainer.global_step > 0:  # resumed: the run already scored its start
             return
+        # Outside Lightning's validation loop, so the callbacks that record validation
+        # generations are called here (a progress bar's validation hooks are not: it has no
+        # validation bar now).
+        recorders = [c for c in self.trainer.callbacks if isinstance(c, ValidationSamples)]
+        for c in recorders:
+            c.on_validation_epoch_start(self.trainer, self)
         for i, batch in enumerate(dm.val_dataloader()):
             self.validation_step(batch, i)
+            for c in recorders:
+                c.on_validation_batch_end(self.trainer, self, None, batch, i)
+        for c in recorders:
+            c.on_validation_epoch_end(self.trainer, self)
         metrics = {k: float(v) for k, v in self._compute_val_metrics().items()}
         for logger in self.trainer.loggers:
             logger.log_metrics(metrics, step=0)
