@@ -20,6 +20,7 @@ from vapo_lightning.sft import (
     TASKS,
     SFTDataModule,
     encode_response,
+    encode_responses,
     split_observations,
 )
 from vapo_lightning.tasks import arithmetic
@@ -184,6 +185,25 @@ def test_observation_tokens_are_exactly_the_masked_ones(tok):
         encode_response(tok, "<output>1</output> \\boxed{1}")
 
 
+def test_a_batch_encodes_as_each_solution_on_its_own(tok):
+    """`encode_responses` tokenizes all segments in one call; each row is what the segment by
+    segment reference gives, with and without observations, in any mix."""
+    solutions = [r["solution"] for r in B.generate(30, seed=5)]
+    solutions += [B.bare(r) for r in B.generate(10, seed=6)]
+    random.Random(0).shuffle(solutions)
+
+    def reference(solution: str) -> tuple[list[int], list[int]]:
+        ids, labels = [], []
+        for k, (text, is_observation) in enumerate(split_observations(solution)):
+            piece = tok(" " + text if k == 0 else text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            labels += [IGNORE_INDEX] * len(piece) if is_observation else piece
+        return [*ids, tok.eos_token_id], [*labels, tok.eos_token_id]
+
+    assert encode_responses(tok, solutions) == [reference(s) for s in solutions]
+    assert encode_responses(tok, []) == []
+
+
 def test_rows_without_observations_encode_as_one_segment(tok):
     for r in arithmetic.generate(50, seed=2):
         ids, labels = encode_response(tok, r["solution"])
@@ -246,9 +266,9 @@ def test_sft_batches_label_model_tokens_only(data):
     # The validation loss skips the observations too.
     rows = data.val_rows[:4]
     val = data._collate_val(rows)
-    n_model = sum(lab != IGNORE_INDEX for r in rows for lab in data._encode(r).labels)
+    n_model = sum(lab != IGNORE_INDEX for e in data._encode(rows) for lab in e.labels)
     assert (val["labels"] != IGNORE_INDEX).sum() == n_model
-    assert n_model < sum(len(data._encode(r).response_ids) for r in rows)
+    assert n_model < sum(len(e.response_ids) for e in data._encode(rows))
 
 
 def test_answer_only_from_step_opens_with_full_solutions(tmp_path):

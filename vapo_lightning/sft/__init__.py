@@ -25,6 +25,7 @@ from vapo_lightning.sft.data import (
     SFTTask,
     chat_prompt,
     encode_response,
+    encode_responses,
     split_observations,
 )
 from vapo_lightning.sft.module import SFTModule
@@ -39,6 +40,7 @@ __all__ = [
     "SFTTask",
     "chat_prompt",
     "encode_response",
+    "encode_responses",
     "plot_training_curve",
     "sft_main",
     "split_observations",

@@ -32,6 +32,7 @@ __all__ = [
     "SFTTask",
     "chat_prompt",
     "encode_response",
+    "encode_responses",
     "split_observations",
 ]
 
@@ -97,23 +98,40 @@ def split_observations(solution: str) -> list[tuple[str, bool]]:
     return [(text, k % 2 == 1) for k, text in enumerate(parts) if text]
 
 
+def encode_responses(
+    tokenizer: PreTrainedTokenizerFast, solutions: list[str]
+) -> list[tuple[list[int], list[int]]]:
+    """(ids, labels) of each response + EOS, tokenized segment by segment as the rollout builds
+    it: the model's first segment with the space that starts every response, each
+    observation and each later model segment as it is. Labels are the ids, `IGNORE_INDEX` on
+    the observation tokens (context the policy did not write); EOS is a label. All segments go
+    to the tokenizer in one batch."""
+    if not solutions:
+        return []
+    per_solution = [split_observations(solution) for solution in solutions]
+    for solution, segments in zip(solutions, per_solution):
+        if not segments or segments[0][1]:
+            raise ValueError(f"a response starts with model text, got {solution[:60]!r}")
+    texts = [" " + text if k == 0 else text for segments in per_solution
+             for k, (text, _) in enumerate(segments)]  # fmt: skip
+    pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
+    out = []
+    for segments in per_solution:
+        ids: list[int] = []
+        labels: list[int] = []
+        for _, is_observation in segments:
+            piece = next(pieces)
+            ids += piece
+            labels += [IGNORE_INDEX] * len(piece) if is_observation else piece
+        out.append(([*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]))
+    return out
+
+
 def encode_response(
     tokenizer: PreTrainedTokenizerFast, solution: str
 ) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a response + EOS, tokenized segment by segment as the rollout builds
-    it: the model's first segment with the space that starts every response, each
-    observation and each later model segment as it is. Labels are the ids, `IGNORE_INDEX` on
-    the observation tokens (context the policy did not write); EOS is a label."""
-    segments = split_observations(solution)
-    if not segments or segments[0][1]:
-        raise ValueError(f"a response starts with model text, got {solution[:60]!r}")
-    ids: list[int] = []
-    labels: list[int] = []
-    for k, (text, is_observation) in enumerate(segments):
-        piece = tokenizer(" " + text if k == 0 else text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += [IGNORE_INDEX] * len(piece) if is_observation else piece
-    return [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+    """`encode_responses` of one solution."""
+    return encode_responses(tokenizer, [solution])[0]
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str) -> str:
@@ -215,14 +233,16 @@ class SFTDataModule(L.LightningDataModule):
         segments = [text for sol in solutions for text, _ in split_observations(sol)]
         texts = [r["prompt"] for r in self.train_rows] + segments
         self.tokenizer = train_bpe(texts, vocab_size=vocab_size)
-        self.train_examples = [self._encode(r) for r in self.train_rows]
-        self.warmup_examples = [self._encode(r) for r in self.warmup_rows]
+        self.train_examples = self._encode(self.train_rows)
+        self.warmup_examples = self._encode(self.warmup_rows)
 
-    def _encode(self, row: dict) -> Example:
-        """The chat prompt's ids and the response's (`encode_response`) of one row."""
+    def _encode(self, rows: list[dict]) -> list[Example]:
+        """The chat prompt's ids and the response's (`encode_responses`) of each row."""
         tok = self.tokenizer
-        prompt_ids = tok(chat_prompt(tok, row["prompt"]), add_special_tokens=False)["input_ids"]
-        return Example(prompt_ids, *encode_response(tok, row["solution"]))
+        prompts = [chat_prompt(tok, row["prompt"]) for row in rows]
+        prompt_ids = tok(prompts, add_special_tokens=False)["input_ids"] if rows else []  # fmt: skip
+        responses = encode_responses(tok, [row["solution"] for row in rows])
+        return [Example(p, *r) for p, r in zip(prompt_ids, responses)]
 
     def _collate_train(self, examples: list[Example]) -> dict:
         """Right-padded sequences; labels are the response's (`Example.labels`), -100 on the
@@ -247,7 +267,7 @@ class SFTDataModule(L.LightningDataModule):
             add_special_tokens=False,
             return_tensors="pt",
         )
-        batch = self._collate_train([self._encode(r) for r in rows])
+        batch = self._collate_train(self._encode(rows))
         batch.update(
             prompt_ids=prompts["input_ids"], prompt_mask=prompts["attention_mask"], rows=rows
         )
