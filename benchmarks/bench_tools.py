@@ -5,8 +5,10 @@ the same prompts sampled (a) without tools (the model writes its own ``<output>`
 (b) with `PythonTool` running each call in the sandbox. For (b) the time splits into model
 sampling and tool calls (`timing_s/gen` and `timing_s/tools` in a training run), and the
 sampling into decoding steps and prefills; the prefills after the first round re-read the
-context of a paused response (the native engine rebuilds its KV cache), so their time bounds
-what keeping the cache of paused responses could save. Runs alternate between (a) and (b).
+context of a paused response (the native engine rebuilds its KV cache). Each of those prefills
+is then timed again against the alternative, keeping the cache: the context before the
+observation is already cached (not timed), and only the observation's tokens go through the
+model. Runs alternate between (a) and (b).
 
     .venv/bin/python -m benchmarks.bench_tools > benchmarks/results/tools.md
 """
@@ -24,6 +26,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from vapo_lightning.config import Generation
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
@@ -42,6 +45,7 @@ class ForwardClock:
         self.model, self.inner = model, model.forward
         self.decode = self.prefill = self.first_prefill = 0.0
         self.prefills = 0
+        self.rebuilds: list[dict] = []  # the inputs of each prefill after the first
         model.forward = self
 
     def __call__(self, *args, **kwargs):
@@ -54,11 +58,45 @@ class ForwardClock:
             self.prefills += 1
             self.prefill += dt
             self.first_prefill += dt if self.prefills == 1 else 0.0
+            if self.prefills > 1:
+                keys = ("input_ids", "attention_mask", "position_ids")
+                self.rebuilds.append({k: kwargs[k].clone() for k in keys})
         return out
 
     def reset(self) -> None:
         self.decode = self.prefill = self.first_prefill = 0.0
         self.prefills = 0
+        self.rebuilds = []
+
+
+def last_start(row: list[int], start: list[int]) -> int:
+    """The index of the last occurrence of `start` in `row` (-1: none)."""
+    for i in range(len(row) - len(start), -1, -1):
+        if row[i : i + len(start)] == start:
+            return i
+    return -1
+
+
+@torch.no_grad()
+def rebuild_or_keep(forward, inputs: dict, start: list[int]) -> tuple[float, float]:
+    """Seconds of one paused batch's rebuild prefill (the whole context) and of the kept-cache
+    alternative: the context up to the observation is cached beforehand (untimed) and only the
+    last L columns, L the longest observation of the batch (from its `output_start` tokens),
+    go through the model."""
+    ids, attn, pos = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+    T = ids.shape[1]
+    L = max(T - last_start(row, start) for row in ids.tolist())
+    t0 = time.perf_counter()
+    forward(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+            past_key_values=DynamicCache(), logits_to_keep=1)  # fmt: skip
+    rebuild = time.perf_counter() - t0
+    cache = DynamicCache()
+    forward(input_ids=ids[:, : T - L], attention_mask=attn[:, : T - L],
+            position_ids=pos[:, : T - L], use_cache=True, past_key_values=cache, logits_to_keep=1)  # fmt: skip
+    t0 = time.perf_counter()
+    forward(input_ids=ids[:, T - L :], attention_mask=attn, position_ids=pos[:, T - L :],
+            use_cache=True, past_key_values=cache, logits_to_keep=1)  # fmt: skip
+    return rebuild, time.perf_counter() - t0
 
 
 def machine() -> str:
@@ -97,6 +135,7 @@ def main() -> None:
     tool = PythonTool(workers=2)
     tool.setup()
     clock = ForwardClock(model)
+    start = tok(tool.output_start, add_special_tokens=False)["input_ids"]
     kinds = {"without tools": None, "with PythonTool": [tool]}
     stats: dict[str, list[dict]] = {k: [] for k in kinds}
     for rep in range(args.reps + 1):  # the first round is a warm-up
@@ -110,9 +149,11 @@ def main() -> None:
             wall = time.perf_counter() - t0
             if rep == 0:
                 continue
+            paired = [rebuild_or_keep(clock.inner, x, start) for x in clock.rebuilds]
             stats[kind].append({
                 "wall": wall, "tools": r.tool_seconds, "decode": clock.decode, "prefill": clock.prefill,
                 "rebuild": clock.prefill - clock.first_prefill,
+                "paired_rebuild": sum(a for a, _ in paired), "paired_keep": sum(b for _, b in paired),
                 "model_tokens": int(r.response_lengths.sum()), "tokens": int(r.response_extent.sum()),
                 "calls": float(r.tool_calls.float().mean()) if r.tool_calls is not None else 0.0,
                 "share": float((r.tool_calls > 0).float().mean()) if r.tool_calls is not None else 0.0,
@@ -145,10 +186,12 @@ def main() -> None:
           f"without them. Of its wall time the tool calls take {w['tools'] / w['wall']:.0%}, the prefills "
           f"that rebuild a paused response's context {w['rebuild'] / w['wall']:.0%}, and the loop's own "
           f"work (stop-text matching, tokenising observations) {loop / w['wall']:.0%}. Keeping the KV "
-          f"cache of paused responses instead of rebuilding it would save at most the rebuild share "
-          f"(it would still run each observation's tokens through the model); the native engine "
-          f"rebuilds, which keeps its compaction of finished rows simple, and the vLLM engine keeps "
-          f"the context through its prefix cache.")  # fmt: skip
+          f"cache of paused responses instead of rebuilding it, timed on the same paused batches: "
+          f"rebuild prefills {w['paired_rebuild']:.3f} s, observation-only forwards over a kept "
+          f"cache {w['paired_keep']:.3f} s per rollout, so keeping would save "
+          f"{(w['paired_rebuild'] - w['paired_keep']) / w['wall']:.0%} of the rollout's wall time. "
+          f"The native engine rebuilds, which keeps its compaction of finished rows simple; the vLLM "
+          f"engine keeps the context through its prefix cache.")  # fmt: skip
 
 
 if __name__ == "__main__":
