@@ -26,6 +26,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -140,8 +141,8 @@ def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str
     p, args = row_overrides(task, layer)
     configs = [task.config, *([layer] if layer else [])]
     start = time.time()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "val_samples.jsonl").unlink(missing_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # what a killed run left: it starts afresh
+    run_dir.mkdir(parents=True)
     vapo(
         "fit",
         configs,
