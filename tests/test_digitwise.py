@@ -110,3 +110,38 @@ def test_the_reward_scores_with_the_verifier_and_flags_bad_ground_truth():
     assert reward.correct_threshold == 0.0
     with pytest.raises(ValueError, match="greater"):
         DigitwiseReward(correct_reward=0, wrong_reward=0)
+
+
+def test_the_role_probe_splits_the_loss_by_what_each_token_is():
+    """benchmarks/probes/probe_digitwise_roles.py: each response token gets its role in the
+    step, and the per-role losses, weighted by their counts, are the SFT loss."""
+    import importlib.util
+    from pathlib import Path
+
+    from vapo_lightning.sft import SFTModule
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/probes/probe_digitwise_roles.py"
+    spec = importlib.util.spec_from_file_location("probe_digitwise_roles", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    data = SFTDataModule(task="digitwise", num_train=200)
+    rows = data.val_rows[:6]
+    examples = data._encode(rows)
+    for row, e in zip(rows, examples):
+        got = probe.roles(data.tokenizer, e.response_ids)
+        K = row["difficulty"]
+        assert got == ["label", ")", "space", "x", "+", "y", "=", "z"] * K + ["EOS"]
+    with pytest.raises(ValueError, match="expected the 'x' of a step"):
+        ids = examples[0].response_ids  # ' a' ')' ' ' '+' EOS: the step's x is missing
+        probe.roles(data.tokenizer, [*ids[:3], ids[4], ids[-1]])
+    torch.manual_seed(0)
+    module = SFTModule(tokenizer=data.tokenizer, num_layers=1, hidden_size=64, intermediate_size=64)
+    loss = probe.role_losses(module.model.eval(), data, rows)
+    counts = dict.fromkeys(loss, 0)
+    for e in examples:
+        for r in probe.roles(data.tokenizer, e.response_ids):
+            counts[r] += 1
+    overall = sum(loss[r] * counts[r] for r in loss) / sum(counts.values())
+    with torch.no_grad():
+        expected = module._response_loss(data._collate_train(examples)).item()
+    assert overall == pytest.approx(expected, rel=1e-5)
