@@ -4,8 +4,9 @@ A digitwise step is 8 tokens, ``" a" ")" " " x "+" y "=" z``: the label and the 
 follow from the format, x and y are copied from the prompt (found by the label), z is
 (x + y) mod 10. The mean loss of a run hides which of these the model has learned; this
 probe splits it, on the validation problems of the SFT config, for SFT checkpoints (as
-`ModelCheckpoint` writes them) or exported models. ln 10 = 2.30 nats is chance on a digit;
-the demonstrations' slips put a floor of about 0.43 nats under z at a 7.5 % slip rate.
+`ModelCheckpoint` writes them) or exported models. ln 10 = 2.30 nats is chance on a digit.
+The references scored are the clean solutions, so a model calibrated to the demonstrations'
+slips has a floor of -ln(1 - slip_rate) under z: 0.078 nats at a 7.5 % slip rate.
 
     .venv/bin/python benchmarks/probes/probe_digitwise_roles.py runs/digitwise_sft_snapshots/*.ckpt
 
