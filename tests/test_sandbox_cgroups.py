@@ -141,3 +141,54 @@ def test_without_cgroups_the_report_says_so_and_full_refuses(monkeypatch):
     with pytest.raises(RuntimeError, match=r"(?s)Missing:.*memory_cgroup.*pids_cgroup"):
         CodeReward(min_isolation="full", num_workers=1)
     CodeReward(min_isolation="strong", num_workers=1).close()
+
+
+def test_a_dead_servers_folders_are_taken_over():
+    """A server killed before it could clean up leaves its folders; where the cgroup is shared
+    beyond one process tree (the root of a hierarchy), a later server whose pid is the dead
+    one's finds them. It removes the stale run folders and keeps both layers."""
+    from vapo_lightning.sandbox.cgroups import RunCgroups, _own_paths
+
+    own = _own_paths()
+    tag = f"vapo-sandbox-test-{os.getpid()}"
+    stale = [os.path.join(DEFAULT_ROOT, c, own[c].lstrip("/"), tag) for c in ("memory", "pids")]
+    for d in stale:
+        os.makedirs(os.path.join(d, "run-1"))
+    cgroups = RunCgroups(tag=tag)
+    try:
+        assert cgroups.available and cgroups.pids is not None
+        assert [cgroups.memory, cgroups.pids] == stale
+        assert not any(os.path.exists(os.path.join(d, "run-1")) for d in stale)
+        made = cgroups.create(64 << 20, 16)
+        assert cgroups.layers(made) == ["memory_cgroup", "pids_cgroup"]
+        cgroups.remove(made)
+    finally:
+        cgroups.close()
+    assert not any(os.path.exists(d) for d in stale)
+
+
+def test_a_folder_still_in_use_is_not_taken_over():
+    """A stale run folder that still holds a task cannot be removed: the server takes the next
+    free name and keeps its layers."""
+    import subprocess
+
+    from vapo_lightning.sandbox.cgroups import RunCgroups, _own_paths
+
+    own = _own_paths()
+    tag = f"vapo-sandbox-test-{os.getpid()}"
+    busy = os.path.join(DEFAULT_ROOT, "pids", own["pids"].lstrip("/"), tag, "run-1")
+    os.makedirs(busy)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"{busy}/cgroup.procs", "w") as f:
+            f.write(str(sleeper.pid))
+        cgroups = RunCgroups(tag=tag)
+        try:
+            assert cgroups.available and cgroups.pids == os.path.dirname(busy) + ".1"
+        finally:
+            cgroups.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()  # a reaped task leaves its cgroup
+        os.rmdir(busy)
+        os.rmdir(os.path.dirname(busy))

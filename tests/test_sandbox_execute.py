@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.test_sandbox_hostile import _sandbox_processes
+from tests.test_sandbox_hostile import pool_leftovers
 from vapo_lightning.sandbox import Limits, Pool, client, execute
 from vapo_lightning.sandbox.client import _read_execution
 
@@ -221,7 +221,7 @@ def test_a_daemon_holding_stdout_neither_holds_up_the_call_nor_survives(pool):
     assert (r.status, r.exit_code) == ("ok", 0), r
     assert r.stdout.endswith("done\n") and "daemon\n" in r.stdout
     assert r.total_ms < 5000
-    assert _sandbox_processes(pool.spare_sessions()) == []
+    assert pool_leftovers(pool) == []
 
 
 def test_limits_apply(pool):
@@ -268,7 +268,7 @@ def test_reduced_layers_run_the_same_way(pools, mode):
     assert (r.status, r.stdout) == ("timeout", "x\n"), r
     r = p.execute("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n")
     assert r.status == "ok", r
-    assert _sandbox_processes(p.spare_sessions()) == []
+    assert pool_leftovers(p) == []
     if not {"private_tmp", "landlock_fs"} & set(p.layers):
         pytest.skip("no private /tmp and no Landlock: /tmp is the host's")
     path = f"/tmp/vapo-exec-{TOKEN}-{mode}"

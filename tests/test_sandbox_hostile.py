@@ -43,9 +43,10 @@ def _status(pid: int | str) -> dict[str, str]:
         return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
 
 
-def _foreign_server(pid: int) -> bool:
-    """Whether `pid` descends from a sandbox server that this test process did not start
-    (another pool on the same machine, e.g. a training run with CodeReward)."""
+def _foreign_server(pid: int, ours: set[int] | None = None) -> bool:
+    """Whether `pid` descends from a sandbox server that is not one of `ours` (the pool under
+    test's servers), or, without `ours`, that this test process did not start (another pool
+    on the same machine, e.g. a training run with CodeReward)."""
     seen = 0
     while pid > 1 and seen < 64:
         seen += 1
@@ -56,15 +57,17 @@ def _foreign_server(pid: int) -> bool:
         except (OSError, KeyError, ValueError):
             return False
         if is_server:
-            return ppid != os.getpid()
+            return pid not in ours if ours is not None else ppid != os.getpid()
         pid = ppid
     return False
 
 
-def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
+def _sandbox_processes(
+    spare_sessions: set[int] = frozenset(), servers: set[int] | None = None
+) -> list[int]:
     """Live (non-zombie) processes whose real uid is a sandbox uid (65534 or one of a root
-    server's, `SANDBOX_UID_BASE` + its pid), other than those
-    of sandbox servers started by other processes.
+    server's, `SANDBOX_UID_BASE` + its pid), other than those of sandbox servers started by
+    other processes, or, given `servers` (a pool's server pids), of any other server.
 
     Processes in `spare_sessions` are the pool's idle sandboxes, forked ahead for the next
     runs (each in its own session, started by the server after the previous run ended)."""
@@ -83,9 +86,22 @@ def _sandbox_processes(spare_sessions: set[int] = frozenset()) -> list[int]:
                 sid = os.getsid(int(entry))
             except OSError:
                 continue  # gone meanwhile
-            if sid not in spare_sessions and not _foreign_server(int(entry)):
+            if sid not in spare_sessions and not _foreign_server(int(entry), servers):
                 found.append(int(entry))
     return found
+
+
+def pool_leftovers(pool: Pool, grace_s: float = 3.0) -> list[int]:
+    """The pool's sandbox processes other than its idle spares, once none is left or after
+    `grace_s` (a process SIGKILLed by another pool's server, or at a run's end, may take a
+    moment to leave /proc; a leak stays)."""
+    servers = {s.proc.pid for s in pool.servers}
+    deadline = time.monotonic() + grace_s
+    while (left := _sandbox_processes(pool.spare_sessions(), servers)) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    return left
 
 
 class Listener:
@@ -144,7 +160,7 @@ def host(tmp_path_factory):
 
 
 def _assert_host_intact(host) -> None:
-    assert _sandbox_processes(host["pool"].spare_sessions()) == []
+    assert pool_leftovers(host["pool"]) == []
     for path in CANARIES:
         assert not os.path.exists(path), path
     assert host["secret_file"].read_text() == SECRET

@@ -79,9 +79,21 @@ class RunCgroups:
 
     @staticmethod
     def _make(hierarchy: str, own: str, tag: str) -> str:
-        path = os.path.join(hierarchy, own.lstrip("/"), tag)
-        os.mkdir(path, 0o700)
-        return path
+        """Makes the server's folder. One already there under this tag is a dead server's
+        (the tag holds a live pid, ours): killed before `close`, it left its folders behind,
+        as happens where the cgroup is shared beyond this process tree (the root of a
+        hierarchy). Its run folders are removed and the folder taken over; where one still
+        holds a task, the server takes the next free name instead."""
+        parent = os.path.join(hierarchy, own.lstrip("/"))
+        for attempt in range(8):
+            path = os.path.join(parent, tag if attempt == 0 else f"{tag}.{attempt}")
+            try:
+                os.mkdir(path, 0o700)
+                return path
+            except FileExistsError:
+                if _reclaim(path):
+                    return path
+        raise FileExistsError(f"no free cgroup folder for {tag} in {parent}")
 
     def create(self, memory_bytes: int, pids: int) -> list[str]:
         """A new run's cgroups (one per hierarchy), limits set; [] when none."""
@@ -150,6 +162,15 @@ class RunCgroups:
                         with contextlib.suppress(OSError):
                             os.rmdir(os.path.join(base, name))
                 os.rmdir(base)
+
+
+def _reclaim(path: str) -> bool:
+    """Removes a dead server's run folders; True when none is left."""
+    for name in os.listdir(path):
+        if name.startswith("run-"):
+            with contextlib.suppress(OSError):  # a task still in it: it stays
+                os.rmdir(os.path.join(path, name))
+    return not any(name.startswith("run-") for name in os.listdir(path))
 
 
 def join(dirs: list[str]) -> None:
