@@ -12,8 +12,12 @@ runs P more rollout steps first (its own column); it is validated at rollout ste
 equal-updates view, from its last checkpoint by `vapo validate`). Rows without group sampling
 see as many responses per step as the others (prompts_per_step × n prompts, n = 1).
 
-Finished runs under `--root` are read, not rerun (each run's folder has a DONE file), so the
-study can be resumed or extended seed by seed. `--jobs 2` runs two fits at a time, one thread each.
+Each finished run is distilled into a summary (`benchmarks/results/learning_runs/<task>/<row>/
+seed<N>.json`: its validations, per-bucket accuracy, training curves, minutes, date, commit and
+machine), committed with the results: a run with a summary is read, not rerun, so the study is
+resumed or extended seed by seed on any machine. The runs themselves (TensorBoard files,
+samples) stay under `--root`. `--jobs 2` runs two fits at a time, one thread each. `--partial`
+writes the report over the seeds finished so far, saying how many each row has.
 
     python benchmarks/bench_learning.py --task digitwise --seeds 0 1 2 3 4 --jobs 2
     python benchmarks/bench_learning.py --task arithmetic --seeds 0 1 2 3 4 --jobs 2
@@ -22,10 +26,12 @@ study can be resumed or extended seed by seed. `--jobs 2` runs two fits at a tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -41,6 +47,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from vapo_lightning.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+SUMMARIES = ROOT / "benchmarks/results/learning_runs"
+CURVES = ("rollout/accuracy", "response_length/mean")
 
 
 @dataclass(frozen=True)
@@ -133,14 +141,10 @@ def vapo(command: str, configs: list[str], run_dir: Path, args: list[str], log: 
         raise RuntimeError(f"{' '.join(cmd)} failed; see {run_dir / log}")
 
 
-def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> float:
-    """One row, one seed: fit, then (P > 0) validate the last checkpoint. Minutes taken."""
-    done = run_dir / "DONE"
-    if done.exists():
-        return float(done.read_text())
+def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> None:
+    """One row, one seed: fit, then (P > 0) validate the last checkpoint."""
     p, args = row_overrides(task, layer)
     configs = [task.config, *([layer] if layer else [])]
-    start = time.time()
     shutil.rmtree(run_dir, ignore_errors=True)  # what a killed run left: it starts afresh
     run_dir.mkdir(parents=True)
     vapo(
@@ -160,9 +164,57 @@ def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str
             "log_validate.txt",
         )
         last.unlink()  # the study keeps curves and samples, not weights
-    minutes = (time.time() - start) / 60
-    done.write_text(f"{minutes:.2f}")
-    return minutes
+
+
+def summary_path(task_name: str, name: str, seed: int) -> Path:
+    return SUMMARIES / task_name / slug(name) / f"seed{seed}.json"
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    return proc.stdout.strip() or "unknown"
+
+
+def summarize(task: Task, run_dir: Path, minutes: float) -> dict:
+    """What the report needs of a finished run, small enough to commit."""
+    difficulty = {row["prompt"]: row["difficulty"] for row in read_jsonl(ROOT / task.val)}
+    return {
+        "val": val_points(run_dir),
+        "buckets": bucket_accuracy(run_dir, difficulty, task.buckets),
+        "curves": {tag: scalar_curve(run_dir, tag) for tag in CURVES},
+        "minutes": round(minutes, 2),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
+        "machine": machine(),
+    }
+
+
+def ensure_run(task_name: str, task: Task, job: tuple, root: Path, extra: list[str]) -> dict:
+    """The run's summary: read if committed, else the run is made and summarized."""
+    name, layer, seed = job
+    path = summary_path(task_name, name, seed)
+    if path.exists():
+        return json.loads(path.read_text())
+    run_dir = root / slug(name) / f"seed{seed}"
+    start = time.time()
+    run(task, layer, seed, run_dir, extra)
+    summary = summarize(task, run_dir, (time.time() - start) / 60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary))
+    tmp.replace(path)
+    return json.loads(path.read_text())  # as a later study reads it
 
 
 # ------------------------------------------------------------------ reading the runs
@@ -294,10 +346,17 @@ def report(
     task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str, png: str
 ) -> str:
     lo_hi = " / ".join(f"{lo}-{hi}" for lo, hi in task.buckets)
-    tests = welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
+    vapo_row = next((r for r in rows if r["name"] == "VAPO"), None)
+    tests = welch_holm(vapo_row["final"], {r["name"]: r["final"] for r in rows if r is not vapo_row}
+                       ) if vapo_row else {}  # fmt: skip
+    machines = sorted({m for r in rows for m in r["machines"]})
+    dates = sorted({d for r in rows for d in r["dates"]})
     out = [
         f"# Learning study: Table 1 in miniature ({task_name} task)\n",
         f"Command: `{command}`  ",
+        f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, commits "
+        f"{', '.join(sorted({c for r in rows for c in r['commits']}))}, on {'; '.join(machines)}"
+        f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{task_name}/`).\n",
         f"Each run: `vapo fit -c {task.config} [-c <layer>] --seed_everything=<seed>` for "
         f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. "
         "val/accuracy: mean@k at temperature 1.0 on the validation set "
@@ -305,18 +364,19 @@ def report(
         "equal samples = at the same number of rollout steps as the rows without value "
         "pretraining. ± is the 95 % confidence interval of the mean over seeds; p is Welch's "
         "test against VAPO, Holm-adjusted over the rows.\n",
-        f"| run | paper (AIME24) | value-pretraining rollouts | start % | final % | vs VAPO (points, p) "
-        f"| equal samples % | final % by difficulty {lo_hi} | minutes per run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| run | paper (AIME24) | seeds | value-pretraining rollouts | start % | final % "
+        f"| vs VAPO (points, p) | equal samples % | final % by difficulty {lo_hi} "
+        "| minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        diff, p = tests.get(r["name"], (0.0, math.nan))
-        versus = "-" if r["name"] == "VAPO" else f"{100 * diff:+.1f}, p = {p:.3f}"
+        diff, p = tests.get(r["name"], (math.nan, math.nan))
+        versus = "-" if r is vapo_row else f"{100 * diff:+.1f}, p = {p:.3f}"
         buckets = " / ".join(f"{100 * statistics.mean(b):.1f}" for b in zip(*r["buckets"]))
         out.append(
-            f"| {r['name']} | {r['paper'] if r['paper'] is not None else '-'} | {r['p']} "
-            f"| {ci95(r['start'])} | {ci95(r['final'])} | {versus} | {ci95(r['equal_samples'])} "
-            f"| {buckets} | {statistics.mean(r['minutes']):.1f} |"
+            f"| {r['name']} | {r['paper'] if r['paper'] is not None else '-'} | {r['seeds']} "
+            f"| {r['p']} | {ci95(r['start'])} | {ci95(r['final'])} | {versus} "
+            f"| {ci95(r['equal_samples'])} | {buckets} | {statistics.mean(r['minutes']):.1f} |"
         )
     out += [
         "",
@@ -331,21 +391,23 @@ def report(
     return "\n".join(out)
 
 
-def collect(task: Task, name: str, layer: str | None, paper, seeds, dirs, minutes) -> dict:
+def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dict]) -> dict:
     p, _ = row_overrides(task, layer)
-    difficulty = {row["prompt"]: row["difficulty"] for row in read_jsonl(ROOT / task.val)}
-    out = {"name": name, "paper": paper, "p": p, "start": [], "final": [], "equal_samples": [],
-           "buckets": [], "minutes": [minutes[name, s] for s in seeds], "curves": {}}  # fmt: skip
-    for s in seeds:
-        val = val_points(dirs[name, s])  # start, at `updates` rollout steps, [after P more]
+    out = {"name": name, "paper": paper, "p": p, "seeds": len(summaries), "start": [],
+           "final": [], "equal_samples": [], "buckets": [],
+           "minutes": [s["minutes"] for s in summaries], "curves": {},
+           "machines": {s["machine"] for s in summaries}, "dates": {s["date"] for s in summaries},
+           "commits": {s["commit"] for s in summaries}}  # fmt: skip
+    for s in summaries:
+        val = s["val"]  # start, at `updates` rollout steps, [after P more]
         if len(val) < (3 if p else 2):
-            raise RuntimeError(f"{dirs[name, s]}: {len(val)} validations, expected {3 if p else 2}")
+            raise RuntimeError(f"{name}: {len(val)} validations, expected {3 if p else 2}")
         out["start"].append(val[0])
         out["equal_samples"].append(val[1])
         out["final"].append(val[-1])
-        out["buckets"].append(bucket_accuracy(dirs[name, s], difficulty, task.buckets))
-    for tag in ("rollout/accuracy", "response_length/mean"):
-        out["curves"][tag] = [scalar_curve(dirs[name, s], tag) for s in seeds]
+        out["buckets"].append(s["buckets"])
+    for tag in CURVES:
+        out["curves"][tag] = [[tuple(point) for point in s["curves"][tag]] for s in summaries]
     return out
 
 
@@ -361,6 +423,9 @@ def main() -> None:
         "--updates", type=int, default=None, help="policy updates per row (default: the task's)"
     )
     ap.add_argument("--no-report", action="store_true", help="run only, write nothing")
+    ap.add_argument(
+        "--partial", action="store_true", help="report the finished runs only, running none"
+    )
     ap.add_argument("extra", nargs="*", help="overrides for every run, after `--`")
     args = ap.parse_args()
     task = TASKS[args.task]
@@ -373,15 +438,19 @@ def main() -> None:
     runs = [(n, task.layers.get(n, layer), paper) for n, layer, paper in RUNS
             if args.only is None or n in args.only]  # fmt: skip
     jobs = [(name, layer, seed) for seed in args.seeds for name, layer, _ in runs]
-    dirs = {(n, s): root / slug(n) / f"seed{s}" for n, _, s in jobs}
+    if args.partial:
+        jobs = [j for j in jobs if summary_path(args.task, j[0], j[2]).exists()]
     with ThreadPoolExecutor(args.jobs) as pool:
-        minutes = dict(zip(
+        summaries = dict(zip(
             [(n, s) for n, _, s in jobs],
-            pool.map(lambda j: run(task, j[1], j[2], dirs[j[0], j[2]], args.extra), jobs),
+            pool.map(lambda j: ensure_run(args.task, task, j, root, args.extra), jobs),
         ))  # fmt: skip
     if args.no_report:
         return
-    rows = [collect(task, n, layer, paper, args.seeds, dirs, minutes) for n, layer, paper in runs]
+    rows = [collect(task, n, layer, paper, [summaries[n, s] for s in args.seeds
+                                            if (n, s) in summaries])
+            for n, layer, paper in runs]  # fmt: skip
+    rows = [r for r in rows if r["seeds"]]
     command = " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]])
     png = out.with_name(out.stem + "_curves.png")
     text = report(args.task, task, args.seeds, rows, command, png.name)

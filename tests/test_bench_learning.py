@@ -116,3 +116,68 @@ def test_bucket_accuracy_reads_the_last_validation(tmp_path):
         for step, prompt, ok in samples:
             f.write(json.dumps({"step": step, "prompt": prompt, "correct": ok}) + "\n")
     assert B.bucket_accuracy(tmp_path, difficulty, ((1, 1), (2, 3))) == [1.0, 1 / 3]
+
+
+def _fake_run(task, seed_acc):
+    """Stands in for `run`: writes what a finished digitwise run leaves (two TensorBoard
+    folders, the fit's and vapo validate's, and the validation samples)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    def run(t, layer, seed, run_dir, extra):
+        run_dir.mkdir(parents=True)
+        fit = SummaryWriter(run_dir / "lightning_logs/version_0")
+        for step, acc in ((0, 0.3), (40, seed_acc)):
+            fit.add_scalar("val/accuracy", acc, step)
+        for step in range(45):
+            fit.add_scalar("rollout/accuracy", 0.3 + step / 100, step)
+            fit.add_scalar("response_length/mean", 100 + step, step)
+        fit.close()
+        validate = SummaryWriter(run_dir / "lightning_logs/version_1")
+        validate.add_scalar("val/accuracy", seed_acc + 0.01, 0)
+        validate.close()
+        rows = B.read_jsonl(B.ROOT / t.val)[:3]
+        with (run_dir / "val_samples.jsonl").open("w") as f:
+            for i, row in enumerate(rows):
+                f.write(json.dumps({"step": 45, "prompt": f"User: {row['prompt']}\nAssistant:",
+                                    "correct": i == 0}) + "\n")  # fmt: skip
+
+    return run
+
+
+def test_a_finished_run_is_summarized_once_and_then_read_not_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "SUMMARIES", tmp_path / "summaries")
+    task = B.TASKS["digitwise"]
+    monkeypatch.setattr(B, "run", _fake_run(task, 0.5))
+    job = ("VAPO", None, 3)
+    first = B.ensure_run("digitwise", task, job, tmp_path / "runs", [])
+    path = tmp_path / "summaries/digitwise/vapo/seed3.json"
+    assert json.loads(path.read_text()) == first
+    assert first["val"] == pytest.approx([0.3, 0.5, 0.51])  # fit's two, then validate's
+    assert len(first["curves"]["rollout/accuracy"]) == 45
+    assert sum(not math.isnan(b) for b in first["buckets"]) >= 1
+    assert first["machine"] and first["commit"] and first["date"]
+
+    def must_not_run(*args):
+        raise AssertionError("a summarized run ran again")
+
+    monkeypatch.setattr(B, "run", must_not_run)
+    assert B.ensure_run("digitwise", task, job, tmp_path / "other_root", []) == first
+
+
+def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "SUMMARIES", tmp_path / "summaries")
+    task = B.TASKS["digitwise"]
+    summaries = {}
+    for name, seeds in (("VAPO", (0, 1, 2)), ("GRPO", (0, 1))):
+        for seed in seeds:
+            monkeypatch.setattr(B, "run", _fake_run(task, 0.4 + 0.05 * seed + 0.1 * (name == "VAPO")))
+            layer = task.layers.get(name)
+            summaries[name, seed] = B.ensure_run("digitwise", task, (name, layer, seed), tmp_path, [])
+    rows = [B.collect(task, n, task.layers.get(n), None, [v for (m, _), v in summaries.items()
+                                                          if m == n]) for n in ("VAPO", "GRPO")]  # fmt: skip
+    text = B.report("digitwise", task, [0, 1, 2], rows, "cmd", "x.png")
+    vapo, grpo = (line for line in text.splitlines() if line.startswith(("| VAPO", "| GRPO")))
+    assert vapo.split(" | ")[2] == "3" and grpo.split(" | ")[2] == "2"
+    # VAPO's finals 0.61 0.66 0.71, GRPO's 0.41 0.46 ... from validate (P=0 for GRPO: the fit's)
+    assert "-" in grpo.split(" | ")[6] and "p = " in grpo.split(" | ")[6]
+    assert "Runs: 5," in text
