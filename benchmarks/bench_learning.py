@@ -77,7 +77,7 @@ TASKS = {
          ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
          ("actor / critic learning rate", "1e-6 / 2e-6",
           "1e-4 / 5e-4: a 0.68 M model that must move in 40 updates"),
-         ("value pretraining", "50 steps", "5 steps, before the 40 policy updates"),
+         ("value pretraining", "50 steps", "the same, before the 40 policy updates"),
          ("prompts × samples per rollout step", "512 × 16",
           "8 × 8: one run ≤ 10 minutes on one core"),
          ("mini-batch", "512 responses (16 optimiser steps per rollout)",
