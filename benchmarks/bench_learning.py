@@ -48,7 +48,7 @@ from vapo_lightning.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "benchmarks/results/learning_runs"
-CURVES = ("rollout/accuracy", "response_length/mean")
+CURVES = ("rollout/accuracy", "response_length/mean", "critic/vf_explained_var")
 
 
 @dataclass(frozen=True)
@@ -213,16 +213,25 @@ def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict
     }
 
 
-def ensure_run(task_name: str, task: Task, job: tuple, root: Path, extra: list[str]) -> dict:
-    """The run's summary: read if committed, else the run is made and summarized."""
+def ensure_run(
+    task_name: str, task: Task, job: tuple, root: Path, extra: list[str], again: bool = False
+) -> dict:
+    """The run's summary: read if committed, else the run is made and summarized. `again`:
+    a committed summary whose run is still under `root` is made anew from it (what the run
+    took, when and where are kept)."""
     name, layer, seed = job
     path = summary_path(task_name, name, seed)
-    if path.exists():
-        return json.loads(path.read_text())
     run_dir = root / slug(name) / f"seed{seed}"
-    start, at_commit = time.time(), commit()
-    run(task, layer, seed, run_dir, extra)
-    summary = summarize(task, run_dir, (time.time() - start) / 60, at_commit)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if not (again and (run_dir / "val_samples.jsonl").exists()):
+            return old
+        summary = summarize(task, run_dir, old["minutes"], old["commit"])
+        summary.update(date=old["date"], machine=old["machine"])
+    else:
+        start, at_commit = time.time(), commit()
+        run(task, layer, seed, run_dir, extra)
+        summary = summarize(task, run_dir, (time.time() - start) / 60, at_commit)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary))
@@ -319,10 +328,13 @@ def plot(rows: list[dict], task_name: str, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("rollout/accuracy", "rollout accuracy (%), 5-step average", 100),
-              ("response_length/mean", "response length (tokens), 5-step average", 1)]  # fmt: skip
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+              ("response_length/mean", "response length (tokens), 5-step average", 1),
+              ("critic/vf_explained_var", "critic's explained variance, 5-step average", 1)]  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
     for ax, (tag, label, scale) in zip(axes, panels):
         for i, row in enumerate(rows):
+            if not all(row["curves"][tag]):  # no critic, or a summary from before the tag
+                continue
             steps, means = mean_curve(row["curves"][tag], row["p"], 5)
             style = "-" if row["name"] in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
             ax.plot(steps, [scale * m for m in means], style, label=row["name"],
@@ -355,6 +367,15 @@ def ordering_vs_paper(rows: list[dict]) -> str:
             f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.")  # fmt: skip
 
 
+def late_explained_variance(row: dict, updates: int = 10) -> str:
+    """The critic's explained variance over the last `updates` steps, mean over seeds; "-"
+    for rows without a critic (or summaries without the curve)."""
+    curves = row["curves"]["critic/vf_explained_var"]
+    if not curves or not all(curves):
+        return "-"
+    return f"{statistics.mean(v for c in curves for _, v in c[-updates:]):.2f}"
+
+
 def report(
     task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str, png: str
 ) -> str:
@@ -382,8 +403,8 @@ def report(
             *(f"| {a} | {b} | {c} |" for a, b, c in task.settings), ""] if task.settings else []),
         f"| run | paper (AIME24) | seeds | value-pretraining rollouts | start % | final % "
         f"| vs VAPO (points, p) | equal samples % | final % by difficulty {lo_hi} "
-        "| minutes per run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| critic's explained variance, last 10 updates | minutes per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         diff, p = tests.get(r["name"], (math.nan, math.nan))
@@ -392,7 +413,8 @@ def report(
         out.append(
             f"| {r['name']} | {r['paper'] if r['paper'] is not None else '-'} | {r['seeds']} "
             f"| {r['p']} | {ci95(r['start'])} | {ci95(r['final'])} | {versus} "
-            f"| {ci95(r['equal_samples'])} | {buckets} | {statistics.mean(r['minutes']):.1f} |"
+            f"| {ci95(r['equal_samples'])} | {buckets} | {late_explained_variance(r)} "
+            f"| {statistics.mean(r['minutes']):.1f} |"
         )
     out += [
         "",
@@ -423,7 +445,8 @@ def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dic
         out["final"].append(val[-1])
         out["buckets"].append(s["buckets"])
     for tag in CURVES:
-        out["curves"][tag] = [[tuple(point) for point in s["curves"][tag]] for s in summaries]
+        out["curves"][tag] = [[tuple(point) for point in s["curves"].get(tag, [])]
+                              for s in summaries]  # fmt: skip
     return out
 
 
@@ -442,6 +465,10 @@ def main() -> None:
     ap.add_argument(
         "--partial", action="store_true", help="report the finished runs only, running none"
     )
+    ap.add_argument(
+        "--resummarize", action="store_true",
+        help="make the summaries of finished runs still under --root anew (new fields)",
+    )
     ap.add_argument("extra", nargs="*", help="overrides for every run, after `--`")
     args = ap.parse_args()
     task = TASKS[args.task]
@@ -459,7 +486,8 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         summaries = dict(zip(
             [(n, s) for n, _, s in jobs],
-            pool.map(lambda j: ensure_run(args.task, task, j, root, args.extra), jobs),
+            pool.map(lambda j: ensure_run(args.task, task, j, root, args.extra, args.resummarize),
+                     jobs),
         ))  # fmt: skip
     if args.no_report:
         return

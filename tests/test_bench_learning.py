@@ -162,6 +162,23 @@ def test_a_finished_run_is_summarized_once_and_then_read_not_rerun(tmp_path, mon
 
     monkeypatch.setattr(B, "run", must_not_run)
     assert B.ensure_run("digitwise", task, job, tmp_path / "other_root", []) == first
+    assert B.ensure_run("digitwise", task, job, tmp_path / "other_root", [], again=True) == first
+
+    # made anew from the run (a field added since): what it took, when and where are kept
+    from torch.utils.tensorboard import SummaryWriter
+
+    later = SummaryWriter(tmp_path / "runs/vapo/seed3/lightning_logs/version_0")
+    for step in range(45):
+        later.add_scalar("critic/vf_explained_var", step / 100, step)
+    later.close()
+    again = B.ensure_run("digitwise", task, job, tmp_path / "runs", [], again=True)
+    assert len(again["curves"]["critic/vf_explained_var"]) == 45
+    assert {k: again[k] for k in ("val", "minutes", "date", "commit", "machine")} == {
+        k: first[k] for k in ("val", "minutes", "date", "commit", "machine")
+    }
+    row = B.collect(task, "VAPO", None, 60, [again])
+    assert float(B.late_explained_variance(row)) == pytest.approx(0.395, abs=0.0051)
+    assert B.late_explained_variance(B.collect(task, "VAPO", None, 60, [first])) == "-"
 
 
 def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
