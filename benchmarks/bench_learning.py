@@ -179,8 +179,8 @@ def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str
         last.unlink()  # the study keeps curves and samples, not weights
 
 
-def summary_path(task_name: str, name: str, seed: int) -> Path:
-    return SUMMARIES / task_name / slug(name) / f"seed{seed}.json"
+def summary_path(folder: str, name: str, seed: int) -> Path:
+    return SUMMARIES / folder / slug(name) / f"seed{seed}.json"
 
 
 def machine() -> str:
@@ -214,13 +214,13 @@ def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict
 
 
 def ensure_run(
-    task_name: str, task: Task, job: tuple, root: Path, extra: list[str], again: bool = False
+    folder: str, task: Task, job: tuple, root: Path, extra: list[str], again: bool = False
 ) -> dict:
     """The run's summary: read if committed, else the run is made and summarized. `again`:
     a committed summary whose run is still under `root` is made anew from it (what the run
     took, when and where are kept)."""
     name, layer, seed = job
-    path = summary_path(task_name, name, seed)
+    path = summary_path(folder, name, seed)
     run_dir = root / slug(name) / f"seed{seed}"
     if path.exists():
         old = json.loads(path.read_text())
@@ -377,7 +377,8 @@ def late_explained_variance(row: dict, updates: int = 10) -> str:
 
 
 def report(
-    task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str, png: str
+    task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str, png: str,
+    folder: str | None = None,
 ) -> str:
     lo_hi = " / ".join(f"{lo}-{hi}" for lo, hi in task.buckets)
     vapo_row = next((r for r in rows if r["name"] == "VAPO"), None)
@@ -390,7 +391,7 @@ def report(
         f"Command: `{command}`  ",
         f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, commits "
         f"{', '.join(sorted({c for r in rows for c in r['commits']}))}, on {'; '.join(machines)}"
-        f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{task_name}/`).\n",
+        f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",
         f"Each run: `vapo fit -c {task.config} [-c <layer>] --seed_everything=<seed>` for "
         f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. "
         "val/accuracy: mean@k at temperature 1.0 on the validation set "
@@ -466,6 +467,10 @@ def main() -> None:
         "--partial", action="store_true", help="report the finished runs only, running none"
     )
     ap.add_argument(
+        "--summaries", default=None,
+        help=f"folder of the run summaries under {os.path.relpath(SUMMARIES, ROOT)} (default: the task)",
+    )
+    ap.add_argument(
         "--resummarize", action="store_true",
         help="make the summaries of finished runs still under --root anew (new fields)",
     )
@@ -481,12 +486,13 @@ def main() -> None:
     runs = [(n, task.layers.get(n, layer), paper) for n, layer, paper in RUNS
             if args.only is None or n in args.only]  # fmt: skip
     jobs = [(name, layer, seed) for seed in args.seeds for name, layer, _ in runs]
+    folder = args.summaries or args.task
     if args.partial:
-        jobs = [j for j in jobs if summary_path(args.task, j[0], j[2]).exists()]
+        jobs = [j for j in jobs if summary_path(folder, j[0], j[2]).exists()]
     with ThreadPoolExecutor(args.jobs) as pool:
         summaries = dict(zip(
             [(n, s) for n, _, s in jobs],
-            pool.map(lambda j: ensure_run(args.task, task, j, root, args.extra, args.resummarize),
+            pool.map(lambda j: ensure_run(folder, task, j, root, args.extra, args.resummarize),
                      jobs),
         ))  # fmt: skip
     if args.no_report:
@@ -497,7 +503,7 @@ def main() -> None:
     rows = [r for r in rows if r["seeds"]]
     command = " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]])
     png = out.with_name(out.stem + "_curves.png")
-    text = report(args.task, task, args.seeds, rows, command, png.name)
+    text = report(args.task, task, args.seeds, rows, command, png.name, folder)
     out.write_text(text)
     plot(rows, args.task, png)
     print(text)
