@@ -81,7 +81,7 @@ TASKS = {
          ("prompts × samples per rollout step", "512 × 16",
           "8 × 8: one run ≤ 10 minutes on one core"),
          ("mini-batch", "512 responses (16 optimiser steps per rollout)",
-          "64 responses (1 optimiser step per rollout)"),
+          "16 responses (4 optimiser steps per rollout: with 1, no clip ever binds)"),
          ("learning-rate warm-up", "length not given", "3 steps"),
          ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
           "125 validation problems × 2 samples, T = 1.0")),
