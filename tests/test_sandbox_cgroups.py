@@ -8,6 +8,7 @@ no cgroup (not root, no cgroup v1 memory hierarchy).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -154,17 +155,23 @@ def test_a_dead_servers_folders_are_taken_over():
     stale = [os.path.join(DEFAULT_ROOT, c, own[c].lstrip("/"), tag) for c in ("memory", "pids")]
     for d in stale:
         os.makedirs(os.path.join(d, "run-1"))
-    cgroups = RunCgroups(tag=tag)
     try:
-        assert cgroups.available and cgroups.pids is not None
-        assert [cgroups.memory, cgroups.pids] == stale
-        assert not any(os.path.exists(os.path.join(d, "run-1")) for d in stale)
-        made = cgroups.create(64 << 20, 16)
-        assert cgroups.layers(made) == ["memory_cgroup", "pids_cgroup"]
-        cgroups.remove(made)
-    finally:
-        cgroups.close()
-    assert not any(os.path.exists(d) for d in stale)
+        cgroups = RunCgroups(tag=tag)
+        try:
+            assert cgroups.available and cgroups.pids is not None
+            assert [cgroups.memory, cgroups.pids] == stale
+            assert not any(os.path.exists(os.path.join(d, "run-1")) for d in stale)
+            made = cgroups.create(64 << 20, 16)
+            assert cgroups.layers(made) == ["memory_cgroup", "pids_cgroup"]
+            cgroups.remove(made)
+        finally:
+            cgroups.close()
+        assert not any(os.path.exists(d) for d in stale)
+    finally:  # a failed run must not leave folders that fail the next one
+        for d in stale:
+            for leftover in (os.path.join(d, "run-1"), d):
+                with contextlib.suppress(OSError):
+                    os.rmdir(leftover)
 
 
 def test_a_folder_still_in_use_is_not_taken_over():
