@@ -398,7 +398,11 @@ def report(
         f"(`{task.val}`). Final = after the last policy update (equal updates); "
         "equal samples = at the same number of rollout steps as the rows without value "
         "pretraining. ± is the 95 % confidence interval of the mean over seeds; p is Welch's "
-        "test against VAPO, Holm-adjusted over the rows.\n",
+        "test against VAPO, Holm-adjusted over the rows. The critic's explained variance is "
+        "against its own targets, the GAE returns with λ_critic: at λ_critic = 1 (VAPO and "
+        "most ablations) the final reward itself; vanilla PPO (0.95) and w/o decoupled GAE "
+        "(the actor's λ) bootstrap from the critic's own values, an easier target, so their "
+        "numbers are not comparable with the others'.\n",
         *(["Where the runs differ from the paper's setup (§5.1), for every row alike:\n",
             "| setting | the paper | here |", "|---|---|---|",
             *(f"| {a} | {b} | {c} |" for a, b, c in task.settings), ""] if task.settings else []),
