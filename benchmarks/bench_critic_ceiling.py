@@ -23,17 +23,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.bench_learning import commit, machine
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.tasks import digitwise
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_learning import commit, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "vapo_lightning/assets/digitwise_sft"
@@ -161,7 +165,7 @@ def main() -> None:
     text = "\n".join([
         "# What a critic could explain on the digitwise task\n",
         f"Command: `python benchmarks/bench_critic_ceiling.py --samples {args.samples} "
-        f"--seed {args.seed}{f' --out {args.out}' if args.out else ''}`  ",
+        f"--seed {args.seed}{f' --out {os.path.relpath(args.out.resolve(), ROOT)}' if args.out else ''}`  ",
         f"{datetime.date.today()}, commit {commit()}, {machine()}, one thread. {c['samples']} responses "
         f"({len(rows)} validation problems × {args.samples}, T = 1.0) of the study's start "
         f"`vapo_lightning/assets/digitwise_sft`, {c['tokens']} response tokens; success "
