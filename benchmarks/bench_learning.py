@@ -60,12 +60,14 @@ class Task:
     out: str
     layers: dict[str, str]  # task-specific layers in place of the shared ones
     settings: tuple[tuple[str, str, str], ...] = ()  # (setting, the paper, here and why)
+    reading: str = ""  # the RESULTS.md section that reads the report
 
 
 TASKS = {
     "arithmetic": Task(
         "configs/quickstart.yaml", "vapo_lightning/assets/arithmetic/val.jsonl", 50,
         ((1, 3), (4, 6), (7, 10)), "benchmarks/results/learning.md", {},
+        reading="learning-the-papers-table-1-in-miniature",
     ),
     "digitwise": Task(
         "configs/digitwise.yaml", "vapo_lightning/assets/digitwise/val.jsonl", 40,
@@ -85,6 +87,7 @@ TASKS = {
          ("learning-rate warm-up", "length not given", "3 steps"),
          ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
           "125 validation problems × 2 samples, T = 1.0")),
+        reading="learning-on-the-credit-assignment-task",
     ),
 }  # fmt: skip
 
@@ -425,6 +428,8 @@ def report(
         "",
         ordering_vs_paper(rows),
         "",
+        *([f"What the table shows and where it agrees with the paper: "
+           f"[RESULTS.md](../RESULTS.md#{task.reading}).\n"] if task.reading else []),
         f"![rollout accuracy and response length vs policy-update step]({png})",
         "",
     ]
