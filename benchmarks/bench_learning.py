@@ -208,6 +208,7 @@ def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict
     return {
         "val": val_points(run_dir),
         "buckets": bucket_accuracy(run_dir, difficulty, task.buckets),
+        "start_buckets": bucket_accuracy(run_dir, difficulty, task.buckets, first=True),
         "curves": {tag: scalar_curve(run_dir, tag) for tag in CURVES},
         "minutes": round(minutes, 2),
         "date": time.strftime("%Y-%m-%d"),
@@ -270,12 +271,14 @@ def val_points(run_dir: Path) -> list[float]:
     return points
 
 
-def bucket_accuracy(run_dir: Path, difficulty: dict[str, int], buckets) -> list[float]:
-    """Accuracy of the last validation's samples (the last block of one step in the file),
-    per difficulty bucket."""
+def bucket_accuracy(
+    run_dir: Path, difficulty: dict[str, int], buckets, first: bool = False
+) -> list[float]:
+    """Accuracy of the last validation's samples (the last block of one step in the file;
+    `first`: the first block, the start), per difficulty bucket."""
     with (run_dir / "val_samples.jsonl").open() as f:
         samples = [json.loads(line) for line in f]
-    last = [s for s in samples if s["step"] == samples[-1]["step"]]
+    last = [s for s in samples if s["step"] == samples[0 if first else -1]["step"]]
     hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
     for s in last:
         # the sample's prompt is the chat-formatted one: the longest task prompt it holds
@@ -424,6 +427,10 @@ def report(
             f"| {ci95(r['equal_samples'])} | {buckets} | {late_explained_variance(r)} "
             f"| {statistics.mean(r['minutes']):.1f} |"
         )
+    starts = [b for r in rows for b in r["start_buckets"]]
+    if starts:
+        out += ["", "At the start, by difficulty (every row's start is the same model): "
+                + " / ".join(f"{100 * statistics.mean(b):.1f}" for b in zip(*starts)) + " %."]
     out += [
         "",
         ordering_vs_paper(rows),
@@ -442,7 +449,7 @@ def report(
 def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dict]) -> dict:
     p, _ = row_overrides(task, layer)
     out = {"name": name, "paper": paper, "p": p, "seeds": len(summaries), "start": [],
-           "final": [], "equal_samples": [], "buckets": [],
+           "final": [], "equal_samples": [], "buckets": [], "start_buckets": [],
            "minutes": [s["minutes"] for s in summaries], "curves": {},
            "machines": {s["machine"] for s in summaries}, "dates": {s["date"] for s in summaries},
            "commits": {s["commit"] for s in summaries}}  # fmt: skip
@@ -454,6 +461,8 @@ def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dic
         out["equal_samples"].append(val[1])
         out["final"].append(val[-1])
         out["buckets"].append(s["buckets"])
+        if "start_buckets" in s:
+            out["start_buckets"].append(s["start_buckets"])
     for tag in CURVES:
         out["curves"][tag] = [[tuple(point) for point in s["curves"].get(tag, [])]
                               for s in summaries]  # fmt: skip

@@ -116,6 +116,8 @@ def test_bucket_accuracy_reads_the_last_validation(tmp_path):
         for step, prompt, ok in samples:
             f.write(json.dumps({"step": step, "prompt": prompt, "correct": ok}) + "\n")
     assert B.bucket_accuracy(tmp_path, difficulty, ((1, 1), (2, 3))) == [1.0, 1 / 3]
+    start = B.bucket_accuracy(tmp_path, difficulty, ((1, 1), (2, 3)), first=True)
+    assert start[0] == 0.0 and math.isnan(start[1])  # the start: step 0's one sample
 
 
 def _fake_run(task, seed_acc):
@@ -198,3 +200,5 @@ def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
     # VAPO's finals 0.61 0.66 0.71, GRPO's 0.41 0.46 ... from validate (P=0 for GRPO: the fit's)
     assert "-" in grpo.split(" | ")[6] and "p = " in grpo.split(" | ")[6]
     assert "Runs: 5," in text
+    # the fake runs' one validation block: row 0 (K = 2) right, rows 1-2 (K = 3, 4) wrong
+    assert "At the start, by difficulty (every row's start is the same model): 33.3 / nan / nan %" in text
