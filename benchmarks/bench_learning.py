@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import itertools
 import json
 import math
 import os
@@ -274,11 +275,14 @@ def val_points(run_dir: Path) -> list[float]:
 def bucket_accuracy(
     run_dir: Path, difficulty: dict[str, int], buckets, first: bool = False
 ) -> list[float]:
-    """Accuracy of the last validation's samples (the last block of one step in the file;
-    `first`: the first block, the start), per difficulty bucket."""
+    """Accuracy of the last validation's samples (the last run of consecutive lines with one
+    step; `first`: the first, the start), per difficulty bucket. By position, not by step:
+    `vapo validate` appends its samples at step 0, after the fit's own step-0 validation."""
     with (run_dir / "val_samples.jsonl").open() as f:
         samples = [json.loads(line) for line in f]
-    last = [s for s in samples if s["step"] == samples[0 if first else -1]["step"]]
+    order = samples if first else samples[::-1]
+    block = list(itertools.takewhile(lambda s: s["step"] == order[0]["step"], order))
+    last = block
     hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
     for s in last:
         # the sample's prompt is the chat-formatted one: the longest task prompt it holds

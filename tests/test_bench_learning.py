@@ -120,6 +120,18 @@ def test_bucket_accuracy_reads_the_last_validation(tmp_path):
     assert start[0] == 0.0 and math.isnan(start[1])  # the start: step 0's one sample
 
 
+def test_bucket_accuracy_tells_the_final_validate_from_the_start_at_the_same_step(tmp_path):
+    """A row with value pretraining: the fit validates at steps 0 and 40, then `vapo validate`
+    appends the final validation, also at step 0."""
+    difficulty = {"Add each pair mod 10: a12 b34": 2}
+    prompt = "User: Add each pair mod 10: a12 b34\nAssistant:"
+    with (tmp_path / "val_samples.jsonl").open("w") as f:
+        for step, ok in ((0, False), (0, False), (40, True), (40, False), (0, True), (0, True)):
+            f.write(json.dumps({"step": step, "prompt": prompt, "correct": ok}) + "\n")
+    assert B.bucket_accuracy(tmp_path, difficulty, ((2, 9),)) == [1.0]
+    assert B.bucket_accuracy(tmp_path, difficulty, ((2, 9),), first=True) == [0.0]
+
+
 def _fake_run(task, seed_acc):
     """Stands in for `run`: writes what a finished digitwise run leaves (two TensorBoard
     folders, the fit's and vapo validate's, and the validation samples)."""
