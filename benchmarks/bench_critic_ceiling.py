@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vapo_lightning import core
 from vapo_lightning.generation import sample_responses
 from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.tasks import digitwise
@@ -86,10 +87,9 @@ def oracle_values(starts: list[int], response: str, reference: str, p: float) ->
 
 
 def explained_variance(values: list[float], returns: list[float]) -> float:
-    """1 − Var[R − V] / Var[R], as `core.explained_variance`."""
-    return 1.0 - statistics.pvariance(
-        [r - v for r, v in zip(returns, values)]
-    ) / statistics.pvariance(returns)
+    """`core.explained_variance` over every token of the flat lists."""
+    v, r = torch.tensor(values), torch.tensor(returns)
+    return core.explained_variance(v, r, torch.ones_like(r, dtype=torch.bool)).item()
 
 
 def leave_one_out(outcome: list[float], members, i: int) -> float:
@@ -98,8 +98,8 @@ def leave_one_out(outcome: list[float], members, i: int) -> float:
     return statistics.mean(others)
 
 
-def sample(rows: list[dict], n: int, seed: int, max_new_tokens: int = 240) -> list[list[str]]:
-    tok = AutoTokenizer.from_pretrained(POLICY)
+def sample(rows: list[dict], tok, n: int, seed: int, max_new_tokens: int = 240) -> list[list[str]]:
+    """`n` responses per row from the study's start, at temperature 1."""
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(POLICY).eval()
     prompts = [
@@ -107,10 +107,10 @@ def sample(rows: list[dict], n: int, seed: int, max_new_tokens: int = 240) -> li
                                 add_generation_prompt=True)
         for r in rows
     ]  # fmt: skip
+    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     out: list[list[str]] = [[] for _ in rows]
     for _ in range(n):
-        batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             ids = sample_responses(
                 model, batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens,
@@ -159,8 +159,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rows = list(read_jsonl(VAL))
-    responses = sample(rows, args.samples, args.seed)
     tok = AutoTokenizer.from_pretrained(POLICY)
+    responses = sample(rows, tok, args.samples, args.seed)
     c = ceiling(rows, responses, tok)
     text = "\n".join([
         "# What a critic could explain on the digitwise task\n",

@@ -281,8 +281,7 @@ def bucket_accuracy(
     with (run_dir / "val_samples.jsonl").open() as f:
         samples = [json.loads(line) for line in f]
     order = samples if first else samples[::-1]
-    block = list(itertools.takewhile(lambda s: s["step"] == order[0]["step"], order))
-    last = block
+    last = list(itertools.takewhile(lambda s: s["step"] == order[0]["step"], order))
     hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
     for s in last:
         # the sample's prompt is the chat-formatted one: the longest task prompt it holds
