@@ -203,6 +203,21 @@ def commit() -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def commit_span(commits: set[str]) -> str:
+    """The runs' commits as a range in history order ("7 commits, a1b2c3d to e4f5a6b"); one
+    commit, or commits this clone does not know, are named as they are."""
+    def when(c: str) -> int | None:
+        proc = subprocess.run(["git", "show", "-s", "--format=%ct", c], cwd=ROOT,
+                              capture_output=True, text=True)  # fmt: skip
+        return int(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
+
+    times = {c: when(c) for c in commits}
+    if len(commits) == 1 or None in times.values():
+        return f"commit{'s' * (len(commits) > 1)} {', '.join(sorted(commits))}"
+    ordered = sorted(commits, key=lambda c: (times[c], c))
+    return f"{len(ordered)} commits, {ordered[0]} to {ordered[-1]}"
+
+
 def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict:
     """What the report needs of a finished run, small enough to commit."""
     difficulty = {row["prompt"]: row["difficulty"] for row in read_jsonl(ROOT / task.val)}
@@ -398,8 +413,8 @@ def report(
     out = [
         f"# Learning study: Table 1 in miniature ({task_name} task)\n",
         f"Command: `{command}`  ",
-        f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, commits "
-        f"{', '.join(sorted({c for r in rows for c in r['commits']}))}, on {'; '.join(machines)}"
+        f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, "
+        f"{commit_span({c for r in rows for c in r['commits']})}, on {'; '.join(machines)}"
         f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",
         f"Each run: `vapo fit -c {task.config} [-c <layer>] --seed_everything=<seed>` for "
         f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. "

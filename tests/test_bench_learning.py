@@ -214,3 +214,26 @@ def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
     assert "Runs: 5," in text
     # the fake runs' one validation block: row 0 (K = 2) right, rows 1-2 (K = 3, 4) wrong
     assert "At the start, by difficulty (every row's start is the same model): 33.3 / nan / nan %" in text
+
+
+def test_commit_span_orders_the_runs_commits_by_history(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args, **env):
+        out = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
+                             check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                              "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                              "GIT_COMMITTER_NAME": "t",
+                                              "GIT_COMMITTER_EMAIL": "t@t", **env})  # fmt: skip
+        return out.stdout.strip()
+
+    git("init", "-q")
+    made = []
+    for i, when in enumerate(["2026-01-03T00:00:00", "2026-01-01T00:00:00", "2026-01-02T00:00:00"]):
+        git("commit", "-q", "--allow-empty", "-m", str(i), GIT_COMMITTER_DATE=when)
+        made.append(git("rev-parse", "--short", "HEAD"))
+    monkeypatch.setattr(B, "ROOT", tmp_path)
+    assert B.commit_span(set(made)) == f"3 commits, {made[1]} to {made[0]}"
+    assert B.commit_span({made[2]}) == f"commit {made[2]}"
+    # a commit this clone does not have: all are named, none dropped
+    assert B.commit_span({made[0], "0000000"}) == f"commits 0000000, {made[0]}"
