@@ -417,7 +417,10 @@ def report(
         f"{commit_span({c for r in rows for c in r['commits']})}, on {'; '.join(machines)}"
         f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",
         f"Each run: `vapo fit -c {task.config} [-c <layer>] --seed_everything=<seed>` for "
-        f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. "
+        f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. A seed sets "
+        "the sampling and the critic head's initialisation; the prompts come in the same order "
+        "in every run (`data.seed` 0), so the rows of one seed with value pretraining start "
+        "their policy updates from the same critic. "
         "val/accuracy: mean@k at temperature 1.0 on the validation set "
         f"(`{task.val}`). Final = after the last policy update (equal updates); "
         "equal samples = at the same number of rollout steps as the rows without value "
