@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
 
 import pytest
 from scipy import stats
@@ -217,8 +218,6 @@ def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
 
 
 def test_commit_span_orders_the_runs_commits_by_history(tmp_path, monkeypatch):
-    import subprocess
-
     def git(*args, **env):
         out = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
                              check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
