@@ -32,6 +32,9 @@ def test_config_parses(path):
     layers = ["-c", str(CONFIGS / base[path.parent.name])] if path.parent.name in base else []
     cfg = print_config("fit", *layers, "-c", str(path))
     assert cfg["model"]["policy"] and cfg["data"]["train"]
+    export = cfg["model"]["hf_export_dir"]
+    if export:  # a layer writes under its own folder, never over its base run's export
+        assert Path(export).is_relative_to(cfg["trainer"]["default_root_dir"]), (export, path)
     overrides = yaml.safe_load(path.read_text())
     for key, value in (overrides.get("model", {}).get("algorithm") or {}).items():
         assert cfg["model"]["algorithm"][key] == value  # the switch really reached the module
