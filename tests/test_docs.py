@@ -33,7 +33,16 @@ USER_PAGES = [p for p in PAGES if p.parent != RESULTS]  # what a user reads firs
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
-REPO_DIRS = ("benchmarks", "callbacks", "configs", "docs", "scripts", "tests", "vapo_lightning", ".ci")
+REPO_DIRS = (
+    "benchmarks",
+    "callbacks",
+    "configs",
+    "docs",
+    "scripts",
+    "tests",
+    "vapo_lightning",
+    ".ci",
+)
 DIRS = "|".join(re.escape(d) for d in REPO_DIRS)
 PATH = re.compile(rf"(?<![\w./-])((?:{DIRS})/[\w.*{{}},/-]*[\w*}}/])")
 RESULT_FILE = re.compile(r"(?<![\w./-])((?:results/)?[\w*]+\.(?:md|png))(?![\w/])")
@@ -52,8 +61,10 @@ def exists(base: Path, path: str) -> bool:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip())
+    """GitHub's anchor for a heading: lower case, punctuation dropped (an underscore inside a
+    word, as in `min_isolation`, is kept), spaces to hyphens."""
+    markup = r"[`*]|(?<!\w)_|_(?!\w)|\[([^\]]*)\]\([^)]*\)"
+    text = re.sub(markup, lambda m: m.group(1) or "", heading.strip())
     return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
 
 
@@ -112,7 +123,9 @@ def vapo_commands() -> list[str]:
         lines = [line.strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()]
         lines += CODE_SPAN.findall(FENCE.sub("", text))
         for line in lines:
-            for cmd in re.findall(r"(?:^|&& |\.venv/bin/)(vapo (?:fit|validate|sft)\b[^&#]*)", line):
+            for cmd in re.findall(
+                r"(?:^|&& |\.venv/bin/)(vapo (?:fit|validate|sft)\b[^&#]*)", line
+            ):
                 found += expand(cmd.strip())
     return sorted(set(found))
 
@@ -150,7 +163,9 @@ def test_the_readme_starts_with_the_quickstart_and_the_ci_test_command():
     assert second == f"python3 -m venv .venv && {ci[-1]}"
 
 
-HISTORY = re.compile(r"(?i)\b(session|issue|work period) #?\d+|\bissue #\d+|\bPLATFORM_NOTES\b|VAPO_SPEC")
+HISTORY = re.compile(
+    r"(?i)\b(session|issue|work period) #?\d+|\bissue #\d+|\bPLATFORM_NOTES\b|VAPO_SPEC"
+)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
@@ -158,3 +173,12 @@ def test_no_work_history(page):
     """The docs speak to users; what was tried, and when, is in git log."""
     hits = [m.group(0) for m in HISTORY.finditer(page.read_text())]
     assert not hits, f"{page.relative_to(ROOT)}: {hits}"
+
+
+def test_slug_matches_githubs_anchors():
+    assert slug("Asking for a minimum: `min_isolation`") == "asking-for-a-minimum-min_isolation"
+    assert (
+        slug("Learning: the paper's *Table 1* in miniature")
+        == "learning-the-papers-table-1-in-miniature"
+    )
+    assert slug("[Tools](tools.md) and _emphasis_") == "tools-and-emphasis"

@@ -276,6 +276,37 @@ def test_python_tool_keeps_its_config_in_the_spec():
         PythonTool(timeout_s=0)
 
 
+def test_python_tool_refuses_to_start_below_its_minimum_isolation(monkeypatch):
+    """As `CodeReward`: a sandbox with less than `min_isolation` stops the tool at setup,
+    naming what is missing, and its servers are shut down; "none" accepts it."""
+    import vapo_lightning.sandbox.client as client
+    from vapo_lightning.tools import PythonTool
+
+    pools = []
+
+    class WeakPool:
+        layers = ("rlimits", "session", "clean_env", "subreaper")
+
+        def __init__(self, *a, **k):
+            self.closed = False
+            pools.append(self)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(client, "Pool", WeakPool)
+    tool = PythonTool()
+    with pytest.raises(RuntimeError, match=r"(?s)PythonTool.*Missing:.*filesystem.*network"):
+        tool.setup()
+    assert pools[-1].closed and tool._pool is None
+    weak = PythonTool(min_isolation="none")
+    weak.setup()
+    assert weak._pool is pools[-1] and not pools[-1].closed
+    with pytest.raises(ValueError, match="min_isolation"):
+        PythonTool(min_isolation="paranoid")
+    assert from_spec(spec(PythonTool(min_isolation="basic"))).min_isolation == "basic"
+
+
 def rollout_with_observations(vocab: int):
     """tests/test_updates.py's rollout, with tool observations: holes in `response_mask`
     (context the models read, never actions) inside responses, one ending in one."""

@@ -21,6 +21,7 @@ from typing import Literal
 from vapo_lightning.rewards.base import RewardCallback, Sample
 from vapo_lightning.sandbox import Limits, Pool
 from vapo_lightning.sandbox.importers import from_ground_truth
+from vapo_lightning.sandbox.levels import ISOLATION_LEVELS, missing_isolation, require_isolation
 
 __all__ = ["ISOLATION_LEVELS", "STAT_KEYS", "CodeReward", "extract_code", "missing_isolation"]
 
@@ -28,61 +29,6 @@ STAT_KEYS = ("samples", "passed", "failed", "timeout", "error", "no_tests")
 """Keys of `CodeReward.last_stats`."""
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-
-# Each requirement is met by any one of its layers.
-_REQUIREMENTS = {
-    "limits": ("rlimits",),
-    "clean_env": ("clean_env",),
-    "no_tty": ("session",),
-    "not_root": ("uid_drop",),
-    "filesystem": ("landlock_fs",),
-    "network": ("netns",),
-    "reaping": ("pidns", "subreaper"),
-    "private_tmp": ("private_tmp",),
-    "signals": ("pidns", "landlock_scope"),
-    "memory_cgroup": ("memory_cgroup",),
-    "pids_cgroup": ("pids_cgroup",),
-}
-ISOLATION_LEVELS = {
-    "none": (),
-    "basic": ("limits", "clean_env", "no_tty", "not_root", "reaping"),
-    "strong": ("limits", "clean_env", "no_tty", "not_root", "reaping", "filesystem", "network"),
-    "full": tuple(_REQUIREMENTS),
-}
-"""What each `min_isolation` value requires (see `_HOW_TO` for how to get each part)."""
-
-_HOW_TO = {
-    "not_root": "candidate code would run as root: the server could not setresuid to its "
-    "sandbox uid (layers `uid_drop`, `own_uid`)",
-    "filesystem": "Landlock (Linux >= 5.13 with 'landlock' in /sys/kernel/security/lsm; add "
-    "lsm=landlock,... to the kernel command line)",
-    "network": "a network namespace: as root it needs CAP_SYS_ADMIN (in Docker "
-    "`--cap-add SYS_ADMIN --security-opt seccomp=unconfined`, or run on a VM); otherwise "
-    "unprivileged user namespaces: on Ubuntu >= 23.10 "
-    "`sysctl kernel.apparmor_restrict_unprivileged_userns=0`, elsewhere "
-    "`sysctl kernel.unprivileged_userns_clone=1`",
-    "private_tmp": "a mount namespace (same requirement as the network namespace)",
-    "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
-    "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
-    "memory_cgroup": "a memory cgroup per run, limiting all of its processes together: the "
-    "server must run as root on a host with the cgroup v1 memory "
-    "hierarchy mounted at /sys/fs/cgroup/memory (cgroup v2 is not supported yet)",
-    "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with /sys/fs/cgroup/pids",
-}
-
-
-def missing_isolation(layers: Sequence[str], level: str, is_root: bool) -> list[str]:
-    """Requirements of `level` that none of the active `layers` meets."""
-    if level not in ISOLATION_LEVELS:
-        raise ValueError(f"min_isolation must be one of {sorted(ISOLATION_LEVELS)}, got {level!r}")
-    have = set(layers)
-    missing = []
-    for need in ISOLATION_LEVELS[level]:
-        if need == "not_root" and not is_root:
-            continue  # not root to begin with
-        if not have.intersection(_REQUIREMENTS[need]):
-            missing.append(need)
-    return missing
 
 
 def extract_code(response: str) -> str:
@@ -145,18 +91,11 @@ class CodeReward(RewardCallback):
         self._check_isolation()
 
     def _check_isolation(self) -> None:
-        missing = missing_isolation(self.layers, self.min_isolation, os.geteuid() == 0)
-        if missing:
+        try:
+            require_isolation("CodeReward", self.layers, self.min_isolation, os.geteuid() == 0)
+        except RuntimeError:
             self.close()
-            how = "\n".join(
-                f"  - {m}: {_HOW_TO.get(m, 'see vapo_lightning/sandbox')}" for m in missing
-            )
-            raise RuntimeError(
-                f"CodeReward: this machine's sandbox lacks what min_isolation="
-                f"{self.min_isolation!r} requires.\nActive layers: {', '.join(self.layers)}.\n"
-                f"Missing:\n{how}\nFix the above, or lower min_isolation (e.g. 'basic') if you "
-                "accept running model-written code with less isolation."
-            )
+            raise
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.pool is None:  # closed by an earlier fit/validate: start again

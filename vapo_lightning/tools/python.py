@@ -12,8 +12,11 @@ reproducible.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
+from vapo_lightning.sandbox.levels import ISOLATION_LEVELS, require_isolation
 from vapo_lightning.tools.base import Tool, ToolOutput
 
 __all__ = ["PythonTool"]
@@ -32,6 +35,9 @@ class PythonTool(Tool):
         workers: sandbox servers (calls that run at once); None: one per CPU core.
         namespaces, landlock: isolation layers to use where the machine has them
             (`sandbox.client.Pool`; the observation never says which were active).
+        min_isolation: ``"none" | "basic" | "strong" | "full"``
+            (`sandbox.levels.ISOLATION_LEVELS`), as for `CodeReward`: the run refuses to
+            start when the sandbox gives less, naming what is missing and how to get it.
     """
 
     name = "python"
@@ -47,19 +53,32 @@ class PythonTool(Tool):
         workers: int | None = None,
         namespaces: bool = True,
         landlock: bool = True,
+        min_isolation: Literal["none", "basic", "strong", "full"] = "strong",
     ) -> None:
         super().__init__(call_start, call_end, output_start, output_end)
         if timeout_s <= 0 or max_output_bytes < 1:
             raise ValueError("PythonTool: timeout_s must be > 0 and max_output_bytes >= 1")
+        if min_isolation not in ISOLATION_LEVELS:
+            raise ValueError(
+                f"PythonTool.min_isolation must be one of {sorted(ISOLATION_LEVELS)}, "
+                f"got {min_isolation!r}"
+            )
         self.timeout_s, self.max_output_bytes, self.workers = timeout_s, max_output_bytes, workers
         self.namespaces, self.landlock = namespaces, landlock
+        self.min_isolation = min_isolation
         self._pool = None
 
     def setup(self) -> None:
         if self._pool is None:
             from vapo_lightning.sandbox.client import Pool
 
-            self._pool = Pool(self.workers, namespaces=self.namespaces, landlock=self.landlock)
+            pool = Pool(self.workers, namespaces=self.namespaces, landlock=self.landlock)
+            try:
+                require_isolation("PythonTool", pool.layers, self.min_isolation, os.geteuid() == 0)
+            except RuntimeError:
+                pool.close()
+                raise
+            self._pool = pool
 
     def close(self) -> None:
         if self._pool is not None:
