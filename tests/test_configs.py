@@ -1,6 +1,7 @@
 """Every YAML under configs/ parses with the real CLI (`--print_config`, nothing is loaded)."""
 
 import contextlib
+import inspect
 import io
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import pytest
 import yaml
 
 from vapo_lightning.cli import main
+from vapo_lightning.config import Algorithm, Generation
+from vapo_lightning.data import PromptDataModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(p for p in CONFIGS.rglob("*.yaml"))
@@ -55,3 +58,13 @@ def test_group_help_shows_each_fields_documentation(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "Critic optimiser steps on each mini-batch before its actor step" in out
     assert "default: 1" in out
+
+
+def test_the_defaults_run_together():
+    """A config that sets none of the batch sizes starts: the default mini-batch divides the
+    default rollout (`data.prompts_per_step` × `model.generation.n`) into several optimiser
+    steps, and the micro-batch divides the mini-batch."""
+    prompts = inspect.signature(PromptDataModule).parameters["prompts_per_step"].default
+    batch, algo = prompts * Generation().n, Algorithm()
+    assert batch % algo.mini_batch_size == 0 and batch // algo.mini_batch_size > 1
+    assert algo.mini_batch_size % algo.micro_batch_size == 0

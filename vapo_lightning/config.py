@@ -58,8 +58,9 @@ class Algorithm:
     critic_updates_per_step: int = 1
     """Critic optimiser steps on each mini-batch before its actor step (SAO, arXiv
     2607.07508, uses 2); the value clip stays around V_old."""
-    mini_batch_size: int = 512
-    """Responses per optimiser step (per device); must divide prompts × n."""
+    mini_batch_size: int = 32
+    """Responses per optimiser step (per device); must divide prompts × n (by default 8 × 16:
+    4 optimiser steps per rollout; the paper's 512 of 512 × 16 make 16)."""
     micro_batch_size: int = 8
     """Responses per forward/backward (gradient accumulation); must divide mini_batch_size."""
     dynamic_sampling_rounds: int = 0
