@@ -10,7 +10,7 @@ the same tokens:
    pretraining, so every step updates the actor and the next one loads new weights); the
    median of `timing_s/step`, `timing_s/gen` and `timing_s/weight_sync` after the first.
 
-Shapes: `quickstart` (the SFT policy shipped in the package, 3.6 M parameters, fp32 on the
+Shapes: `quickstart` (the SFT policy shipped in the package, 2.0 M parameters, fp32 on the
 CPU) and `qwen2.5-1.5b` (Qwen2.5-1.5B's architecture built from its config, random weights,
 bf16; nothing is downloaded), the GPU target: 512 prompts × 4 responses of 1024 tokens.
 

@@ -1,7 +1,7 @@
 """Benchmark of the rollout sampler (`vapo_lightning.generation.sample_responses`) against
 `transformers`' `generate` on the same model, prompts and sampling settings.
 
-Two workloads on the quickstart's SFT policy (3.56 M parameters): 16 training prompts × 8
+Two workloads on the quickstart's SFT policy (2.0 M parameters): 16 training prompts × 8
 samples, (a) free: each response stops at its EOS (lengths as in a quickstart rollout);
 (b) forced: every response exactly 128 tokens (EOS suppressed), the same token count for
 both, so only the per-token cost differs. Runs alternate between the two samplers.

@@ -4,7 +4,7 @@ For each model (an HF folder: the shipped SFT checkpoint, or the policy a quicks
 exported), samples `k` responses per validation prompt at temperature 1.0 (fixed seed) and
 reports, overall and by difficulty, the share of responses that show their working (contain
 ``=``), and the accuracy of worked and of bare responses. This is what the quickstart's RL
-changes: the SFT model answers most problems bare, which a 2.6 M-parameter model cannot do
+changes: the SFT model answers most problems bare, which a 2.0 M-parameter model cannot do
 reliably; reward teaches it to work problems out.
 
     .venv/bin/python benchmarks/bench_styles.py vapo_lightning/assets/quickstart_sft \\

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a machine with one NVIDIA GPU and no package registry:
+# The GPU checks, in one run on a machine with one NVIDIA GPU (a package registry not needed):
 #   1. tests/test_cuda.py (+ the core math tests) on the GPU;
 #   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
 #   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape;
@@ -8,8 +8,10 @@
 #      responses of 1024 tokens (targets: vLLM >= 5x the native tokens/s, weight sync <= 10 % of
 #      a step). Needs vLLM on the GPU machine (its CUDA wheel is far over what a run can carry).
 # `bash benchmarks/gpu_check.sh engines` runs part 5 alone (about 6 minutes); no argument runs 1-5.
-# Python packages the machine lacks travel as wheels in .whl/ (git-ignored), fetched where
-# a registry is reachable, for the GPU machine's Python (3.12 here):
+# On a machine with a registry, install the project first (`pip install -e '.[dev]'`, and the
+# TRL venvs bench_trl.py names); the script then uses what is installed. On a machine without
+# one, the packages it lacks travel as wheels in .whl/ (git-ignored), fetched where a registry
+# is reachable, for the GPU machine's Python (here 3.12), and are installed under /tmp:
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 #   pip download $P -d .whl/common datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
@@ -25,9 +27,10 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
-install /tmp/site .whl/common/*.whl || exit 1
-install /tmp/trl112 .whl/trl112/*.whl || exit 1
-install /tmp/trl116 .whl/trl116/*.whl || exit 1
+sites=""
+if [[ -d .whl/common ]]; then install /tmp/site .whl/common/*.whl || exit 1; fi
+if [[ -d .whl/trl112 ]]; then install /tmp/trl112 .whl/trl112/*.whl || exit 1; sites+=" --trl-site trl_ppo=/tmp/trl112"; fi
+if [[ -d .whl/trl116 ]]; then install /tmp/trl116 .whl/trl116/*.whl || exit 1; sites+=" --trl-site trl_grpo=/tmp/trl116"; fi
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, lightning, pyarrow, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__)"
@@ -60,7 +63,6 @@ for f in glob.glob("/tmp/qs/**/events.out.tfevents.*", recursive=True):
             print(tag, [round(e.value, 4) for e in acc.Scalars(tag)])
 EOF
 
-sites="--trl-site trl_ppo=/tmp/trl112 --trl-site trl_grpo=/tmp/trl116"
 echo "== 3a. bench_trl, GPU, quickstart shape"
 timeout 170 python3 benchmarks/bench_trl.py --device cuda --reps 5 $sites \
   --out "$OUT/trl_gpu_quickstart.md" > "$OUT/trl_gpu_quickstart.log" 2>&1

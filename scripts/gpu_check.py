@@ -1,4 +1,4 @@
-"""A short check for a session with one GPU: FSDP2 + bf16 on a model built from a config.
+"""A short check for a machine with one GPU: FSDP2 + bf16 on a model built from a config.
 
 One process, world size 1, the same code path as `--trainer.strategy=fsdp
 --trainer.precision=bf16-mixed`: `distributed.shard` (fully_shard per decoder layer, then the
