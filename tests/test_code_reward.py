@@ -87,6 +87,61 @@ def test_missing_tests_are_errors_not_zeros(reward):
     assert outcome.errors == 1
 
 
+def test_missing_tests_say_why(reward):
+    """The warning names the row's ground truth, so the bad row can be found."""
+    cb = CodeReward(num_workers=1)
+    try:
+        with pytest.warns(UserWarning, match=r"no tests.*'\[\]'"):
+            outcome = combine_rewards([cb], [_sample("x = 1", [])])
+    finally:
+        cb.close()
+    assert outcome.errors == 1
+
+
+def test_an_empty_fn_name_means_stdin_tests(reward):
+    """`extra_info` with ``fn_name: ""`` (a dataset's empty column) keeps stdin tests stdin."""
+    tests = [{"input": "1 2\n", "output": "3\n"}]
+    code = "a, b = map(int, input().split())\nprint(a + b)"
+    assert reward.score([_sample(code, tests, fn_name="")]) == [1.0]
+
+
+def test_a_failed_sandbox_is_a_counted_error_not_a_zero(monkeypatch):
+    """The sandbox failing before the program ran (setup) or the server failing is not the
+    program's fault: an error, counted and shown, never a silent score of 0."""
+    import vapo_lightning.rewards.code as code_mod
+    from vapo_lightning.sandbox import Result
+
+    class FailingPool:
+        layers = tuple(ALL_LAYERS)
+
+        def __init__(self, *a, **k):
+            pass
+
+        def evaluate(self, code, tests, fn_name, timeout_s):
+            if "setup" in code:
+                return Result(0, len(tests), "setup_error", errors=["C OSError: no uid"])
+            if "server" in code:
+                return Result(0, len(tests), "server_error")
+            return Result(len(tests), len(tests), "ok")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(code_mod, "Pool", FailingPool)
+    cb = CodeReward(num_workers=1, max_error_share=None)
+    tests = [{"input": [1], "output": 1}]
+    samples = [
+        _sample(f"# {c}\ndef f(x): return x", tests, fn_name="f") for c in ("setup", "server", "ok")
+    ]
+    with pytest.warns(UserWarning) as shown:
+        outcome = combine_rewards([cb], samples)
+    assert outcome.errors == 2 and outcome.rewards == [0.0, 0.0, 1.0]
+    text = " ".join(str(w.message) for w in shown)
+    assert "the sandbox failed (setup_error) C OSError: no uid" in text
+    assert "server_error" in text
+    assert cb.last_stats["error"] == 2.0
+
+
 def test_hostile_response_scores_zero_through_the_callback(reward):
     taco = {"inputs": [[1]], "outputs": [[12345]], "fn_name": "f"}
     resp = "```python\nimport os\ndef f(x):\n    os._exit(0)\n```"

@@ -141,7 +141,7 @@ def test_math_reward_scores_and_errors():
         assert paper.score(samples) == [1.0, -1.0, None]
         assert binary.score(samples) == [1.0, 0.0, None]
         outcome = combine_rewards([paper], samples)  # the missing ground truth is counted
-        assert outcome.rewards == [1.0, -1.0, 0.0] and outcome.errors == 1
+        assert outcome.rewards == [1.0, -1.0, -1.0] and outcome.errors == 1  # valued as wrong
     finally:
         paper.close()
         binary.close()
@@ -179,6 +179,48 @@ def test_a_hanging_check_does_not_hold_up_the_others(verifier):
     assert out == [False] + [True] * 40
     assert time.perf_counter() - start < TIMEOUT_S + SLACK_S
     assert verifier.stats.timeouts >= 1
+
+
+def test_checks_that_cannot_complete_are_counted_and_shown_and_valued_as_wrong():
+    """Out of time, or a ground truth math-verify cannot parse: the sample scores as a wrong
+    answer (a policy gains nothing by stalling the checker), counts in `reward/errors`, and
+    the warning names why; the checks around them are unaffected."""
+    reward = MathReward(num_workers=1, check_timeout_s=TIMEOUT_S, max_error_share=None)
+    samples = [
+        sample(HOSTILE["power tower"], "5"),
+        sample(boxed("\\frac{1}{2}"), "}{"),
+        sample(boxed("\\frac{1}{2}"), "0.5"),
+    ]
+    try:
+        with pytest.warns(UserWarning) as shown:
+            outcome = combine_rewards([reward], samples)
+        assert outcome.rewards == [-1.0, -1.0, 1.0] and outcome.errors == 2
+        text = " ".join(str(w.message) for w in shown)
+        assert "math-verify took over 3 s" in text and "cannot parse the ground truth" in text
+        assert "'}{'" in text  # the row's ground truth is named
+    finally:
+        reward.close()
+
+
+def test_a_batch_that_fails_midway_leaves_no_answer_for_the_next(monkeypatch):
+    """Checks in flight when a batch fails (here: the wait raises) must not answer the next
+    batch's checks of the same index: the workers are stopped with the batch."""
+    v = MathVerifier(num_workers=2, timeout_s=TIMEOUT_S)
+    try:
+        v.check_batch([boxed("\\frac{1}{3}")], ["0.25"])  # start the workers
+        wait = v._wait
+
+        def fail(selector):
+            raise RuntimeError("interrupted")
+
+        monkeypatch.setattr(v, "_wait", fail)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            v.check_batch([boxed("\\frac{1}{3}")] * 2, ["0.25", "0.2"])  # both False
+        monkeypatch.setattr(v, "_wait", wait)
+        time.sleep(1.0)  # the in-flight answers (False) would be waiting on the pipes by now
+        assert v.check_batch([boxed("\\frac{1}{2}")] * 2, ["0.5", "1/2"]) == [True, True]
+    finally:
+        v.close()
 
 
 # ----------------------------------------------------------- real gold answers (slow)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from vapo_lightning.rewards.base import RewardCallback, Sample
+from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.sandbox import Limits, Pool
 from vapo_lightning.sandbox.importers import from_ground_truth
 from vapo_lightning.sandbox.levels import ISOLATION_LEVELS, missing_isolation, require_isolation
@@ -103,15 +103,18 @@ class CodeReward(RewardCallback):
             self.layers = list(self.pool.layers)
         self._check_isolation()
 
-    def _score_one(self, sample: Sample) -> float | None:
-        fn_name = (sample.extra_info or {}).get("fn_name")
+    def _score_one(self, sample: Sample) -> float | SampleError | None:
+        fn_name = (sample.extra_info or {}).get("fn_name") or None
+        why = "no tests in the ground truth"
         try:
             imported = from_ground_truth(sample.ground_truth, fn_name)
-        except (ValueError, TypeError, KeyError, SyntaxError):
-            imported = None
+        except (ValueError, TypeError, KeyError, SyntaxError) as err:
+            imported, why = None, f"its tests cannot be imported ({type(err).__name__}: {err})"
         if imported is None or not imported.tests:
             with self._stats_lock:
                 self.last_stats["no_tests"] += 1
+            if self.no_tests_value is None:
+                return SampleError(f"{why}: {str(sample.ground_truth)[:120]!r}", "no tests")
             return self.no_tests_value
         result = self.pool.evaluate(
             extract_code(sample.response),
@@ -128,11 +131,16 @@ class CodeReward(RewardCallback):
         with self._stats_lock:
             self.last_statuses[result.status] += 1
             self.last_stats[kind] += 1
+        if result.status in ("setup_error", "server_error"):  # the sandbox failed, not the program
+            detail = next((e for e in result.errors if e), "")
+            return SampleError(
+                f"the sandbox failed ({result.status}) {detail}".strip(), result.status
+            )
         if self.all_or_nothing:
             return float(result.passed == result.total)
         return result.passed / result.total
 
-    def score(self, samples: Sequence[Sample]) -> list[float | None]:
+    def score(self, samples: Sequence[Sample]) -> list[float | SampleError | None]:
         if self.pool is None:
             raise RuntimeError("CodeReward was closed")
         self.last_statuses = Counter()

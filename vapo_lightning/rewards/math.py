@@ -11,7 +11,10 @@ only inside worker processes. math-verify's own timeout is built on ``signal.ala
 thread only) and cannot stop a computation stuck in C, such as ``9^{9^{9^{9}}}``; so each check
 runs in a separate interpreter (started with exec, never a bare fork of the trainer, which may
 hold threads or CUDA) and the host kills a worker that passes its deadline and starts a new one.
-A check that runs out of time, crashes its worker or exhausts its memory is judged wrong.
+A check that runs out of time, crashes its worker or exhausts its memory is judged wrong, and
+so is a sample whose ground truth math-verify cannot parse; each such check is also an error
+(counted in ``reward/errors`` and shown once per kind, `base`), so that a busy machine or a bad
+answer key cannot pass for a policy that answers wrong.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vapo_lightning.rewards.base import RewardCallback, Sample
+from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.rewards.math_answers import extract_answer, fast_verdict, gold_answer
 
 __all__ = ["MathReward", "MathVerifier", "extract_answer", "is_equivalent"]
 
 # The worker: a fresh interpreter that imports math-verify once, then answers one JSON line
-# ``[task, pred, gold]`` with ``[task, ok]``. Kept as source text so the worker imports neither
+# ``[task, pred, gold]`` with ``[task, ok, why]`` (`why`: None, or why it could not check). Kept as source text so the worker imports neither
 # this package nor torch / lightning (start-up ~1 s instead of ~7 s, ~100 MB instead of ~500).
 _WORKER_SOURCE = r"""
 import json, logging, os, signal, sys
@@ -51,14 +54,18 @@ if limit > 0:
 proto.write('"ready"\n')
 for line in sys.stdin:
     task, pred, gold = json.loads(line)
+    ok, why = False, None
     try:
         # math-verify's signal timeouts are off: the host's deadline is the real limit.
         g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
-        p = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-        ok = bool(verify(g, p, timeout_seconds=None))
-    except BaseException:  # RecursionError, MemoryError, parser internals: all "wrong"
-        ok = False
-    proto.write(json.dumps([task, ok]) + "\n")
+        if not g:
+            why = "math-verify cannot parse the ground truth"
+        else:
+            p = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+            ok = bool(verify(g, p, timeout_seconds=None))
+    except BaseException as err:  # RecursionError, MemoryError, parser internals: "wrong"
+        why = "math-verify raised " + type(err).__name__
+    proto.write(json.dumps([task, ok, why]) + "\n")
 """
 
 # ------------------------------------------------------------------------------- pool
@@ -140,10 +147,15 @@ class MathVerifier:
     # -- public
 
     def check_batch(
-        self, responses: Sequence[str], ground_truths: Sequence[Any]
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        failures: dict[int, str] | None = None,
     ) -> list[bool | None]:
         """One verdict per (response, ground truth): True / False, None if the ground truth
-        is missing. Checks run concurrently across the workers."""
+        is missing. Checks run concurrently across the workers. A check that could not be
+        completed (out of time, its worker died, math-verify raised or cannot parse the
+        ground truth) is False, and `failures` (if given) gets its index and why."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
         verdicts: list[bool | None] = [None] * len(responses)
@@ -163,8 +175,10 @@ class MathVerifier:
                 self.stats.fast += 1
         if pending:
             with self._lock:
-                for k, ok in self._run(pending).items():
+                for k, (ok, why) in self._run(pending).items():
                     verdicts[k] = ok
+                    if why is not None and failures is not None:
+                        failures[k] = why
         return verdicts
 
     def close(self) -> None:
@@ -191,18 +205,23 @@ class MathVerifier:
         self._workers[self._workers.index(worker)] = fresh
         return fresh
 
-    def _run(self, pending: list[tuple[int, str, str]]) -> dict[int, bool]:
-        """Dispatches `pending` checks to idle workers until all are answered or killed."""
+    def _run(self, pending: list[tuple[int, str, str]]) -> dict[int, tuple[bool, str | None]]:
+        """Dispatches `pending` checks to idle workers until all are answered or killed:
+        ``{index: (verdict, why it could not be checked or None)}``."""
         while len(self._workers) < self.num_workers:
             self._workers.append(self._spawn())
         queue, results = deque(pending), {}
         failed_starts = 0
-        with selectors.DefaultSelector() as selector:
-            while len(results) < len(pending):
-                self._hand_out(queue)
-                for worker in self._wait(selector):
-                    failed_starts = self._read(worker, results, failed_starts)
-                self._enforce_deadlines(results)
+        try:
+            with selectors.DefaultSelector() as selector:
+                while len(results) < len(pending):
+                    self._hand_out(queue)
+                    for worker in self._wait(selector):
+                        failed_starts = self._read(worker, results, failed_starts)
+                    self._enforce_deadlines(results)
+        except BaseException:  # no worker may carry this batch's checks into the next one
+            _stop_all(self._workers)
+            raise
         return results
 
     def _hand_out(self, queue: deque[tuple[int, str, str]]) -> None:
@@ -233,7 +252,9 @@ class MathVerifier:
             selector.unregister(fd)
         return [key.data for key, _ in events]
 
-    def _read(self, worker: _Worker, results: dict[int, bool], failed_starts: int) -> int:
+    def _read(
+        self, worker: _Worker, results: dict[int, tuple[bool, str | None]], failed_starts: int
+    ) -> int:
         """Takes a worker's answers into `results`; a dead worker is replaced, its check
         judged wrong. Returns `failed_starts`, counting workers that died before "ready"."""
         chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)  # type: ignore[union-attr]
@@ -246,7 +267,7 @@ class MathVerifier:
                         f"(is math-verify installed for {sys.executable}?)"
                     )
             elif worker.task is not None:
-                results[worker.task] = False
+                results[worker.task] = (False, "its math-verify worker died")
                 self.stats.crashes += 1
             self._replace(worker)
             return failed_starts
@@ -255,13 +276,13 @@ class MathVerifier:
             message = json.loads(raw)
             if message == "ready":
                 worker.ready = True
-            else:
-                results[message[0]] = bool(message[1])
+            elif message[0] == worker.task:  # (never another check's answer)
+                results[message[0]] = (bool(message[1]), message[2])
                 self.stats.pooled += 1
                 worker.task = None
         return failed_starts
 
-    def _enforce_deadlines(self, results: dict[int, bool]) -> None:
+    def _enforce_deadlines(self, results: dict[int, tuple[bool, str | None]]) -> None:
         """Kills and replaces each worker past its deadline (its check is judged wrong)."""
         now = time.monotonic()
         for worker in list(self._workers):
@@ -271,7 +292,7 @@ class MathVerifier:
                 raise RuntimeError(
                     f"math-verify worker did not start within {self.startup_timeout_s} s"
                 )
-            results[worker.task] = False  # type: ignore[index]
+            results[worker.task] = (False, f"math-verify took over {self.timeout_s:g} s")  # type: ignore[index]
             self.stats.timeouts += 1
             self._replace(worker)
 
@@ -297,7 +318,11 @@ def is_equivalent(response: str, ground_truth: str) -> bool:
 
 class MathReward(RewardCallback):
     """VAPO's rule-based math reward: `correct_reward` if the final answer is equivalent to the
-    sample's ground truth, `wrong_reward` otherwise (no answer, wrong, or out of time).
+    sample's ground truth, `wrong_reward` otherwise (no answer, or wrong). A check that could
+    not be completed (out of time, a crashed worker, a ground truth math-verify cannot parse)
+    is an error: counted in ``reward/errors``, shown, and given `error_value`, by default
+    `wrong_reward` (never more than a wrong answer: a policy must not gain by stalling the
+    checker).
 
     Args:
         correct_reward: reward of a correct answer (paper: +1).
@@ -305,8 +330,9 @@ class MathReward(RewardCallback):
         check_timeout_s: hard wall-clock limit of one check (the worker is killed after it).
         num_workers: math-verify worker processes, started on the first batch.
         max_answer_chars: longer extracted answers are judged wrong without parsing.
-        **kwargs: `RewardCallback`'s ``weight``, ``on_error``, ``error_value``, ``timeout_s``
-            (the latter bounds a whole batch; a sample without ground truth is an error).
+        **kwargs: `RewardCallback`'s ``weight``, ``on_error``, ``error_value`` (default:
+            `wrong_reward`), ``timeout_s`` (the latter bounds a whole batch; a sample without
+            ground truth is an error).
     """
 
     def __init__(
@@ -319,6 +345,7 @@ class MathReward(RewardCallback):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("timeout_s", None)  # each check has its own hard limit
+        kwargs.setdefault("error_value", wrong_reward)
         super().__init__(**kwargs)
         self.correct_reward = float(correct_reward)
         self.wrong_reward = float(wrong_reward)
@@ -327,14 +354,18 @@ class MathReward(RewardCallback):
         self.correct_threshold = (self.correct_reward + self.wrong_reward) / 2
         self.verifier = MathVerifier(num_workers, check_timeout_s, max_answer_chars)
 
-    def score(self, samples: Sequence[Sample]) -> list[float | None]:
+    def score(self, samples: Sequence[Sample]) -> list[float | SampleError | None]:
+        failures: dict[int, str] = {}
         verdicts = self.verifier.check_batch(
-            [s.response for s in samples], [s.ground_truth for s in samples]
+            [s.response for s in samples], [s.ground_truth for s in samples], failures
         )
-        return [
+        scores: list[float | SampleError | None] = [
             None if ok is None else self.correct_reward if ok else self.wrong_reward
             for ok in verdicts
         ]
+        for k, why in failures.items():
+            scores[k] = SampleError(f"{why} (ground truth {samples[k].ground_truth!r})", why)
+        return scores
 
     def close(self) -> None:
         self.verifier.close()

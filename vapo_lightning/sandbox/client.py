@@ -84,7 +84,8 @@ class Result:
     passed: int
     total: int
     status: str
-    """ok | timeout | output_limit | memory_limit | crashed | setup_error | server_error."""
+    """ok | timeout | output_limit | memory_limit | crashed (the program's process died) |
+    setup_error (the sandbox failed before the program ran) | server_error."""
     layers: list[str] = field(default_factory=list)
     per_test: list[bool] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
@@ -308,7 +309,7 @@ class Pool:
         header, raw = self._run(request)
         exit_code, stdout, stderr, truncated = _read_execution(raw, max_output_bytes)
         status = header.get("status", "server_error")
-        if status not in ("timeout", "memory_limit", "output_limit", "server_error"):
+        if status not in ("timeout", "memory_limit", "output_limit", "setup_error", "server_error"):
             if exit_code is not None:  # the program ended: its own status decides
                 status = "ok" if exit_code == 0 else "error"
             else:  # the runner never saw it end: it did not start, or it took the runner down

@@ -120,7 +120,7 @@ class Server:
         if sp.p2_fd is None and self.iso.subreaper:  # C failed (its error is in sp.ctl)
             self.spares.discard(sp)
             header = P.parse_ctl(sp.ctl)
-            header.update(status="crashed", exit_code=70, raw_len=0)
+            header.update(status="setup_error", exit_code=70, raw_len=0)
             header["spare_sids"] = self.spares.refill(sp.tmp_mb)
             return header, b""
         if blob is None:
