@@ -1,6 +1,7 @@
 """`VerlReward`: verl's reward files and custom reward functions, run unchanged in killable
 worker processes (tests/verl_reward_score holds files written the way verl writes them)."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,29 @@ def test_a_hanging_call_is_killed_and_the_others_are_scored(rewards, tmp_path):
     assert "call_timeout_s=1.0" in messages and "AssertionError (at hang.py:4)" in messages
     again = combine_rewards([cb], [sample("1", "1"), sample("3", "3")])  # a new worker took over
     assert again.errors == 0 and again.rewards == [1.0, 1.0]
+
+
+def test_a_batch_that_fails_midway_leaves_no_answer_for_the_next(rewards, tmp_path, monkeypatch):
+    """Calls in flight when a batch fails (here: the wait raises) must not answer the next
+    batch's calls of the same index: the workers are stopped with the batch."""
+    import selectors
+
+    path = tmp_path / "echo.py"
+    path.write_text(
+        "import time\n"
+        "def compute_score(solution_str, ground_truth):\n"
+        "    time.sleep(0.3)\n"
+        "    return float(solution_str == ground_truth)\n"
+    )
+    cb = rewards(str(path), num_workers=2)
+    assert combine_rewards([cb], [sample("1", "1")]).rewards == [1.0]  # workers started
+
+    def fail(self, timeout=None):
+        raise RuntimeError("interrupted")
+
+    with monkeypatch.context() as m:
+        m.setattr(selectors.DefaultSelector, "select", fail)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            cb.pool.map([("s", "1", "2", {}), ("s", "1", "3", {})])  # both 0.0
+    time.sleep(1.0)  # the in-flight answers (0.0) would be waiting on the pipes by now
+    assert cb.pool.map([("s", "5", "5", {}), ("s", "6", "6", {})]) == [(1.0, None), (1.0, None)]

@@ -126,7 +126,11 @@ class FunctionPool:
         with self._lock:
             while len(self._workers) < self.num_workers:
                 self._workers.append(self._spawn())
-            return self._run(calls)
+            try:
+                return self._run(calls)
+            except BaseException:  # no worker may carry this batch's calls into the next one
+                _stop_all(self._workers)
+                raise
 
     def _run(self, calls: Sequence[tuple]) -> list[tuple[float | None, tuple[str, str] | None]]:
         queue, results = deque(range(len(calls))), {}
@@ -185,7 +189,7 @@ class FunctionPool:
                 w.ready = True
             elif task == "load-error":
                 raise RuntimeError(f"reward worker could not load {self.spec[0]}: {error}")
-            else:
+            elif task == w.task:  # (never another call's answer)
                 results[task], w.task = (score, error), None
 
     def close(self) -> None:
