@@ -202,6 +202,24 @@ def test_checks_that_cannot_complete_are_counted_and_shown_and_valued_as_wrong()
         reward.close()
 
 
+def test_a_ground_truth_that_is_no_answer_is_an_error_not_a_silent_wrong():
+    """verl's ``reward_model`` dict, a list, NaN: their text would match no response, so every
+    sample would be silently wrong. Each is an error naming the value; 1.0 and "7" still work."""
+    reward = MathReward(num_workers=1, max_error_share=None)
+    truths = [{"ground_truth": "42", "style": "rule"}, ["42"], float("nan"), 42.0, "42"]
+    try:
+        with pytest.warns(UserWarning) as shown:
+            outcome = combine_rewards([reward], [sample(boxed("42"), t) for t in truths])
+        assert outcome.errors == 3 and outcome.rewards == [-1.0, -1.0, -1.0, 1.0, 1.0]
+        text = " ".join(str(w.message) for w in shown)
+        assert "the ground truth is a dict, not an answer" in text and "'style': 'rule'" in text
+        assert "is a list" in text and "is a float" in text
+    finally:
+        reward.close()
+    with pytest.raises(ValueError, match="string or a number, got dict"):
+        is_equivalent(boxed("42"), {"ground_truth": "42"})
+
+
 def test_a_batch_that_fails_midway_leaves_no_answer_for_the_next(monkeypatch):
     """Checks in flight when a batch fails (here: the wait raises) must not answer the next
     batch's checks of the same index: the workers are stopped with the batch."""

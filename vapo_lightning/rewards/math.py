@@ -161,7 +161,16 @@ class MathVerifier:
         verdicts: list[bool | None] = [None] * len(responses)
         pending: list[tuple[int, str, str]] = []
         for k, (response, ground_truth) in enumerate(zip(responses, ground_truths)):
-            gold = gold_answer(ground_truth)
+            try:
+                gold = gold_answer(ground_truth)
+            except ValueError:
+                verdicts[k] = False
+                if failures is not None:  # (one kind per type: the value is named by the caller)
+                    failures[k] = (
+                        f"the ground truth is a {type(ground_truth).__name__}, not an answer "
+                        "(point data.answer_field at the answer itself)"
+                    )
+                continue
             if gold is None:
                 continue
             pred = extract_answer(response)

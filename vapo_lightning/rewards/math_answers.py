@@ -9,6 +9,7 @@ spellings and integers (AIME's "033" vs 33); everything else goes to math-verify
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -84,9 +85,17 @@ def extract_answer(response: str) -> str | None:
 
 def gold_answer(ground_truth: Any) -> str | None:
     """The ground truth as an answer string: bare ("3/4"), LaTeX, a number, or a solution
-    ending in ``#### 18`` / a box. None when missing."""
+    ending in ``#### 18`` / a box. None when missing. A value that is no answer (a dict such
+    as verl's ``reward_model``, a list, NaN) raises `ValueError`: its text would match nothing."""
     if ground_truth is None or isinstance(ground_truth, bool):
         return None
+    if not isinstance(ground_truth, str | int | float) or (
+        isinstance(ground_truth, float) and not math.isfinite(ground_truth)
+    ):
+        raise ValueError(
+            f"a math ground truth must be a string or a number, got {type(ground_truth).__name__} "
+            f"{ground_truth!r:.80} (point data.answer_field at the answer itself)"
+        )
     if isinstance(ground_truth, float) and ground_truth.is_integer():
         ground_truth = int(ground_truth)  # JSON's 142.0 for AMC's 142
     text = str(ground_truth).strip()
