@@ -147,6 +147,9 @@ def test_short_fit_scores_rollouts_in_the_sandbox(tmp_path):
     acc.Reload()
     scalars = {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
     assert len(scalars["reward"]) == 2 and all(0.0 <= v <= 1.0 for v in scalars["reward"])
-    assert scalars["reward/errors"] == [0.0, 0.0]
+    assert scalars["reward/errors"] == [0.0, 0.0] and scalars["val/reward_errors"] == [0.0]
+    assert scalars["code/samples"] == [16.0, 16.0]  # the sandbox's outcomes, counted per step
+    outcomes = ("passed", "failed", "timeout", "error", "no_tests")
+    assert [sum(scalars[f"code/{k}"][i] for k in outcomes) for i in (0, 1)] == [16.0, 16.0]
     assert len(scalars["val/accuracy"]) == 1 and 0.0 <= scalars["val/accuracy"][0] <= 1.0
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()

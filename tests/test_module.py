@@ -76,6 +76,7 @@ def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
         "policy_loss",
         "reward/errors",
         "val/accuracy",
+        "val/reward_errors",
         "val/accuracy/add",
         "val/accuracy/sum",
         "rollout/entropy",
@@ -202,6 +203,39 @@ def test_baselines_run_from_the_same_code(tok, tmp_path, algorithm):
     tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_data(tmp_path))
     assert (module.critic is None) == (algorithm.advantage == "group")
     assert changed(before, module.policy)
+
+
+def test_reward_metrics_are_logged_summed_over_dynamic_sampling_rounds(tok, tmp_path):
+    """A reward's `metrics` (counts over its last `score` call) reach TensorBoard with the
+    step, summed over every round DAPO's dynamic sampling drew."""
+    from vapo_lightning.rewards.base import RewardCallback
+
+    class Counting(RewardCallback):
+        def __init__(self):
+            super().__init__()
+            self.calls = self.samples = 0
+            self.last = {}
+
+        def score(self, samples):
+            self.calls, self.samples = self.calls + 1, self.samples + len(samples)
+            self.last = {"count/calls": 1.0, "count/samples": float(len(samples))}
+            return [0.0] * len(samples)
+
+        def metrics(self):
+            return self.last
+
+    L.seed_everything(3)
+    counting = Counting()
+    algorithm = Algorithm(
+        advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=3
+    )
+    module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[counting], limit_val_batches=0)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    logged = scalars(tmp_path)
+    assert logged["count/calls"] == [(0, float(counting.calls))]
+    assert logged["count/samples"] == [(0, float(counting.samples))]
+    assert counting.samples >= 16
 
 
 def test_impossible_settings_fail_at_start_up(tok, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import Counter
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
         rounds, n = self.algo.dynamic_sampling_rounds, self.gen.n
         kept, rows, want, errors = [], batch, len(batch) * n, 0
+        reward_metrics: Counter[str] = Counter()
         self.tool_errors = 0
         with timer("weight_sync"):  # vLLM: the policy's new weights into the engine
             self.sync_engine()
@@ -211,6 +213,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             with timer("reward"):
                 self.score(r)
             errors += self.reward_errors
+            reward_metrics.update(self.reward_metrics)
             if not rounds:
                 self.release_engine()  # the models train next (a GPU engine sleeps)
                 return r
@@ -222,7 +225,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             if round_ == rounds or self.global_sum(torch.tensor(float(have < want))) == 0:
                 break
             rows = self.trainer.datamodule.sample_prompts(max(1, -(-(want - have) // n)))
-        self.reward_errors = errors
+        self.reward_errors, self.reward_metrics = errors, dict(reward_metrics)
         if not kept:  # every group uniform in every round: zero advantages, nothing to select
             rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
             kept = [r]
@@ -263,6 +266,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         else:
             r.correct = r.scores > 0
         self.reward_errors = outcome.errors
+        self.reward_metrics = {k: v for cb in callbacks for k, v in cb.metrics().items()}
 
     @torch.no_grad()
     def compute_old_logprobs(self, r: Rollout) -> None:
@@ -381,6 +385,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
                 "actor/lr": lrs[0],
                 "warmup/active": float(self.actor_frozen),
                 "reward/errors": self.reward_errors,
+                **self.reward_metrics,
             }
         )
         if self.tools:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from vapo_lightning.callbacks import ValidationSamples
 from vapo_lightning.metrics import PhaseTimer
@@ -30,6 +30,7 @@ class ValidationMixin:
         self.val_accuracy = MeanMetric()
         self.val_accuracy_by_source = torch.nn.ModuleDict()
         self.val_tool_share, self.val_tool_calls = MeanMetric(), MeanMetric()
+        self.val_reward_errors = SumMetric()
 
     @torch.no_grad()
     def validation_step(self, batch: list[dict], batch_idx: int) -> None:
@@ -39,6 +40,7 @@ class ValidationMixin:
             r = self.sample(batch, self.val_gen)
         self.count_tool_use(r, PhaseTimer())  # a failing tool is shown in validation too
         self.score(r)
+        self.val_reward_errors.update(float(self.reward_errors))
         self.last_val_rollout = r  # for callbacks (ValidationSamples)
         correct = r.correct.float()
         self.val_accuracy.update(correct)
@@ -58,8 +60,12 @@ class ValidationMixin:
             self.log("val/acc", metrics["val/accuracy"], prog_bar=True, logger=False, batch_size=1)
 
     def _compute_val_metrics(self) -> dict[str, Any]:
-        metrics = {"val/accuracy": self.val_accuracy.compute()}
+        metrics = {
+            "val/accuracy": self.val_accuracy.compute(),
+            "val/reward_errors": self.val_reward_errors.compute(),
+        }
         self.val_accuracy.reset()
+        self.val_reward_errors.reset()
         if self.val_tool_share.update_count:
             metrics["val/tools/share_of_responses"] = self.val_tool_share.compute()
             metrics["val/tools/calls/mean"] = self.val_tool_calls.compute()

@@ -126,6 +126,12 @@ class RewardCallback(L.Callback):
         shown), means "could not score this sample" (an error)."""
         raise NotImplementedError
 
+    def metrics(self) -> dict[str, float]:
+        """Counts over the last `score` call's samples that the trainer logs with the rollout
+        step, summed over DAPO's dynamic-sampling rounds (e.g. `CodeReward`'s
+        ``code/passed``); none by default."""
+        return {}
+
     def close(self) -> None:
         """Release worker processes or connections; called at the end of fit/validate."""
 

@@ -52,8 +52,8 @@ class CodeReward(RewardCallback):
             handled by `on_error`).
         **kwargs: `RewardCallback` arguments (weight, on_error, error_value, timeout_s).
 
-    After each `score` call, `last_stats` holds per-batch counts of outcomes (see `STAT_KEYS`)
-    for the trainer to log, e.g. ``{f"code/{k}": v for k, v in reward.last_stats.items()}``.
+    After each `score` call, `last_stats` holds per-batch counts of outcomes (see `STAT_KEYS`),
+    which the trainer logs as ``code/<key>`` (`metrics`).
     """
 
     correct_threshold = 1.0 - 1e-9
@@ -148,6 +148,9 @@ class CodeReward(RewardCallback):
         self.last_stats["samples"] = float(len(samples))
         with ThreadPoolExecutor(self.num_workers, thread_name_prefix="vapo-code") as ex:
             return list(ex.map(self._score_one, samples))
+
+    def metrics(self) -> dict[str, float]:
+        return {f"code/{k}": v for k, v in self.last_stats.items()}
 
     def close(self) -> None:
         if self.pool is not None:
