@@ -142,6 +142,19 @@ def test_a_failed_sandbox_is_a_counted_error_not_a_zero(monkeypatch):
     assert cb.last_stats["error"] == 2.0
 
 
+def test_tests_that_are_not_run_are_counted_and_shown():
+    """A row scored on fewer tests than it has says so: `code/tests_skipped` counts them and
+    the first such row is named in a warning."""
+    cb = CodeReward(num_workers=1)
+    tests = [{"input": "1\n", "output": "1\n"}, {"input": 2, "output": 2}]
+    try:
+        with pytest.warns(UserWarning, match=r"1 of a row's 2 tests .* not run"):
+            assert cb.score([_sample("print(input())", tests)]) == [1.0]
+        assert cb.last_stats["tests_skipped"] == 1.0 and cb.metrics()["code/tests_skipped"] == 1.0
+    finally:
+        cb.close()
+
+
 def test_hostile_response_scores_zero_through_the_callback(reward):
     taco = {"inputs": [[1]], "outputs": [[12345]], "fn_name": "f"}
     resp = "```python\nimport os\ndef f(x):\n    os._exit(0)\n```"
@@ -200,6 +213,7 @@ def test_last_stats_count_outcomes_per_batch(reward):
             "timeout": 1.0,
             "error": 1.0,
             "no_tests": 1.0,
+            "tests_skipped": 0.0,
         }
         assert all(type(v) is float for v in short.last_stats.values())
         short.score(samples[:1])  # reset by each call

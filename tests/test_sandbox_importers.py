@@ -79,6 +79,30 @@ def test_ground_truth_shapes():
         from_ground_truth({"unknown": 1})
 
 
+def test_tests_without_an_exact_form_are_counted_never_run_as_something_else():
+    """A stdin test must be text in and text out: a number or a list is not silently replaced
+    by empty stdin; inputs and outputs of different lengths are refused, not zipped short;
+    asserts nested in an ``if`` / ``with`` of ``check`` are counted as skipped."""
+    imp = from_ground_truth([{"input": "1 2\n", "output": "3\n"}, {"input": 5, "output": 5}])
+    assert imp.tests == [{"input": "1 2\n", "output": "3\n"}] and imp.skipped == 1
+    imp = from_ground_truth([{"input": "x", "output": 3, "testtype": "stdin"}])
+    assert imp.tests == [] and imp.skipped == 1
+    assert from_ground_truth([{"input": [1], "output": 2}], fn_name="f").skipped == 0
+    with pytest.raises(ValueError, match="3 inputs but 2 outputs"):
+        from_io({"inputs": ["1", "2", "3"], "outputs": ["1", "2"]})
+    problem = {
+        "entry_point": "f",
+        "test": "def check(candidate):\n"
+        "    assert candidate(1) == 2\n"
+        "    if True:\n"
+        "        assert candidate(2) == 3\n"
+        "    with open('/dev/null'):\n"
+        "        assert candidate(3) == 4\n",
+    }
+    imp = from_humaneval(problem)
+    assert imp.tests == [{"input": [1], "output": 2}] and imp.skipped == 2
+
+
 @pytest.mark.slow
 def test_humaneval_canonical_solutions_pass_and_return_none_fails():
     from concurrent.futures import ThreadPoolExecutor

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.sandbox import Limits, Pool
 from vapo_lightning.sandbox.importers import from_ground_truth
@@ -25,7 +27,7 @@ from vapo_lightning.sandbox.levels import ISOLATION_LEVELS, missing_isolation, r
 
 __all__ = ["ISOLATION_LEVELS", "STAT_KEYS", "CodeReward", "extract_code", "missing_isolation"]
 
-STAT_KEYS = ("samples", "passed", "failed", "timeout", "error", "no_tests")
+STAT_KEYS = ("samples", "passed", "failed", "timeout", "error", "no_tests", "tests_skipped")
 """Keys of `CodeReward.last_stats`."""
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -80,6 +82,7 @@ class CodeReward(RewardCallback):
         self.num_workers = num_workers or max(1, os.cpu_count() or 1)
         self.limits = Limits(memory_mb=memory_mb)
         self._stats_lock = threading.Lock()
+        self._warned_skipped = False
         self.pool: Pool | None = Pool(self.num_workers, limits=self.limits)
         self.layers = list(self.pool.layers)
         self.last_statuses: Counter[str] = Counter()
@@ -87,7 +90,9 @@ class CodeReward(RewardCallback):
         """Counts over the samples of the last `score` call (reset by each call), for logging:
         ``passed`` (every test passed), ``failed`` (ran, some test failed), ``timeout``,
         ``error`` (crash, output limit, sandbox error), ``no_tests`` (tests could not be
-        imported) and ``samples``; floats, so that they can go to `log_dict` as they are."""
+        imported) and ``samples``; ``tests_skipped`` counts tests (not samples) of the rows
+        that the importer could not convert exactly and that are not run (each such row is
+        scored on its other tests; shown once). Floats, so that they can go to `log_dict`."""
         self._check_isolation()
 
     def _check_isolation(self) -> None:
@@ -116,6 +121,17 @@ class CodeReward(RewardCallback):
             if self.no_tests_value is None:
                 return SampleError(f"{why}: {str(sample.ground_truth)[:120]!r}", "no tests")
             return self.no_tests_value
+        if imported.skipped:
+            with self._stats_lock:
+                self.last_stats["tests_skipped"] += imported.skipped
+                first, self._warned_skipped = not self._warned_skipped, True
+            if first:
+                rank_zero_warn(
+                    f"CodeReward: {imported.skipped} of a row's {imported.skipped + len(imported.tests)} "
+                    "tests have no exact input/output form and are not run; the row is scored on "
+                    f"the other {len(imported.tests)} (counted in code/tests_skipped; shown once). "
+                    f"Its ground truth: {str(sample.ground_truth)[:200]!r}"
+                )
         result = self.pool.evaluate(
             extract_code(sample.response),
             imported.tests,

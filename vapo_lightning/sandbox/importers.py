@@ -116,7 +116,7 @@ def from_humaneval(problem: Mapping) -> Imported:
             part = from_asserts(ast.unparse(stmt), param)
             out.tests += part.tests
             out.skipped += part.skipped
-        elif isinstance(stmt, (ast.For, ast.While)):
+        else:  # asserts inside loops, ifs, withs, trys: not imported, but counted
             out.skipped += sum(isinstance(n, ast.Assert) for n in ast.walk(stmt))
     return out
 
@@ -131,6 +131,8 @@ def from_io(spec: Mapping | str) -> Imported:
         spec = json.loads(spec)
     fn_name = spec.get("fn_name") or None
     inputs, outputs = list(spec["inputs"]), list(spec["outputs"])
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
     out = Imported(fn_name=fn_name)
     if fn_name is None:
         for i, o in zip(inputs, outputs):
@@ -163,8 +165,10 @@ def from_livecodebench(cases: Iterable[Mapping], fn_name: str | None = None) -> 
                 out.tests.append({"input": args, "output": json.loads(case["output"])})
             except ValueError:
                 out.skipped += 1
-        else:
+        elif isinstance(case["input"], str) and isinstance(case["output"], str):
             out.tests.append({"input": case["input"], "output": case["output"]})
+        else:
+            out.skipped += 1
     return out
 
 
@@ -187,6 +191,10 @@ def from_ground_truth(ground_truth: object, fn_name: str | None = None) -> Impor
         return from_asserts(cases, fn_name)
     if cases and "testtype" in cases[0]:
         return from_livecodebench(cases, fn_name)
-    return Imported(
-        tests=[{"input": c["input"], "output": c["output"]} for c in cases], fn_name=fn_name
-    )
+    out = Imported(fn_name=fn_name)
+    for c in cases:
+        if fn_name is None and not (isinstance(c["input"], str) and isinstance(c["output"], str)):
+            out.skipped += 1  # stdin tests are text in, text out
+        else:
+            out.tests.append({"input": c["input"], "output": c["output"]})
+    return out
