@@ -18,6 +18,7 @@ from tests.helpers import (
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
 from vapo_lightning.config import Algorithm, Generation, Optim
+from vapo_lightning.rewards.base import RewardCallback
 
 
 def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
@@ -236,6 +237,44 @@ def test_reward_metrics_are_logged_summed_over_dynamic_sampling_rounds(tok, tmp_
     assert logged["count/calls"] == [(0, float(counting.calls))]
     assert logged["count/samples"] == [(0, float(counting.samples))]
     assert counting.samples >= 16
+
+
+class Fixed(RewardCallback):
+    """A verifier that calls every response right (`value` > 0) or wrong."""
+
+    correct_threshold = 0.0
+
+    def __init__(self, value: float):
+        super().__init__(weight=0.0)
+        self.value = value
+
+    def score(self, samples):
+        return [self.value] * len(samples)
+
+
+def test_two_verifiers_of_one_class_both_decide_correctness(tok, tmp_path):
+    """Two reward callbacks of the same class (the same name) keep their own scores: a
+    response is correct only when every verifier says so, whichever was listed last."""
+    L.seed_everything(0)
+    module = tiny_module(tok, val_before_train=False)
+    callbacks = [Fixed(-1.0), Fixed(1.0)]
+    tiny_trainer(tmp_path, max_steps=1, callbacks=callbacks, limit_val_batches=0).fit(
+        module, datamodule=tiny_data(tmp_path)
+    )
+    assert [v for _, v in scalars(tmp_path)["rollout/accuracy"]] == [0.0]
+
+
+def test_a_reward_that_is_no_reward_callback_is_refused(tok, tmp_path):
+    class Plain(L.Callback):
+        def score(self, samples):
+            return [1.0] * len(samples)
+
+    module = tiny_module(tok, val_before_train=False)
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[Plain()], limit_val_batches=0)
+    with pytest.raises(
+        TypeError, match=r"Plain has a score\(\) method but is not a vapo_lightning"
+    ):
+        trainer.fit(module, datamodule=tiny_data(tmp_path))
 
 
 def test_impossible_settings_fail_at_start_up(tok, tmp_path):

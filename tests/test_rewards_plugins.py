@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 
 from vapo_lightning.rewards import RewardCallback, RewardError, Sample, combine_rewards
+from vapo_lightning.rewards.base import SampleError
 from vapo_lightning.rewards.format import FormatReward
 from vapo_lightning.rewards.overlong import OverlongPenalty
 from vapo_lightning.rewards.sandbox_fusion import SandboxFusionReward
@@ -41,6 +42,10 @@ SAMPLES = [sample(), sample(), sample()]
 def test_weighted_sum_of_callbacks():
     out = combine_rewards([Fixed([1, 0, -1]), Fixed([0.5, 0.5, 0.5], weight=2.0)], SAMPLES)
     assert out.rewards == [2.0, 1.0, 0.0] and out.errors == 0
+    assert out.per_callback == {"Fixed": [1, 0, -1], "Fixed#2": [0.5, 0.5, 0.5]}  # both kept
+    for weight in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="weight must be finite"):
+            Fixed([1], weight=weight)
 
 
 @pytest.mark.parametrize(
@@ -162,10 +167,16 @@ class FakeSandboxFusion(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         FakeSandboxFusion.requests.append(body)
+        if "SANDBOX_DOWN" in body["code"]:  # the service itself failing
+            self.reply({"status": "SandboxError", "message": "container failed to start"})
+            return
         proc = subprocess.run([sys.executable, "-c", body["code"]], input=body["stdin"], capture_output=True,
                               text=True, timeout=body["run_timeout"])  # fmt: skip
         result = {"status": "Success", "run_result": {"status": "Finished", "return_code": proc.returncode,
                                                       "stdout": proc.stdout, "stderr": proc.stderr}}  # fmt: skip
+        self.reply(result)
+
+    def reply(self, result):
         data = json.dumps(result).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
@@ -191,6 +202,8 @@ def test_sandbox_fusion_client_scores_on_the_host():
             + [sample(good, truth=None)]
         )
         assert got == [1.0, 0.5, 0.0, 0.0, None]
+        (down,) = cb.score([sample("# SANDBOX_DOWN\nprint(5)", truth=tests)])
+        assert isinstance(down, SampleError) and "container failed to start" in str(down)
         assert all("output" not in r and "5\n" not in r["code"] for r in FakeSandboxFusion.requests)
         cb.close()
     finally:

@@ -168,6 +168,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
                     f"batch data.prompts_per_step × model.generation.n = {per_step} × {self.gen.n} = {batch}"
                 )
         self.check_generation(dm)  # context, engine setup (`engines.RolloutEngines`)
+        self.check_reward_callbacks()
         for tool in self.tools:
             tool.setup()  # (a sandbox pool per process)
         if self.algo.advantage == "group" and self.gen.n < 2:
@@ -178,6 +179,17 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
     @property
     def reward_callbacks(self) -> list[RewardCallback]:
         return [cb for cb in self.trainer.callbacks if isinstance(cb, RewardCallback)]
+
+    def check_reward_callbacks(self) -> None:
+        """A callback with a `score` method that is no `RewardCallback` would be skipped
+        without a word (its reward never reaching the sum): refuse it before any work."""
+        for cb in self.trainer.callbacks:
+            if callable(getattr(cb, "score", None)) and not isinstance(cb, RewardCallback):
+                raise TypeError(
+                    f"trainer.callbacks: {type(cb).__qualname__} has a score() method but is not "
+                    "a vapo_lightning.rewards.RewardCallback, so its reward would be ignored; "
+                    "subclass RewardCallback"
+                )
 
     # ------------------------------------------------------------------ the algorithm box
 
@@ -256,17 +268,20 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         callbacks = self.reward_callbacks
         outcome = combine_rewards(callbacks, r.samples)
         r.scores = torch.tensor(outcome.rewards, dtype=torch.float32, device=self.device)
-        verifiers = [cb for cb in callbacks if cb.correct_threshold is not None]
+        verifiers = [
+            (cb.correct_threshold, scores)
+            for cb, scores in zip(callbacks, outcome.per_callback.values())
+            if cb.correct_threshold is not None
+        ]
         if verifiers:
             correct = [
-                all(outcome.per_callback[cb.name][i] > cb.correct_threshold for cb in verifiers)
-                for i in range(len(r))
+                all(scores[i] > threshold for threshold, scores in verifiers) for i in range(len(r))
             ]
             r.correct = torch.tensor(correct, device=self.device)
         else:
             r.correct = r.scores > 0
         self.reward_errors = outcome.errors
-        self.reward_metrics = {k: v for cb in callbacks for k, v in cb.metrics().items()}
+        self.reward_metrics = dict(sum((Counter(cb.metrics()) for cb in callbacks), Counter()))
 
     @torch.no_grad()
     def compute_old_logprobs(self, r: Rollout) -> None:

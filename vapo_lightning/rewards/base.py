@@ -102,6 +102,8 @@ class RewardCallback(L.Callback):
             )
         if not math.isfinite(error_value):
             raise ValueError(f"{type(self).__name__}.error_value must be finite, got {error_value}")
+        if not math.isfinite(weight):
+            raise ValueError(f"{type(self).__name__}.weight must be finite, got {weight}")
         self.weight = float(weight)
         self.on_error = on_error
         self.error_value = float(error_value)
@@ -146,7 +148,8 @@ class RewardOutcome:
     rewards: list[float]
     """Weighted sum over callbacks, one per sample."""
     per_callback: dict[str, list[float]]
-    """Each callback's own (unweighted) scores, errors replaced by its `error_value`."""
+    """Each callback's own (unweighted) scores, errors replaced by its `error_value`, by its
+    `name` (a second callback of the same name is ``"<name>#2"``, and so on)."""
     errors: int
     """Number of (sample, callback) scores that failed."""
 
@@ -275,6 +278,10 @@ def combine_rewards(
         scores, failures = _checked_scores(cb, samples, call)
         _report(cb, failures, len(samples))
         errors += len(failures)
-        per_callback[cb.name] = scores
+        name, k = cb.name, 1
+        while name in per_callback:
+            k += 1
+            name = f"{cb.name}#{k}"
+        per_callback[name] = scores
         total = [t + cb.weight * s for t, s in zip(total, scores)]
     return RewardOutcome(total, per_callback, errors)

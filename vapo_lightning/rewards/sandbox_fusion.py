@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vapo_lightning.rewards.base import RewardCallback, Sample
+from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.rewards.code import extract_code
 
 
@@ -73,6 +73,10 @@ class SandboxFusionReward(RewardCallback):
         )
         with urllib.request.urlopen(request, timeout=self.run_timeout_s + 30) as response:
             result = json.loads(response.read())
+        if result.get("status") not in ("Success", "Failed"):  # "SandboxError": not the program
+            raise RuntimeError(
+                f"the sandbox answered {result.get('status')!r}: {result.get('message', '')}"
+            )
         run = result.get("run_result") or {}
         if (
             result.get("status") != "Success"
@@ -82,19 +86,22 @@ class SandboxFusionReward(RewardCallback):
             return None
         return run.get("stdout", "")
 
-    def score_one(self, sample: Sample) -> float | None:
+    def score_one(self, sample: Sample) -> float | SampleError | None:
         tests = sample.ground_truth
         if not isinstance(tests, list) or not tests:
             return None  # counted as a reward error by the trainer
         code = extract_code(sample.response)
-        outputs = self.pool.map(lambda t: self.run(code, t["input"]), tests)
+        try:
+            outputs = list(self.pool.map(lambda t: self.run(code, t["input"]), tests))
+        except RuntimeError as err:  # counted and shown, never a failed test
+            return SampleError(str(err), "sandbox error")
         passed = sum(
             out is not None and normalise(out) == normalise(t["output"])
             for out, t in zip(outputs, tests)
         )
         return float(passed == len(tests)) if self.all_or_nothing else passed / len(tests)
 
-    def score(self, samples: Sequence[Sample]) -> list[float | None]:
+    def score(self, samples: Sequence[Sample]) -> list[float | SampleError | None]:
         return [self.score_one(s) for s in samples]
 
     def close(self) -> None:
