@@ -277,6 +277,38 @@ def test_a_reward_that_is_no_reward_callback_is_refused(tok, tmp_path):
         trainer.fit(module, datamodule=tiny_data(tmp_path))
 
 
+def test_metrics_over_ranks_sum_the_counts(tok, monkeypatch):
+    """Across ranks: errors and a reward's counts are the run's sum, extremes their max / min,
+    the rest the mean (checked on a gathered (world, K) tensor, as `all_gather` returns)."""
+    from types import SimpleNamespace
+
+    module = tiny_module(tok)
+    monkeypatch.setattr(type(module), "trainer", SimpleNamespace(world_size=2))
+    ranks = [
+        {
+            "reward/errors": 1.0,
+            "code/passed": 3.0,
+            "response_length/max": 9.0,
+            "actor/pg_loss": 1.0,
+        },
+        {
+            "reward/errors": 2.0,
+            "code/passed": 4.0,
+            "response_length/max": 7.0,
+            "actor/pg_loss": 3.0,
+        },
+    ]
+    gathered = torch.tensor([[r[k] for k in sorted(r)] for r in ranks])
+    monkeypatch.setattr(module, "all_gather", lambda local: gathered)
+    out = module.reduce_metrics(ranks[0], summed={"reward/errors", "code/passed"})
+    assert out == {
+        "actor/pg_loss": 2.0,
+        "code/passed": 7.0,
+        "response_length/max": 9.0,
+        "reward/errors": 3.0,
+    }
+
+
 def test_impossible_settings_fail_at_start_up(tok, tmp_path):
     with pytest.raises(ValueError, match=r"mini_batch_size=12 must divide the rollout batch"):
         module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=12, micro_batch_size=4))

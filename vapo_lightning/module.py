@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 from collections import Counter
+from collections.abc import Container
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -409,7 +410,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             m["critic/lr"] = lrs[1]
         m.update({alias: m[name] for alias, name in ALIASES.items() if name in m})
         m["rollout_step"] = float(self._rollout_steps_before + 1)
-        m = self.reduce_metrics(m)
+        m = self.reduce_metrics(m, summed={"reward/errors", "tools/errors", *self.reward_metrics})
         shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
         self.log_dict(
             {k: v for k, v in m.items() if k not in shown},
@@ -421,18 +422,20 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             {k: m[k] for k in shown}, on_step=True, on_epoch=False, batch_size=1, prog_bar=True
         )
 
-    def reduce_metrics(self, m: dict[str, Any]) -> dict[str, float]:
-        """One all-gather for all metrics: max / min for the extremes, mean for the rest."""
+    def reduce_metrics(self, m: dict[str, Any], summed: Container[str] = ()) -> dict[str, float]:
+        """One all-gather for all metrics: max / min for the extremes, the sum over ranks for
+        the counts in `summed` (errors: the run's, not one rank's), mean for the rest."""
         names = sorted(m)
         local = torch.tensor([float(m[k]) for k in names], device=self.device)
         if self.trainer.world_size == 1:
             return dict(zip(names, local.tolist()))
         every = self.all_gather(local)  # (world, K)
         ops = {"/max": torch.amax, "/min": torch.amin}
-        reduced = {
-            k: ops.get(k[k.rfind("/") :], torch.mean)(every[:, i]) for i, k in enumerate(names)
-        }
-        return {k: float(v) for k, v in reduced.items()}
+
+        def reduce(k: str, column: Tensor) -> Tensor:
+            return column.sum() if k in summed else ops.get(k[k.rfind("/") :], torch.mean)(column)
+
+        return {k: float(reduce(k, every[:, i])) for i, k in enumerate(names)}
 
     def teardown(self, stage: str) -> None:
         self.close_engine()
