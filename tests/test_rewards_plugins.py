@@ -208,3 +208,13 @@ def test_sandbox_fusion_client_scores_on_the_host():
         cb.close()
     finally:
         server.shutdown()
+
+
+def test_a_failure_on_another_rank_is_shown_too(monkeypatch):
+    """In a multi-process run each rank scores its own samples: rank 1's failures warn too."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    with pytest.warns(UserWarning, match="failed on 3 of 3 samples"):
+        out = combine_rewards([Fixed(ValueError("on rank 1"))], SAMPLES)
+    assert out.errors == 3

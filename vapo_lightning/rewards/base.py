@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = [
     "RewardCallback",
@@ -245,10 +245,11 @@ def _report(cb: RewardCallback, failures: list[tuple[str, str]], n: int) -> None
         if kind not in cb._warned_kinds:
             cb._warned_kinds.add(kind)
             count = sum(k == kind for k, _ in failures)
-            rank_zero_warn(
+            warnings.warn(  # on every rank: a failure on rank 1 is shown too
                 f"reward callback {cb.name} failed on {count} of {n} samples ({kind}); first: "
                 f"{message}. Failed samples get error_value={cb.error_value} and are counted in "
-                "reward/errors; this warning is shown once per kind of failure"
+                "reward/errors; this warning is shown once per kind of failure",
+                stacklevel=2,
             )
     if cb.max_error_share is None:
         return
