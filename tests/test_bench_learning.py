@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 import subprocess
+from pathlib import Path
 
 import pytest
 from scipy import stats
@@ -62,6 +64,34 @@ def test_dapo_overlong_window_starts_above_the_longest_correct_answer(task):
         cb["init_args"]["max_length"] <= B.load(t.config)["model"]["generation"]["max_new_tokens"]
     )
 
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\d+(?:\.\d+)?(?:e-?\d+)?", text)]
+
+
+@pytest.mark.parametrize("task", sorted(B.TASKS))
+def test_each_tasks_settings_table_says_what_its_config_runs(task):
+    """The report's "here" column against the task's config (defaults where it sets none)."""
+    from vapo_lightning.config import Algorithm, Optim
+
+    t = B.TASKS[task]
+    base = B.load(t.config)
+    here = {setting: text.split(":")[0] for setting, _, text in t.settings}
+    algo, optim, data = base["model"]["algorithm"], base["model"]["optim"], base["data"]
+    n = base["model"]["generation"]["n"]
+    responses = data["prompts_per_step"] * n
+    assert _numbers(here["α of length-adaptive GAE"]) == [algo.get("alpha", Algorithm.alpha)]
+    assert _numbers(here["actor / critic learning rate"]) == [
+        optim.get("actor_lr", Optim.actor_lr), optim.get("critic_lr", Optim.critic_lr)]
+    assert _numbers(here["value pretraining"])[:2] == [
+        B.value_pretraining_steps(base, {}), t.updates]
+    assert _numbers(here["prompts × samples per rollout step"]) == [data["prompts_per_step"], n]
+    mini = algo.get("mini_batch_size")
+    assert _numbers(here["mini-batch"])[:2] == [mini, responses // mini]
+    assert _numbers(here["learning-rate warm-up"]) == [optim["warmup_steps"]]
+    val_rows = len(Path(B.ROOT / t.val).read_text().splitlines())
+    assert _numbers(here["evaluation"])[:2] == [val_rows, base["model"]["val_generation"]["n"]]
 
 def test_welch_holm_matches_hand_computed_values():
     ref = [0.50, 0.52, 0.48, 0.51, 0.49]
