@@ -219,7 +219,7 @@ def test_reward_metrics_are_logged_summed_over_dynamic_sampling_rounds(tok, tmp_
 
         def score(self, samples):
             self.calls, self.samples = self.calls + 1, self.samples + len(samples)
-            self.last = {"count/calls": 1.0, "count/samples": float(len(samples))}
+            self.last = {"count/calls": 1.0, "count/samples": float(len(samples)), "count/none": 0.0}
             return [0.0] * len(samples)
 
         def metrics(self):
@@ -236,6 +236,7 @@ def test_reward_metrics_are_logged_summed_over_dynamic_sampling_rounds(tok, tmp_
     logged = scalars(tmp_path)
     assert logged["count/calls"] == [(0, float(counting.calls))]
     assert logged["count/samples"] == [(0, float(counting.samples))]
+    assert logged["count/none"] == [(0, 0.0)]  # a zero count is logged (every rank has the key)
     assert counting.samples >= 16
 
 

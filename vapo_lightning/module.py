@@ -282,7 +282,10 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         else:
             r.correct = r.scores > 0
         self.reward_errors = outcome.errors
-        self.reward_metrics = dict(sum((Counter(cb.metrics()) for cb in callbacks), Counter()))
+        totals: Counter[str] = Counter()  # update, not +: a count of 0 is logged, not dropped
+        for cb in callbacks:
+            totals.update(cb.metrics())
+        self.reward_metrics = dict(totals)
 
     @torch.no_grad()
     def compute_old_logprobs(self, r: Rollout) -> None:
