@@ -255,7 +255,7 @@ GPU_CONFIGS = sorted((CONFIGS / "gpu").glob("qwen*.yaml"))
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.name for p in GPU_CONFIGS])
 def test_gpu_configs_read_what_their_prepare_commands_write(path):
     text = path.read_text()
-    assert "Not run yet (written on a CPU-only machine)" in text
+    assert "Not yet run on a GPU (its code paths are tested on CPU)" in text
     written = set()
     for line in text.splitlines():
         if line.startswith("#") and "python -m vapo_lightning.datasets_math " in line:
