@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vapo_lightning.rewards.base import Sample, combine_rewards
+from vapo_lightning.rewards.base import Sample, SampleError, combine_rewards
 from vapo_lightning.rewards.code import CodeReward, extract_code, missing_isolation
 from vapo_lightning.sandbox import ALL_LAYERS
 
@@ -154,6 +154,20 @@ def test_tests_that_are_not_run_are_counted_and_shown():
     finally:
         cb.close()
 
+
+
+def test_a_row_whose_tests_are_all_skipped_says_so():
+    """Tests that all lack an exact form: a counted error that names them (not "no tests in
+    the ground truth"), and `code/tests_skipped` counts them."""
+    cb = CodeReward(num_workers=1)
+    tests = [{"input": 1, "output": 1}, {"input": 2, "output": 2}]
+    try:
+        (out,) = cb.score([_sample("print(input())", tests)])
+        assert isinstance(out, SampleError)
+        assert "none of its 2 tests has an exact input/output form" in str(out)
+        assert cb.last_stats["tests_skipped"] == 2.0 and cb.last_stats["no_tests"] == 1.0
+    finally:
+        cb.close()
 
 def test_hostile_response_scores_zero_through_the_callback(reward):
     taco = {"inputs": [[1]], "outputs": [[12345]], "fn_name": "f"}

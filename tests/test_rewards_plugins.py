@@ -101,6 +101,36 @@ def test_one_hung_reward_neither_starves_the_others_nor_piles_up_threads():
         Hang.release.set()
 
 
+
+class Counting(Fixed):
+    """Fixed, counting its samples in `metrics()` as a `score` call ends (as CodeReward)."""
+
+    def __init__(self, values, **kwargs):
+        super().__init__(values, **kwargs)
+        self.counts = {"n/samples": 0.0, "n/zero": 0.0}
+
+    def score(self, samples):
+        out = super().score(samples)
+        self.counts = {"n/samples": float(len(samples)), "n/zero": 0.0}
+        return out
+
+    def metrics(self):
+        return self.counts
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0], ids=["inline", "threaded"])
+def test_a_failed_call_logs_zero_counts_not_the_previous_batchs(timeout_s):
+    """`RewardOutcome.metrics` sums the callbacks' counts (zeros kept: every rank logs the
+    same keys); a call that raised gives its keys with 0: its samples are in `errors`, and its
+    `metrics()` still describe the batch before."""
+    cb, other = Counting([1.0, 1.0, 1.0], timeout_s=timeout_s), Counting([0.0, 0.0, 0.0])
+    out = combine_rewards([cb, other], SAMPLES)
+    assert out.metrics == {"n/samples": 6.0, "n/zero": 0.0} and out.errors == 0
+    cb.values = ValueError("boom")
+    out = combine_rewards([cb, other], SAMPLES)
+    assert out.errors == 3 and cb.metrics() == {"n/samples": 3.0, "n/zero": 0.0}  # stale
+    assert out.metrics == {"n/samples": 3.0, "n/zero": 0.0}  # the healthy callback's only
+
 def test_exit_does_not_wait_for_a_hung_reward():
     script = (
         "import threading\n"

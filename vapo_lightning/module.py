@@ -282,10 +282,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         else:
             r.correct = r.scores > 0
         self.reward_errors = outcome.errors
-        totals: Counter[str] = Counter()  # update, not +: a count of 0 is logged, not dropped
-        for cb in callbacks:
-            totals.update(cb.metrics())
-        self.reward_metrics = dict(totals)
+        self.reward_metrics = outcome.metrics
 
     @torch.no_grad()
     def compute_old_logprobs(self, r: Rollout) -> None:

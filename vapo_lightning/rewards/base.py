@@ -131,7 +131,8 @@ class RewardCallback(L.Callback):
     def metrics(self) -> dict[str, float]:
         """Counts over the last `score` call's samples that the trainer logs with the rollout
         step, summed over DAPO's dynamic-sampling rounds (e.g. `CodeReward`'s
-        ``code/passed``); none by default."""
+        ``code/passed``); none by default. The same keys on every call and every rank, zeros
+        included: the ranks' values are summed by position."""
         return {}
 
     def close(self) -> None:
@@ -152,6 +153,9 @@ class RewardOutcome:
     `name` (a second callback of the same name is ``"<name>#2"``, and so on)."""
     errors: int
     """Number of (sample, callback) scores that failed."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The callbacks' `metrics()` summed, of the calls that returned: a call that raised or
+    timed out gives its keys with 0 (its samples are in `errors`), not an earlier batch's."""
 
 
 class _Call:
@@ -160,6 +164,7 @@ class _Call:
 
     def __init__(self, cb: RewardCallback, samples: Sequence[Sample]) -> None:
         self.cb, self.samples, self.box = cb, samples, {}
+        self.returned = False  # `score` returned (its `metrics()` describe these samples)
         self.thread: threading.Thread | None = None
         if cb.timeout_s is None:
             return
@@ -179,7 +184,9 @@ class _Call:
     def result(self) -> Sequence[Any]:
         cb = self.cb
         if cb.timeout_s is None:
-            return cb.score(self.samples)
+            value = cb.score(self.samples)
+            self.returned = True
+            return value
         if self.thread is None:
             raise TimeoutError(
                 f"its call on an earlier batch, past timeout_s={cb.timeout_s}, is still running"
@@ -190,6 +197,7 @@ class _Call:
             raise TimeoutError(f"took longer than timeout_s={cb.timeout_s}")
         if "error" in self.box:
             raise self.box["error"]
+        self.returned = True
         return self.box["value"]
 
 
@@ -273,16 +281,19 @@ def combine_rewards(
             "no reward callback: add one, e.g. --trainer.callbacks+=vapo_lightning.rewards.MathReward"
         )
     total = [0.0] * len(samples)
-    per_callback, errors = {}, 0
+    per_callback, errors, metrics = {}, 0, {}
     calls = [_Call(cb, samples) for cb in callbacks]  # the threaded ones start now
     for cb, call in zip(callbacks, calls):
         scores, failures = _checked_scores(cb, samples, call)
         _report(cb, failures, len(samples))
         errors += len(failures)
+        returned = call.returned
+        for key, value in cb.metrics().items():  # += : a zero count is kept, not dropped
+            metrics[key] = metrics.get(key, 0.0) + (float(value) if returned else 0.0)
         name, k = cb.name, 1
         while name in per_callback:
             k += 1
             name = f"{cb.name}#{k}"
         per_callback[name] = scores
         total = [t + cb.weight * s for t, s in zip(total, scores)]
-    return RewardOutcome(total, per_callback, errors)
+    return RewardOutcome(total, per_callback, errors, metrics)

@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
-
-from lightning.pytorch.utilities import rank_zero_warn
 
 from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.sandbox import Limits, Pool
@@ -115,9 +114,12 @@ class CodeReward(RewardCallback):
             imported = from_ground_truth(sample.ground_truth, fn_name)
         except (ValueError, TypeError, KeyError, SyntaxError) as err:
             imported, why = None, f"its tests cannot be imported ({type(err).__name__}: {err})"
+        if imported is not None and not imported.tests and imported.skipped:
+            why = f"none of its {imported.skipped} tests has an exact input/output form"
         if imported is None or not imported.tests:
             with self._stats_lock:
                 self.last_stats["no_tests"] += 1
+                self.last_stats["tests_skipped"] += imported.skipped if imported else 0
             if self.no_tests_value is None:
                 return SampleError(f"{why}: {str(sample.ground_truth)[:120]!r}", "no tests")
             return self.no_tests_value
@@ -126,11 +128,12 @@ class CodeReward(RewardCallback):
                 self.last_stats["tests_skipped"] += imported.skipped
                 first, self._warned_skipped = not self._warned_skipped, True
             if first:
-                rank_zero_warn(
+                warnings.warn(  # on every rank, as the reward failures
                     f"CodeReward: {imported.skipped} of a row's {imported.skipped + len(imported.tests)} "
                     "tests have no exact input/output form and are not run; the row is scored on "
                     f"the other {len(imported.tests)} (counted in code/tests_skipped; shown once). "
-                    f"Its ground truth: {str(sample.ground_truth)[:200]!r}"
+                    f"Its ground truth: {str(sample.ground_truth)[:200]!r}",
+                    stacklevel=2,
                 )
         result = self.pool.evaluate(
             extract_code(sample.response),
