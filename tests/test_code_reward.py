@@ -169,6 +169,21 @@ def test_a_row_whose_tests_are_all_skipped_says_so():
     finally:
         cb.close()
 
+
+def test_a_sandbox_that_cannot_set_up_is_a_counted_error_with_its_reason():
+    """Not a silent 0: the sample is a SampleError that says what the sandbox reported."""
+    from vapo_lightning.sandbox import Limits
+
+    cb = CodeReward(num_workers=1)
+    cb.pool.limits = Limits(open_files=2**40)  # a file limit the kernel refuses
+    try:
+        (out,) = cb.score([_sample("```python\nprint(input())\n```", [{"input": "1\n", "output": "1\n"}])])
+        assert isinstance(out, SampleError) and out.kind == "setup_error"
+        assert "the sandbox failed (setup_error) P2 ValueError" in str(out)
+        assert cb.last_stats["error"] == 1.0
+    finally:
+        cb.close()
+
 def test_hostile_response_scores_zero_through_the_callback(reward):
     taco = {"inputs": [[1]], "outputs": [[12345]], "fn_name": "f"}
     resp = "```python\nimport os\ndef f(x):\n    os._exit(0)\n```"

@@ -193,6 +193,22 @@ def test_no_tests_is_zero_of_zero(pool):
     assert (r.passed, r.total) == (0, 0)
 
 
+
+def test_a_sandbox_that_fails_to_set_up_is_a_setup_error_not_a_crash(pool):
+    """A set-up failure after the sandbox forked (here: a file limit the kernel refuses) ends
+    the sandbox before the program ran: `setup_error` with the sandbox's message, told from a
+    program that ends its own process (`crashed`, the program's fault)."""
+    from vapo_lightning.sandbox import Limits
+
+    tests = [{"input": "1\n", "output": "1\n"}]
+    r = pool.evaluate("print(input())", tests, limits=Limits(open_files=2**40))
+    assert r.status == "setup_error" and r.passed == 0
+    assert any("not allowed to raise maximum limit" in e for e in r.setup_errors), r
+    r = pool.evaluate("def f(x):\n    import os\n    os._exit(3)", [{"input": [1], "output": 1}],
+                      fn_name="f")  # fmt: skip
+    assert r.status == "crashed" and r.passed == 0
+    assert pool.evaluate("print(input())", tests).passed == 1  # the pool is fine afterwards
+
 def test_same_value_rules():
     assert same_value([1, {"a": None}], [1, {"a": None}])
     assert not same_value(True, 1) and not same_value(1, True) and not same_value(1, 1.0)

@@ -151,7 +151,7 @@ class CodeReward(RewardCallback):
             self.last_statuses[result.status] += 1
             self.last_stats[kind] += 1
         if result.status in ("setup_error", "server_error"):  # the sandbox failed, not the program
-            detail = next((e for e in result.errors if e), "")
+            detail = next((e for e in [*result.setup_errors, *result.errors] if e), "")
             return SampleError(
                 f"the sandbox failed ({result.status}) {detail}".strip(), result.status
             )

@@ -90,6 +90,8 @@ class Result:
     per_test: list[bool] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
     """Per test: None, or why it failed (exception type, 'wrong', 'missing', ...)."""
+    setup_errors: list[str] = field(default_factory=list)
+    """What the sandbox reported while it set up (why, for a setup_error)."""
     setup_ms: float = 0.0
     run_ms: float = 0.0
     total_ms: float = 0.0
@@ -276,6 +278,7 @@ class Pool:
             layers=header.get("layers", []),
             per_test=per_test,
             errors=errors,
+            setup_errors=header.get("setup_errors", []),
             setup_ms=header.get("setup_ms", 0.0),
             run_ms=header.get("run_ms", 0.0),
             total_ms=(time.perf_counter() - t0) * 1e3,

@@ -137,8 +137,8 @@ class Server:
         status, raw = self._clean_up(sp, layers, status, raw)
         t_end = time.perf_counter()
         code = os.waitstatus_to_exitcode(wait_status)
-        if status is None:
-            status = "ok" if code == 0 else "crashed"
+        if status is None:  # P2 ended before its `L` line only if the sandbox failed to set up
+            status = "ok" if code == 0 else "crashed" if t_ready is not None else "setup_error"
         self._before_reply(sp, layers)
         header.update(
             status=status,
@@ -214,6 +214,11 @@ class Server:
                 break
             if done:
                 _drain(sp.res_r, raw, cap)
+                rest = bytearray()  # and the control line written just before the exit
+                _drain(sp.ctl_r, rest, 4096)
+                ctl += bytes(rest[:4096])
+                if t_ready is None and (ctl.startswith(b"L ") or b"\nL " in ctl):
+                    t_ready = time.perf_counter()
         return ctl, raw, status, t_ready
 
     def _end(self, sp: Spare, watch_pid: int, watch_fd: int) -> int:
