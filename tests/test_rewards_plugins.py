@@ -200,6 +200,9 @@ class FakeSandboxFusion(BaseHTTPRequestHandler):
         if "SANDBOX_DOWN" in body["code"]:  # the service itself failing
             self.reply({"status": "SandboxError", "message": "container failed to start"})
             return
+        if "HTTP_500" in body["code"]:  # a proxy's error page, no JSON
+            self.send_error(500, "upstream gone")
+            return
         proc = subprocess.run([sys.executable, "-c", body["code"]], input=body["stdin"], capture_output=True,
                               text=True, timeout=body["run_timeout"])  # fmt: skip
         result = {"status": "Success", "run_result": {"status": "Finished", "return_code": proc.returncode,
@@ -234,6 +237,9 @@ def test_sandbox_fusion_client_scores_on_the_host():
         assert got == [1.0, 0.5, 0.0, 0.0, None]
         (down,) = cb.score([sample("# SANDBOX_DOWN\nprint(5)", truth=tests)])
         assert isinstance(down, SampleError) and "container failed to start" in str(down)
+        # an HTTP error is this sample's counted error, not an exception that fails the batch
+        broken, fine = cb.score([sample("# HTTP_500\nprint(5)", truth=tests), sample(good, truth=tests)])
+        assert isinstance(broken, SampleError) and "HTTPError" in str(broken) and fine == 1.0
         assert all("output" not in r and "5\n" not in r["code"] for r in FakeSandboxFusion.requests)
         cb.close()
     finally:

@@ -93,8 +93,9 @@ class SandboxFusionReward(RewardCallback):
         code = extract_code(sample.response)
         try:
             outputs = list(self.pool.map(lambda t: self.run(code, t["input"]), tests))
-        except RuntimeError as err:  # counted and shown, never a failed test
-            return SampleError(str(err), "sandbox error")
+        except (RuntimeError, OSError, ValueError) as err:  # the sandbox's answer, HTTP, socket,
+            # JSON: this sample's error, counted and shown, never a failed test or the batch's
+            return SampleError(f"{type(err).__name__}: {err}", "sandbox error")
         passed = sum(
             out is not None and normalise(out) == normalise(t["output"])
             for out, t in zip(outputs, tests)
