@@ -310,6 +310,32 @@ def test_metrics_over_ranks_sum_the_counts(tok, monkeypatch):
     }
 
 
+
+def test_validation_syncs_the_same_sources_in_the_same_order_on_every_rank(tok, monkeypatch):
+    """Per-source accuracies are synced metric by metric: a rank must compute the sources
+    another rank saw (even with no row of its own) and in sorted order, not in the order it
+    met them (that would pair different sources across ranks, or hang)."""
+    from types import SimpleNamespace
+
+    from torchmetrics import MeanMetric
+
+    module = tiny_module(tok)
+    rows = [{"data_source": s} for s in ("zeta", "alpha", "mid", "unused")]
+    trainer = SimpleNamespace(world_size=2, datamodule=SimpleNamespace(val_rows=rows))
+    monkeypatch.setattr(module, "_trainer", trainer)
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: self._trainer))
+    for source, value in (("zeta", 1.0), ("mid", 0.0)):  # met in this order on this rank
+        module.val_accuracy_by_source[source] = MeanMetric()
+        module.val_accuracy_by_source[source].update(torch.tensor([value]))
+    other_rank = torch.tensor([1.0, 0.0, 0.0, 0.0])  # alpha, mid, unused, zeta: it saw alpha
+    monkeypatch.setattr(module, "all_gather", lambda local: torch.stack([local, other_rank]))
+    assert module._sources_seen_on_any_rank() == ["alpha", "mid", "zeta"]
+    assert "alpha" in module.val_accuracy_by_source and "unused" not in module.val_accuracy_by_source
+    metrics = module._compute_val_metrics()
+    per_source = [k for k in metrics if k.startswith("val/accuracy/")]
+    assert per_source == ["val/accuracy/alpha", "val/accuracy/mid", "val/accuracy/zeta"]
+    assert float(metrics["val/accuracy/zeta"]) == 1.0 and float(metrics["val/accuracy/mid"]) == 0.0
+
 def test_impossible_settings_fail_at_start_up(tok, tmp_path):
     with pytest.raises(ValueError, match=r"mini_batch_size=12 must divide the rollout batch"):
         module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=12, micro_batch_size=4))

@@ -71,10 +71,31 @@ class ValidationMixin:
             metrics["val/tools/calls/mean"] = self.val_tool_calls.compute()
             self.val_tool_share.reset()
             self.val_tool_calls.reset()
-        for source, metric in self.val_accuracy_by_source.items():
-            metrics[f"val/accuracy/{source}"] = metric.compute()
+        for source in self._sources_seen_on_any_rank():
+            metric = self.val_accuracy_by_source[source]
+            metrics[f"val/accuracy/{source}"] = metric.compute()  # syncs: same order on all ranks
             metric.reset()
         return metrics
+
+    def _sources_seen_on_any_rank(self) -> list[str]:
+        """The validation set's sources that some rank scored, sorted, each with a metric
+        here (empty on a rank that saw none of its rows): every rank syncs the same metrics
+        in the same order, where rank-local ones would pair different sources, or hang."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        known = sorted({row["data_source"] for row in getattr(dm, "val_rows", ())}
+                       | set(self.val_accuracy_by_source))  # fmt: skip
+        if not known:
+            return []
+        seen = torch.tensor([float(s in self.val_accuracy_by_source
+                                   and self.val_accuracy_by_source[s].update_count > 0)
+                             for s in known], device=self.device)  # fmt: skip
+        if self._trainer is not None and self.trainer.world_size > 1:
+            seen = self.all_gather(seen).reshape(-1, len(known)).amax(0)
+        sources = [s for s, any_rank in zip(known, seen.tolist()) if any_rank]
+        for source in sources:
+            if source not in self.val_accuracy_by_source:
+                self.val_accuracy_by_source[source] = MeanMetric().to(self.device)
+        return sources
 
     def on_train_start(self) -> None:
         """Scores the validation set once before any update (logged at step 0)."""
