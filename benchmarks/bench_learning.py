@@ -89,7 +89,8 @@ TASKS = {
         {"vanilla PPO": "configs/digitwise/ppo.yaml", "GRPO": "configs/digitwise/grpo.yaml",
          "DAPO": "configs/digitwise/dapo.yaml",
          "w/o value-pretraining": "configs/digitwise/vapo_wo_value_pretraining.yaml"},
-        (("α of length-adaptive GAE", "0.05", "0.05: λ_actor 0 at 17-20 tokens to 0.90 at 209"),
+        (("α of length-adaptive GAE", "0.05", "0.05: λ_actor 0 at 17-20 tokens to 0.90 at 209 (0.98 would "
+          "need answers of ~1000 tokens, 5× longer than the 10-minute runs allow)"),
          ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
          ("actor / critic learning rate", "1e-6 / 2e-6",
           "1e-4 / 5e-4: a 0.68 M model that must move in 40 updates"),
@@ -404,6 +405,60 @@ def ordering_vs_paper(rows: list[dict]) -> str:
             f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.")  # fmt: skip
 
 
+def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str) -> list[str]:
+    """The table read against Table 1 and the paper's argument, computed from the rows so
+    that it is always the table's: the baselines' order, each ablation's direction (Table 1:
+    removing any technique lowers the score), and VAPO's lead by difficulty (§1: it should
+    grow with length). Every difference carries its Holm-adjusted p."""
+    vapo_row = next((r for r in rows if r["name"] == "VAPO"), None)
+    if vapo_row is None or len(rows) < 2:
+        return []
+
+    def versus(r: dict) -> str:
+        diff, p = tests[r["name"]]
+        return f"{r['name']} {100 * diff:+.1f} (p = {p:.3f})"
+
+    mean = {r["name"]: statistics.mean(r["final"]) for r in rows}
+    others = [r for r in rows if r is not vapo_row and not r["name"].startswith("w/o ")]
+    ablations = [r for r in rows if r["name"].startswith("w/o ")]
+    out = ["Read against the paper, from the table above (points against VAPO, Holm p):\n"]
+    if others:
+        scored = sorted((r for r in rows if r["paper"] is not None and not r["name"].startswith("w/o ")),
+                        key=lambda r: -r["paper"])  # fmt: skip
+        ours = sorted(scored, key=lambda r: -mean[r["name"]])
+        paper_order = " > ".join(f"{r['name']} {r['paper']}" for r in scored)
+        our_order = " > ".join(f"{r['name']} {100 * mean[r['name']]:.1f}" for r in ours)
+        out.append(
+            f"- **Baselines**: {'; '.join(map(versus, others))}. Table 1's order {paper_order}; "
+            f"here {our_order}: {'the same' if ours == scored else 'not the same'}."
+        )
+    if ablations:
+        lower = [r for r in ablations if mean[r["name"]] < mean["VAPO"]]
+        rest = [r for r in ablations if r not in lower]
+        held = [r["name"] for r in lower if tests[r["name"]][1] < 0.05]
+        out.append(
+            f"- **Ablations** (Table 1: each removal lowers the score): lower here, the paper's "
+            f"direction, {len(lower)} of {len(ablations)}: "
+            f"{'; '.join(map(versus, lower)) or 'none'}. Not lower: "
+            f"{'; '.join(map(versus, rest)) or 'none'}. Lower with Holm p < 0.05: "
+            f"{', '.join(held) or 'none'}."
+        )
+    gaps = {r["name"]: [statistics.mean(v) - statistics.mean(r_)
+                        for v, r_ in zip(zip(*vapo_row["buckets"]), zip(*r["buckets"]))]
+            for r in rows if r is not vapo_row}  # fmt: skip
+    grows = [n for n, g in gaps.items() if g[-1] > g[0]]
+    by_row = "; ".join(r["name"] + " " + " / ".join(f"{100 * g:+.1f}" for g in gaps[r["name"]])
+                       for r in others)  # fmt: skip
+    out.append(
+        f"- **By difficulty** (the paper's argument: VAPO's lead grows with length): VAPO minus "
+        f"each row at {lo_hi}: {by_row}. VAPO minus the row is higher on the longest bucket "
+        f"than on the shortest against {len(grows)} of the {len(gaps)} other rows"
+        f"{': ' + ', '.join(grows) if grows else ''} (the buckets are not tested one by "
+        "one: read them as a direction)."
+    )
+    return [*out, ""]
+
+
 def late_explained_variance(row: dict, updates: int = 10) -> str:
     """The critic's explained variance over the last `updates` steps, mean over seeds; "-"
     for rows without a critic (or summaries without the curve)."""
@@ -469,7 +524,8 @@ def report(
         "",
         ordering_vs_paper(rows),
         "",
-        *([f"What the table shows and where it agrees with the paper: "
+        *reading(rows, tests, lo_hi),
+        *([f"Why, as far as the runs show, with the critic's ceiling and each row's stability: "
            f"[RESULTS.md](../RESULTS.md#{task.reading}).\n"] if task.reading else []),
         f"![rollout accuracy and response length vs policy-update step]({png})",
         "",

@@ -266,3 +266,37 @@ def test_commit_span_orders_the_runs_commits_by_history(tmp_path, monkeypatch):
     assert B.commit_span({made[2]}) == f"commit {made[2]}"
     # a commit this clone does not have: all are named, none dropped
     assert B.commit_span({made[0], "0000000"}) == f"commits 0000000, {made[0]}"
+
+
+def _row(name, paper, finals, buckets):
+    return {"name": name, "paper": paper, "final": finals, "buckets": buckets}
+
+
+def test_the_reading_is_computed_from_the_table():
+    """Baselines' order against Table 1's, each ablation's direction, and VAPO's lead by
+    difficulty, each with its Holm p: a row that moves changes the sentence it is in."""
+    rows = [
+        _row("VAPO", 60, [0.60, 0.62, 0.58], [[0.9, 0.6]] * 3),
+        _row("vanilla PPO", 5, [0.40, 0.42, 0.38], [[0.8, 0.2]] * 3),  # lead grows 0.1 -> 0.4
+        _row("DAPO", 50, [0.70, 0.72, 0.71], [[0.95, 0.5]] * 3),  # -0.05 -> +0.1: grows
+        _row("w/o value-pretraining", 11, [0.50, 0.52, 0.49], [[0.9, 0.5]] * 3),
+        _row("w/o clip-higher", 46, [0.66, 0.63, 0.65], [[0.95, 0.7]] * 3),  # 0.05 -> -0.1
+    ]
+    tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
+    text = "\n".join(B.reading(rows, tests, "2-9 / 10-26"))
+    p = {n: f"{v[1]:.3f}" for n, v in tests.items()}
+    assert f"vanilla PPO -20.0 (p = {p['vanilla PPO']}); DAPO +11.0 (p = {p['DAPO']})" in text
+    assert "Table 1's order VAPO 60 > DAPO 50 > vanilla PPO 5; here DAPO 71.0 > VAPO 60.0 > " \
+           "vanilla PPO 40.0: not the same." in text  # fmt: skip
+    assert (f"direction, 1 of 2: w/o value-pretraining -9.7 (p = {p['w/o value-pretraining']})."
+            f" Not lower: w/o clip-higher +4.7 (p = {p['w/o clip-higher']}).") in text
+    held = "w/o value-pretraining" if tests["w/o value-pretraining"][1] < 0.05 else "none"
+    assert f"Lower with Holm p < 0.05: {held}." in text
+    assert "vanilla PPO +10.0 / +40.0; DAPO -5.0 / +10.0." in text
+    assert ("higher on the longest bucket than on the shortest against 3 of the 4 other rows: "
+            "vanilla PPO, DAPO, w/o value-pretraining (") in text
+    # in the paper's order when the rows are
+    rows[2]["final"] = [0.50, 0.51, 0.49]
+    tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
+    assert ": the same." in "\n".join(B.reading(rows, tests, "2-9 / 10-26"))
+    assert B.reading(rows[1:], tests, "x") == []  # no VAPO row: nothing to read against
