@@ -62,6 +62,7 @@ class Task:
     layers: dict[str, str]  # task-specific layers in place of the shared ones
     settings: tuple[tuple[str, str, str], ...] = ()  # (setting, the paper, here and why)
     reading: str = ""  # the RESULTS.md section that reads the report
+    overrides: tuple[str, ...] = ()  # for every row's fit, after the task's config
 
 
 TASKS = {
@@ -69,7 +70,8 @@ TASKS = {
         "configs/quickstart.yaml", "vapo_lightning/assets/arithmetic/val.jsonl", 50,
         ((1, 3), (4, 6), (7, 10)), "benchmarks/results/learning.md", {},
         (("α of length-adaptive GAE", "0.05",
-          "1.0: at 18-140 tokens 0.05 gives λ_actor = 0 below 20 (the quickstart's setting)"),
+          "1.0: at 6-137 tokens (bare to worked answers) 0.05 gives λ_actor = 0 below 20 "
+          "(the quickstart's setting)"),
          ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
          ("actor / critic learning rate", "1e-6 / 2e-6",
           "1e-4 / 5e-4: a 2.0 M model that must move in 50 updates"),
@@ -105,6 +107,17 @@ TASKS = {
         reading="learning-on-the-credit-assignment-task",
     ),
 }  # fmt: skip
+# The credit-assignment study's first configuration, kept with its 27 runs: the whole step's
+# 64 responses in one mini-batch, so every update is on-policy and no clip binds.
+TASKS["digitwise_one_minibatch"] = replace(
+    TASKS["digitwise"],
+    out="benchmarks/results/learning_credit_one_minibatch.md",
+    overrides=("--model.algorithm.mini_batch_size=64", "--model.algorithm.micro_batch_size=32"),
+    settings=tuple(
+        (s, paper, "64 responses (1 optimiser step per rollout)" if s == "mini-batch" else here)
+        for s, paper, here in TASKS["digitwise"].settings
+    ),
+)
 
 # (name, layer over the task's config or None, the paper's Table 1 AIME24 score)
 RUNS = [
@@ -148,6 +161,7 @@ def row_overrides(task: Task, layer_path: str | None) -> tuple[int, list[str]]:
     args = [
         f"--trainer.max_steps={task.updates + p}",
         f"--trainer.val_check_interval={task.updates}",
+        *task.overrides,
     ]
     n = ((layer.get("model") or {}).get("generation") or {}).get("n")
     if n == 1:  # one response per prompt: as many prompts as the others' responses
@@ -405,6 +419,12 @@ def ordering_vs_paper(rows: list[dict]) -> str:
             f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.")  # fmt: skip
 
 
+def averaged_buckets(rows: list[dict]) -> list[str]:
+    """Rows with value pretraining whose summaries predate `start_buckets`: their summarizer
+    read the start and the final validation (both at step 0 in the samples file) as one."""
+    return [r["name"] for r in rows if r["p"] and len(r["start_buckets"]) < r["seeds"]]
+
+
 def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str) -> list[str]:
     """The table read against Table 1 and the paper's argument, computed from the rows so
     that it is always the table's: the baselines' order, each ablation's direction (Table 1:
@@ -443,6 +463,10 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
             f"{'; '.join(map(versus, rest)) or 'none'}. Lower with Holm p < 0.05: "
             f"{', '.join(held) or 'none'}."
         )
+    stale = averaged_buckets(rows)
+    if stale:
+        return [*out, f"- **By difficulty**: not read; the accuracies by difficulty of "
+                      f"{', '.join(stale)} average the start and the final validation.", ""]
     gaps = {r["name"]: [statistics.mean(v) - statistics.mean(r_)
                         for v, r_ in zip(zip(*vapo_row["buckets"]), zip(*r["buckets"]))]
             for r in rows if r is not vapo_row}  # fmt: skip
@@ -484,11 +508,13 @@ def report(
         f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, "
         f"{commit_span({c for r in rows for c in r['commits']})}, on {'; '.join(machines)}"
         f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",
-        f"Each run: `vapo fit -c {task.config} [-c <layer>] --seed_everything=<seed>` for "
+        f"Each run: `vapo fit -c {task.config} [-c <layer>] "
+        f"{''.join(o + ' ' for o in task.overrides)}--seed_everything=<seed>` for "
         f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. A seed sets "
         "the sampling and the critic head's initialisation; the prompts come in the same order "
-        "in every run (`data.seed` 0), so the rows of one seed with value pretraining start "
-        "their policy updates from the same critic. "
+        "in every run (`data.seed` 0), so the rows of one seed whose value pretraining samples "
+        "a group per prompt (all but w/o group-sampling and SAO-style) start their policy "
+        "updates from the same critic. "
         "val/accuracy: mean@k at temperature 1.0 on the validation set "
         f"(`{task.val}`). Final = after the last policy update (equal updates); "
         "equal samples = at the same number of rollout steps as the rows without value "
@@ -516,6 +542,10 @@ def report(
             f"| {ci95(r['equal_samples'])} | {buckets} | {late_explained_variance(r)} "
             f"| {statistics.mean(r['minutes']):.1f} |"
         )
+    if stale := averaged_buckets(rows):
+        out += ["", f"By difficulty, {', '.join(stale)}: the average of the start and the final "
+                    "validation (summaries made before the two were told apart); the overall "
+                    "final % is right."]  # fmt: skip
     starts = [b for r in rows for b in r["start_buckets"]]
     if starts:
         out += ["", "At the start, by difficulty (every row's start is the same model): "

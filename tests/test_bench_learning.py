@@ -31,7 +31,7 @@ def test_every_row_gets_the_same_policy_updates_and_responses(task):
         per_step = int(merged.get("--data.prompts_per_step", base["data"]["prompts_per_step"]))
         assert per_step * (n or base["model"]["generation"]["n"]) == responses, name
         without = name in ("vanilla PPO", "GRPO", "DAPO", "w/o value-pretraining")
-        assert p == (0 if without else {"arithmetic": 5, "digitwise": 50}[task]), name
+        assert p == (0 if without else 5 if task == "arithmetic" else 50), name
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "digitwise"])
@@ -79,6 +79,10 @@ def test_each_tasks_settings_table_says_what_its_config_runs(task):
     base = B.load(t.config)
     here = {setting: text.split(":")[0] for setting, _, text in t.settings}
     algo, optim, data = base["model"]["algorithm"], base["model"]["optim"], base["data"]
+    for override in t.overrides:  # the task's own --model.algorithm.<key>=<value>
+        assert override.startswith("--model.algorithm."), override
+        key, value = override.removeprefix("--model.algorithm.").split("=")
+        algo = {**algo, key: int(value)}
     n = base["model"]["generation"]["n"]
     responses = data["prompts_per_step"] * n
     assert _numbers(here["α of length-adaptive GAE"]) == [algo.get("alpha", Algorithm.alpha)]
@@ -268,8 +272,9 @@ def test_commit_span_orders_the_runs_commits_by_history(tmp_path, monkeypatch):
     assert B.commit_span({made[0], "0000000"}) == f"commits 0000000, {made[0]}"
 
 
-def _row(name, paper, finals, buckets):
-    return {"name": name, "paper": paper, "final": finals, "buckets": buckets}
+def _row(name, paper, finals, buckets, p=0):
+    return {"name": name, "paper": paper, "final": finals, "buckets": buckets, "p": p,
+            "seeds": len(finals), "start_buckets": [[0.5, 0.5]] * len(finals)}  # fmt: skip
 
 
 def test_the_reading_is_computed_from_the_table():
@@ -300,3 +305,9 @@ def test_the_reading_is_computed_from_the_table():
     tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
     assert ": the same." in "\n".join(B.reading(rows, tests, "2-9 / 10-26"))
     assert B.reading(rows[1:], tests, "x") == []  # no VAPO row: nothing to read against
+    # a row whose summaries averaged start and final by difficulty: that bullet is not read
+    rows[3].update(p=50, start_buckets=[])
+    text = "\n".join(B.reading(rows, tests, "2-9 / 10-26"))
+    assert "**By difficulty**: not read; the accuracies by difficulty of w/o value-pretraining " \
+           "average the start and the final validation." in text  # fmt: skip
+    assert "VAPO minus each row" not in text and "**Ablations**" in text
