@@ -1,7 +1,7 @@
 """Learning study: the paper's Table 1 in miniature, at equal policy updates.
 
 For one task (`--task arithmetic`: the quickstart; `--task digitwise`: the credit-assignment
-task) it runs `vapo fit -c <task config> [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO, VAPO
+task; `--task digitwise_one_minibatch`: its first configuration, kept) it runs `vapo fit -c <task config> [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO, VAPO
 without each of its seven techniques and an SAO-style row, for several seeds, and writes a
 table in the shape of Table 1 with a 95 % confidence interval per row, Welch's test of each
 row against VAPO (Holm-corrected), accuracy per length bucket and the early-step curves.
