@@ -219,7 +219,8 @@ def test_a_daemon_holding_stdout_neither_holds_up_the_call_nor_survives(pool):
     )
     r = pool.execute(code, timeout_s=20.0)
     assert (r.status, r.exit_code) == ("ok", 0), r
-    assert r.stdout.endswith("done\n") and "daemon\n" in r.stdout
+    # the daemon may print once more between the program's exit and its kill: not the end
+    assert "\ndone\n" in r.stdout and "daemon\n" in r.stdout
     assert r.total_ms < 5000
     assert pool_leftovers(pool) == []
 
