@@ -177,8 +177,18 @@ def test_format_reward():
         ("the answer is 5", False, -1.0),
         ("\\boxed{5} and more text", False, -1.0),
         ("2 + 3 = 5. \\boxed{5}", True, -1.0),
+        # closing math delimiters and braces nested to any depth are still the final answer
+        ("so $\\boxed{5}$.", False, 1.0),
+        ("\\[\\boxed{5}\\]", False, 1.0),
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", False, 1.0),
+        ("$$\\boxed{x^{2^{3}}}$$", False, 1.0),
+        ("\\boxed{\\frac{1}{2}", False, -1.0),  # unclosed
+        ("$\\boxed{5}$ and more", False, -1.0),
+        ("\\boxed{5}} x", False, -1.0),
     ]
     assert cb.score([sample(r, truncated=t) for r, t, _ in responses]) == [v for *_, v in responses]
+    custom = FormatReward(pattern=r"Answer: \d+$", good=1.0, bad=-1.0)
+    assert custom.score([sample("Answer: 5"), sample("\\boxed{5}")]) == [1.0, -1.0]
 
 
 def test_overlong_penalty():

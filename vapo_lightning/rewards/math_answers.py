@@ -23,16 +23,17 @@ _GSM8K_LINE = re.compile(r"####[ \t]*([^\n]*)")
 _MAX_BOX_SCAN = 10_000  # a box whose closing brace is further away than this is not an answer
 
 
-def _last_box(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed 5``; None if absent
-    or unclosed (a response truncated inside its box has no answer)."""
+def last_box_span(text: str) -> tuple[int, int, int] | None:
+    """Where the last ``\\boxed{...}`` / ``\\fbox{...}`` / ``\\boxed 5`` is: (start, end) of
+    its content and the end of the box itself; None if absent or unclosed (a response
+    truncated inside its box has no answer)."""
     start, command = max((text.rfind(c), c) for c in _BOX_COMMANDS)
     if start < 0:
         return None
     i = start + len(command)
     if i < len(text) and text[i] == " ":  # ``\boxed 5``: one TeX token-ish run
-        match = re.match(r" +([^\s$]+)", text[i : i + _MAX_BOX_SCAN])
-        return match.group(1) if match else None
+        match = re.compile(r" +([^\s$]+)").match(text, i, i + _MAX_BOX_SCAN)
+        return (match.start(1), match.end(1), match.end(1)) if match else None
     while i < len(text) and text[i] in " \t\n":
         i += 1
     if i >= len(text) or text[i] != "{":
@@ -48,9 +49,14 @@ def _last_box(text: str) -> str | None:
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1 : j]
+                return i + 1, j, j + 1
         j += 1
     return None
+
+
+def _last_box(text: str) -> str | None:
+    span = last_box_span(text)
+    return text[span[0] : span[1]] if span else None
 
 
 def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
