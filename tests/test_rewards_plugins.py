@@ -55,9 +55,10 @@ def test_weighted_sum_of_callbacks():
         ([1.0, float("nan"), 1.0], 1),
         ([1.0, None, "x"], 2),
         ([1.0], 3),
+        ({0: 1.0, 1: 0.0, 2: 1.0}, 3),  # list() of it is its keys, 0 1 2: not scores
         ("hang", 3),
     ],
-    ids=["raises", "nan", "none-and-junk", "wrong-length", "hangs"],
+    ids=["raises", "nan", "none-and-junk", "wrong-length", "a-dict", "hangs"],
 )
 def test_failing_rewards_get_the_defined_value_and_are_counted(values, errors):
     cb = Fixed(values, error_value=-0.5, timeout_s=0.5)
@@ -67,7 +68,9 @@ def test_failing_rewards_get_the_defined_value_and_are_counted(values, errors):
     assert all(math.isfinite(r) for r in out.rewards)
 
 
-@pytest.mark.parametrize("values", [ValueError("boom"), [1.0, float("nan"), 1.0], [1.0]])
+@pytest.mark.parametrize(
+    "values", [ValueError("boom"), [1.0, float("nan"), 1.0], [1.0], {0: 1.0, 1: 0.0, 2: 1.0}]
+)
 def test_failing_rewards_abort_when_configured(values):
     with pytest.raises(RewardError, match="reward callback Fixed"):
         combine_rewards([Fixed(values, on_error="abort")], SAMPLES)

@@ -219,7 +219,13 @@ def _checked_scores(
             )
 
     try:
-        raw = list(call.result())
+        result = call.result()
+        if isinstance(result, Mapping | str | bytes | set | frozenset):  # list() would read keys
+            raise TypeError(
+                f"score() returned a {type(result).__name__}: it must return one reward per "
+                "sample, in the samples' order (a list)"
+            )
+        raw = list(result)
     except Exception as err:  # the user's code: any exception is a reward failure
         fail(f"raised {_describe(err)}")
         return [cb.error_value] * n, [(type(err).__name__, _describe(err))] * n
