@@ -14,6 +14,7 @@ import pytest
 
 from vapo_lightning.rewards.base import Sample, combine_rewards
 from vapo_lightning.rewards.math import MathReward, MathVerifier, extract_answer, is_equivalent
+from vapo_lightning.rewards.math_answers import number_text
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(
@@ -110,6 +111,15 @@ def test_is_equivalent_public_contract():
     assert is_equivalent("thus \\boxed{\\dfrac{1}{3}}.", "0.5") is False
     with pytest.raises(ValueError, match="no answer"):
         is_equivalent("\\boxed{1}", "")
+
+
+def test_a_small_or_large_float_gold_is_written_out_not_in_scientific_notation(verifier):
+    """str(1e-05) is "1e-05", which math-verify reads as e - 5: every response was wrong."""
+    assert number_text(1e-05) == "0.00001" and number_text(142.0) == "142"
+    assert number_text(2.5e-07) == "0.00000025" and number_text(1e16) == "10000000000000000"
+    assert number_text(0.1) == "0.1" and number_text(7) == "7"
+    assert verifier.check_batch([boxed("0.00001"), boxed("0.00002")], [1e-05, 1e-05]) == [
+        True, False]  # fmt: skip
 
 
 def test_missing_ground_truth_is_none_not_false(verifier):

@@ -227,6 +227,17 @@ def test_bad_rows_in_json_lists_and_parquet_name_the_item(tmp_path):
     assert error.startswith(f"{parquet}:row 0: field 'reward_model.ground_truth'")
 
 
+def test_numeric_answers_are_written_out(tmp_path):
+    """A float answer becomes the text math-verify reads as that number (1e-05 is e - 5 to
+    it); a NaN answer is a bad row, not the answer "nan"."""
+    path = tmp_path / "math.json"
+    rows = [{"problem": f"p{i}", "answer": a} for i, a in enumerate([1e-05, 142.0, 2.5, 7])]
+    path.write_text(json.dumps([*rows, {"problem": "q", "answer": float("nan")}]))
+    conversion = convert("math", [str(path)])
+    assert [r["answer"] for r in conversion.rows] == ["0.00001", "142", "2.5", "7"]
+    assert conversion.errors == [f"{path}:item 4: field 'answer' must be a string or a number, got nan"]
+
+
 def test_malformed_json_and_missing_files_stop_with_the_location(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"question": "q", "answer": "#### 1"}\n{"question": \n')

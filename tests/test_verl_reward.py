@@ -44,6 +44,22 @@ def test_verl_reward_files_score_unchanged(rewards, file, right, wrong, truth, s
     assert out.errors == 0 and out.per_callback[cb.name] == scores
 
 
+def test_a_numeric_ground_truth_is_passed_as_verl_data_holds_it(rewards):
+    """JSON's 72 or 72.0 (our data keeps numbers) reached gsm8k.py's string comparison as a
+    number: every right answer scored 0, without an error. verl's whole reward_model entry
+    is a counted error that says what to point data.answer_field at."""
+    cb = rewards(str(VERL_FILES / "gsm8k.py"))
+    truths = ["72", 72, 72.0, {"style": "rule", "ground_truth": "72"}, float("nan")]
+    out = combine_rewards([cb], [sample("so #### 72", t) for t in truths])
+    assert out.per_callback[cb.name][:3] == [1.0, 1.0, 1.0]
+    assert out.errors == 2
+    got = cb.score([sample("so #### 72", truths[3]), sample("so #### 72", 72)])
+    assert got[0].kind == "ground truth" and got[1] == 1.0
+    assert "point data.answer_field at the answer" in str(got[0])
+    mv = rewards(str(VERL_FILES / "math_verify.py"))
+    assert mv.score([sample("so \\boxed{0.00001}", 1e-05)]) == [1.0]
+
+
 def test_verl_folder_dispatches_by_data_source_like_default_compute_score(rewards):
     cb = rewards(str(VERL_FILES), sources={"my_math": "math_verify"})
     got = cb.score(

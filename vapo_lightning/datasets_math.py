@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +43,7 @@ from typing import Any
 from vapo_lightning.data import DataError, read_rows
 from vapo_lightning.jsonl import write_jsonl
 from vapo_lightning.rewards.math import extract_answer
+from vapo_lightning.rewards.math_answers import number_text
 
 __all__ = ["FORMATS", "Conversion", "convert", "last_boxed", "main", "parser", "write_jsonl"]
 
@@ -80,12 +82,13 @@ def _text(raw: dict, key: str) -> str:
 
 
 def _answer(value: Any, key: str) -> str:
-    """A gold answer as a string: 142.0 -> "142", "025" -> "25", LaTeX unchanged."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    """A gold answer as a string: 142.0 -> "142", 1e-05 -> "0.00001", "025" -> "25", LaTeX
+    unchanged."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or (
+        isinstance(value, float) and not math.isfinite(value)
+    ):
         raise RowError(f"field '{key}' must be a string or a number, got {value!r:.60}")
-    text = str(value).strip()
+    text = (value if isinstance(value, str) else number_text(value)).strip()
     if not text:
         raise RowError(f"field '{key}' is empty")
     return str(int(text)) if _INTEGER.fullmatch(text) else text

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from typing import Any
 
-__all__ = ["extract_answer", "fast_verdict", "gold_answer"]
+__all__ = ["extract_answer", "fast_verdict", "gold_answer", "number_text"]
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -89,6 +90,14 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
+def number_text(value: int | float) -> str:
+    """A number as an answer is written: 142.0 -> "142", 1e-05 -> "0.00001" (math-verify
+    reads Python's "1e-05" as the expression e - 5)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # JSON's 142.0 for AMC's 142
+    return format(Decimal(repr(value)), "f") if isinstance(value, float) else str(value)
+
+
 def gold_answer(ground_truth: Any) -> str | None:
     """The ground truth as an answer string: bare ("3/4"), LaTeX, a number, or a solution
     ending in ``#### 18`` / a box. None when missing. A value that is no answer (a dict such
@@ -102,9 +111,7 @@ def gold_answer(ground_truth: Any) -> str | None:
             f"a math ground truth must be a string or a number, got {type(ground_truth).__name__} "
             f"{ground_truth!r:.80} (point data.answer_field at the answer itself)"
         )
-    if isinstance(ground_truth, float) and ground_truth.is_integer():
-        ground_truth = int(ground_truth)  # JSON's 142.0 for AMC's 142
-    text = str(ground_truth).strip()
+    text = (ground_truth if isinstance(ground_truth, str) else number_text(ground_truth)).strip()
     if "####" in text or any(c in text for c in _BOX_COMMANDS):
         return extract_answer(text)
     return _clean(text) or None

@@ -13,6 +13,7 @@ error into a score of 0). A call that passes `call_timeout_s` is stopped by kill
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import selectors
@@ -30,6 +31,7 @@ from typing import Any
 
 from vapo_lightning.rewards import verl_calls
 from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
+from vapo_lightning.rewards.math_answers import number_text
 from vapo_lightning.rewards.verl_calls import load_reward, write_frame
 
 __all__ = ["FunctionPool", "VerlReward", "load_reward"]
@@ -197,6 +199,25 @@ class FunctionPool:
         _stop_all(self._workers)
 
 
+def verl_ground_truth(value: Any) -> Any:
+    """The ground truth as verl's reward files take it. verl's data holds it as a string and
+    its files compare strings (``gsm8k.py``: ``answer == ground_truth``), so a number read from
+    JSON is passed as its text (72 -> "72", 1e-05 -> "0.00001"). verl's whole ``reward_model``
+    entry, or a NaN, is refused: the function would score every response 0 without an error."""
+    if isinstance(value, Mapping) and "ground_truth" in value:
+        raise SampleError(
+            "the ground truth is verl's reward_model entry, not its ground_truth: point "
+            "data.answer_field at the answer (verl's parquet layout: convert it with "
+            "`python -m vapo_lightning.datasets_math dapo`)",
+            kind="ground truth",
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SampleError(f"the ground truth is {value}", kind="ground truth")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return number_text(value)
+    return value
+
+
 class VerlReward(RewardCallback):
     """Calls a verl reward function once per sample, in worker processes.
 
@@ -215,7 +236,8 @@ class VerlReward(RewardCallback):
 
     The function is called as ``fn(data_source=, solution_str=, ground_truth=, extra_info=)``
     when it takes ``data_source``, else as ``fn(solution_str, ground_truth)``; it may return a
-    number or a dict with a ``"score"`` entry.
+    number or a dict with a ``"score"`` entry. A numeric ground truth is passed as its text,
+    as verl's data holds it (`verl_ground_truth`).
     """
 
     def __init__(
@@ -241,11 +263,19 @@ class VerlReward(RewardCallback):
         return self._name
 
     def score(self, samples: Sequence[Sample]) -> list[float | SampleError]:
-        calls = [(s.data_source, s.response, s.ground_truth, dict(s.extra_info)) for s in samples]
-        return [
-            SampleError(error[1], kind=error[0]) if error is not None else score
-            for score, error in self.pool.map(calls)
-        ]
+        out: list[float | SampleError | None] = [None] * len(samples)
+        calls, called = [], []
+        for i, s in enumerate(samples):
+            try:
+                truth = verl_ground_truth(s.ground_truth)
+            except SampleError as refused:
+                out[i] = refused
+                continue
+            calls.append((s.data_source, s.response, truth, dict(s.extra_info)))
+            called.append(i)
+        for i, (score, error) in zip(called, self.pool.map(calls)):
+            out[i] = SampleError(error[1], kind=error[0]) if error is not None else score
+        return out  # type: ignore[return-value]  # every slot is filled
 
     def close(self) -> None:
         self.pool.close()
