@@ -49,6 +49,7 @@ def boxed(answer: str) -> str:
         ),
         ("the answer is \\fbox{42}", "42"),
         ("hence $\\boxed 5$.", "5"),
+        ("so \\boxed { 1/2 }.", "1/2"),  # a space before the brace: still the braced box
         ("Working...\nAnswer: $x = 5$\n", "x = 5"),
         ("**Answer:** 7.", "7"),
         ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),

@@ -21,6 +21,8 @@ __all__ = ["extract_answer", "fast_verdict", "gold_answer", "number_text"]
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
 _GSM8K_LINE = re.compile(r"####[ \t]*([^\n]*)")
+_BRACE_NEXT = re.compile(r"[ \t\n]*\{")  # ``\boxed{5}``, ``\boxed { 5 }``
+_BOX_TOKEN = re.compile(r" +([^\s$]+)")  # ``\boxed 5``: one TeX token-ish run
 _MAX_BOX_SCAN = 10_000  # a box whose closing brace is further away than this is not an answer
 
 
@@ -32,8 +34,8 @@ def last_box_span(text: str) -> tuple[int, int, int] | None:
     if start < 0:
         return None
     i = start + len(command)
-    if i < len(text) and text[i] == " ":  # ``\boxed 5``: one TeX token-ish run
-        match = re.compile(r" +([^\s$]+)").match(text, i, i + _MAX_BOX_SCAN)
+    if not _BRACE_NEXT.match(text, i) and text[i : i + 1] == " ":  # ``\boxed 5``
+        match = _BOX_TOKEN.match(text, i, i + _MAX_BOX_SCAN)
         return (match.start(1), match.end(1), match.end(1)) if match else None
     while i < len(text) and text[i] in " \t\n":
         i += 1
