@@ -1,4 +1,4 @@
-"""The README's plug-in: a bonus for short responses that end with a boxed answer.
+"""The README's plug-in: a bonus for short responses that contain a boxed answer.
 
     vapo fit -c configs/quickstart.yaml \
       --trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus --trainer.callbacks.weight=0.1
@@ -8,7 +8,7 @@ from vapo_lightning.rewards import RewardCallback, Sample
 
 
 class ShortAnswerBonus(RewardCallback):
-    """+1 for responses under `limit` tokens that end with a boxed answer, else 0."""
+    """+1 for responses under `limit` tokens that contain a boxed answer, else 0."""
 
     def __init__(self, limit: int = 100, **kwargs):
         super().__init__(**kwargs)  # weight, on_error, error_value, timeout_s
