@@ -58,6 +58,8 @@ def boxed(answer: str) -> str:
         ("no answer here", None),
         ("truncated \\boxed{\\frac{1}{2", None),
         ("Answer: \n", None),
+        ("**Final Answer:**\n\n$\\frac{1}{2}$", "\\frac{1}{2}"),  # the answer on the line below
+        ("Final Answer:\n42\nDone.", "42"),
     ],
 )
 def test_extract_answer(response, answer):

@@ -62,11 +62,21 @@ def _last_box(text: str) -> str | None:
     return text[span[0] : span[1]] if span else None
 
 
-def _last_match(pattern: re.Pattern[str], text: str) -> str | None:
+def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
     last = None
     for last in pattern.finditer(text):  # noqa: B007 - keep the last one
         pass
-    return last.group(1) if last else None
+    return last
+
+
+def _answer_line(text: str) -> str | None:
+    """The last ``Answer: ...`` line's answer; when the line holds none (``**Final
+    Answer:**``), the next non-empty line's."""
+    last = _last_match(_ANSWER_LINE, text)
+    if last is None or _clean(last.group(1)):
+        return last.group(1) if last else None
+    below = text[last.end() :].lstrip()
+    return below.split("\n", 1)[0] if below else None
 
 
 def _clean(answer: str) -> str:
@@ -80,13 +90,11 @@ def _clean(answer: str) -> str:
 
 def extract_answer(response: str) -> str | None:
     """The final answer of a response: the last ``\\boxed{}`` or ``\\fbox{}`` (braces balanced,
-    ``\\boxed 5`` too), else the last ``Answer: ...`` line (DAPO), else the last ``#### N``
-    line (GSM8K). None when there is none or it is empty."""
-    for found in (
-        _last_box(response),
-        _last_match(_ANSWER_LINE, response),
-        _last_match(_GSM8K_LINE, response),
-    ):
+    ``\\boxed 5`` too), else the last ``Answer: ...`` line (DAPO; the line below it when it
+    ends there), else the last ``#### N`` line (GSM8K). None when there is none or it is
+    empty."""
+    gsm8k = _last_match(_GSM8K_LINE, response)
+    for found in (_last_box(response), _answer_line(response), gsm8k and gsm8k.group(1)):
         if found is not None and (answer := _clean(found)):
             return answer
     return None
