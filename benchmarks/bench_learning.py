@@ -1,7 +1,8 @@
 """Learning study: the paper's Table 1 in miniature, at equal policy updates.
 
 For one task (`--task arithmetic`: the quickstart; `--task digitwise`: the credit-assignment
-task; `--task digitwise_one_minibatch`: its first configuration, kept) it runs `vapo fit -c <task config> [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO, VAPO
+task; `--task digitwise_one_minibatch`: its first configuration, kept) it runs
+`vapo fit -c <task config> [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO, VAPO
 without each of its seven techniques and an SAO-style row, for several seeds, and writes a
 table in the shape of Table 1 with a 95 % confidence interval per row, Welch's test of each
 row against VAPO (Holm-corrected), accuracy per length bucket and the early-step curves.
@@ -91,8 +92,9 @@ TASKS = {
         {"vanilla PPO": "configs/digitwise/ppo.yaml", "GRPO": "configs/digitwise/grpo.yaml",
          "DAPO": "configs/digitwise/dapo.yaml",
          "w/o value-pretraining": "configs/digitwise/vapo_wo_value_pretraining.yaml"},
-        (("α of length-adaptive GAE", "0.05", "0.05: λ_actor 0 at 17-20 tokens to 0.90 at 209 (0.98 would "
-          "need answers of ~1000 tokens, 5× longer than the 10-minute runs allow)"),
+        (("α of length-adaptive GAE", "0.05",
+          "0.05: λ_actor 0 at 17-20 tokens to 0.90 at 209 (0.98 would need answers of ~1000 "
+          "tokens, 5× longer than the 10-minute runs allow)"),
          ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
          ("actor / critic learning rate", "1e-6 / 2e-6",
           "1e-4 / 5e-4: a 0.68 M model that must move in 40 updates"),
