@@ -73,8 +73,10 @@ def _answer_line(text: str) -> str | None:
     """The last ``Answer: ...`` line's answer; when the line holds none (``**Final
     Answer:**``), the next non-empty line's."""
     last = _last_match(_ANSWER_LINE, text)
-    if last is None or _clean(last.group(1)):
-        return last.group(1) if last else None
+    if last is None:
+        return None
+    if _clean(last.group(1)):
+        return last.group(1)
     below = text[last.end() :].lstrip()
     return below.split("\n", 1)[0] if below else None
 

@@ -263,19 +263,23 @@ class VerlReward(RewardCallback):
         return self._name
 
     def score(self, samples: Sequence[Sample]) -> list[float | SampleError]:
-        out: list[float | SampleError | None] = [None] * len(samples)
-        calls, called = [], []
-        for i, s in enumerate(samples):
+        truths: list[Any] = []
+        for s in samples:
             try:
-                truth = verl_ground_truth(s.ground_truth)
+                truths.append(verl_ground_truth(s.ground_truth))
             except SampleError as refused:
-                out[i] = refused
+                truths.append(refused)
+        calls = [(s.data_source, s.response, t, dict(s.extra_info))
+                 for s, t in zip(samples, truths) if not isinstance(t, SampleError)]  # fmt: skip
+        results = iter(self.pool.map(calls))  # in the order of the samples called
+        out: list[float | SampleError] = []
+        for truth in truths:
+            if isinstance(truth, SampleError):
+                out.append(truth)
                 continue
-            calls.append((s.data_source, s.response, truth, dict(s.extra_info)))
-            called.append(i)
-        for i, (score, error) in zip(called, self.pool.map(calls)):
-            out[i] = SampleError(error[1], kind=error[0]) if error is not None else score
-        return out  # type: ignore[return-value]  # every slot is filled
+            score, error = next(results)
+            out.append(SampleError(error[1], kind=error[0]) if error is not None else score)
+        return out
 
     def close(self) -> None:
         self.pool.close()
