@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import sys
 
-from vapo_lightning.sandbox.compare import judge
+from vapo_lightning.sandbox.compare import judge, same_value
 
 FN_TESTS = [{"input": [], "output": 1}, {"input": [], "output": "é"}, {"input": [], "output": 2.5}]
 STDIN_TESTS = [{"input": "", "output": "1"}, {"input": "", "output": "\ufffd"}]
@@ -71,3 +71,16 @@ def test_long_ints_are_read_exactly():
     raw = b"0 R " + digits + b"\n1 R -" + digits + b"\n"
     assert judge(raw, tests, "f") == ([True, True], [None, None])
     assert judge(b"0 R " + digits[:-1] + b"0\n", tests[:1], "f")[0] == [False]
+
+
+def test_floats_compare_relatively_with_a_floor_only_at_zero():
+    # 0.0 is not an answer to a tiny nonzero expected value, however tiny.
+    for want in (1e-12, 7.5e-10, 2.5e-300, -3e-11):
+        assert not same_value(0.0, want), want
+        assert same_value(want * (1 + 1e-12), want), want
+    assert not same_value(1e-12, 2e-12)
+    # At exactly 0 expected, rounding error passes; a real difference does not.
+    assert same_value(1e-17, 0.0) and same_value(-0.0, 0.0) and same_value(-5e-10, 0.0)
+    assert not same_value(1e-6, 0.0)
+    # Elsewhere: relative to the values' size.
+    assert same_value(1e12 + 1.0, 1e12) and not same_value(1.0 + 1e-6, 1.0)

@@ -14,7 +14,14 @@ import math
 import re
 
 FLOAT_REL_TOL = 1e-9
-"""Relative tolerance between a returned float and an expected float (a test may set 'tol')."""
+"""Relative tolerance between a returned float and an expected float (a test may set 'tol'):
+``|got - want| <= FLOAT_REL_TOL * max(|got|, |want|)``. Relative only, so that 0.0 does not
+pass for 1e-12 or 2.5e-300: a tiny expected value is an answer like any other."""
+
+FLOAT_ZERO_TOL = 1e-9
+"""Where the expected float is exactly 0 (no relative tolerance can then be met but by 0.0
+itself), a returned float within this absolute distance passes, as in evalplus: rounding
+error around zero (``1e-17``) is not a wrong answer."""
 
 
 def _no_constants(name: str) -> float:
@@ -51,7 +58,9 @@ def same_value(got: object, want: object, tol: float | None = None) -> bool:
     if type(got) is not type(want):
         return False
     if type(want) is float:
-        return math.isclose(got, want, rel_tol=FLOAT_REL_TOL, abs_tol=FLOAT_REL_TOL)
+        if want == 0.0:
+            return abs(got) <= FLOAT_ZERO_TOL
+        return math.isclose(got, want, rel_tol=FLOAT_REL_TOL)
     if type(want) is list:
         return len(got) == len(want) and all(same_value(g, w, tol) for g, w in zip(got, want))
     if type(want) is dict:
