@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sys
 
+from vapo_lightning.sandbox import compare
 from vapo_lightning.sandbox.compare import judge, same_value
 
 FN_TESTS = [{"input": [], "output": 1}, {"input": [], "output": "é"}, {"input": [], "output": 2.5}]
@@ -84,3 +85,27 @@ def test_floats_compare_relatively_with_a_floor_only_at_zero():
     assert not same_value(1e-6, 0.0)
     # Elsewhere: relative to the values' size.
     assert same_value(1e12 + 1.0, 1e12) and not same_value(1.0 + 1e-6, 1.0)
+
+
+def test_a_frames_digits_are_read_only_up_to_its_budget(monkeypatch):
+    """Forged frames of million-digit ints are refused before any is read (reading one costs
+    the host ~0.6 s); a value as long as the expected one is still read exactly."""
+    read = []
+    real = compare._int_from_digits
+    monkeypatch.setattr(compare, "_int_from_digits", lambda t: read.append(len(t)) or real(t))
+    million = b"9" * 999_999
+    tests = [{"input": [], "output": 5}] * 8
+    raw = b"".join(b"%d R [%s]\n" % (i, million) for i in range(8))
+    assert judge(raw, tests, "f") == ([False] * 8, ["too many digits"] * 8)
+    floats = b"".join(b"%d R %s.5\n" % (i, million) for i in range(8))
+    assert judge(floats, tests, "f") == ([False] * 8, ["too many digits"] * 8)
+    many = b"0 R [" + b",".join([b"7" * 900] * 50) + b"]\n"
+    assert judge(many, tests[:1], "f") == ([False], ["too many digits"])
+    assert sum(read) <= compare.DIGITS_SLACK * 9
+    # The budget follows the expected value: twice its digits.
+    big = 10**30000 - 1
+    raw = b"0 R " + b"9" * 30000 + b"\n1 R [" + b"9" * 30000 + b", 1]\n"
+    assert judge(raw, [{"input": [], "output": big}, {"input": [], "output": [big, 1]}], "f") == (
+        [True, True],
+        [None, None],
+    )

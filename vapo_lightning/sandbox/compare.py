@@ -28,8 +28,35 @@ def _no_constants(name: str) -> float:
     raise ValueError(f"{name} is not plain JSON")
 
 
-MAX_INT_DIGITS = 1_000_000
-"""Longest int a frame may hold (int() of n digits costs O(n^2) here; 10^6 digits ~ 0.1 s)."""
+DIGITS_SLACK = 1000
+"""Digits of numbers a frame may carry beyond twice those of its test's expected value
+(`digit_budget`). Reading an int of n digits costs O(n^1.6) here (about 0.6 s for a million
+digits, 12 ms for 10^5, 0.3 ms for 10^4), so a frame's numbers are read only up to its
+budget: what a program writes then costs the judge no more than the expected outputs'
+own size, plus about 15 ns per digit of slack per test."""
+
+
+class TooManyDigits(ValueError):
+    """A frame's numbers carry more digits than its budget (`decode`)."""
+
+
+def digit_budget(want: object) -> int:
+    """How many digits (ints' and floats' together) a frame for `want` may carry: twice the
+    digits of the numbers in `want` (a float counts 24, its longest repr), plus
+    `DIGITS_SLACK`. A value equal to `want` never needs more."""
+    digits, stack = 0, [want]
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t is int:  # (a bool is 1 digit of slack) decimal digits, from the bit length
+            digits += int(x.bit_length() * 0.30103) + 2
+        elif t is float:
+            digits += 24
+        elif t is list or t is tuple:
+            stack += x
+        elif t is dict:
+            stack += x.values()
+    return 2 * digits + DIGITS_SLACK
 
 
 def _int_from_digits(text: str) -> int:
@@ -37,15 +64,33 @@ def _int_from_digits(text: str) -> int:
     lifted here), by halves: each half is a smaller int, joined with one multiplication."""
     if len(text) <= 4000:
         return int(text)
-    if len(text) > MAX_INT_DIGITS:
-        raise ValueError("int too long")
     sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text)
     low = len(digits) // 2
     return sign * (_int_from_digits(digits[:-low]) * 10**low + _int_from_digits(digits[-low:]))
 
 
-def decode(text: str) -> object:
-    return json.loads(text, parse_constant=_no_constants, parse_int=_int_from_digits)
+def decode(text: str, max_digits: int = DIGITS_SLACK) -> object:
+    """One frame's JSON, its numbers read only while their digits stay within `max_digits`
+    (ValueError past it: the test fails)."""
+    left = max_digits
+
+    def spend(digits: str) -> None:
+        nonlocal left
+        left -= len(digits)
+        if left < 0:
+            raise TooManyDigits
+
+    def parse_int(digits: str) -> int:
+        spend(digits)
+        return _int_from_digits(digits)
+
+    def parse_float(digits: str) -> float:
+        spend(digits)
+        return float(digits)
+
+    return json.loads(
+        text, parse_constant=_no_constants, parse_int=parse_int, parse_float=parse_float
+    )
 
 
 def same_value(got: object, want: object, tol: float | None = None) -> bool:
@@ -110,6 +155,8 @@ def judge(
             kind, rest = frames[i]
             try:
                 ok, why = _judge_one(kind, rest, test, fn_name)
+            except TooManyDigits:
+                ok, why = False, "too many digits"
             except Exception:  # any frame the candidate wrote: a failed test, never an error
                 ok, why = False, "undecodable"
         passed.append(ok)
@@ -123,11 +170,8 @@ def _judge_one(kind: str, rest: str, test: dict, fn_name: str | None) -> tuple[b
             return False, str(decode(rest))[:100]
         if kind != "R":
             return False, "bad frame"
-        return (
-            (True, "")
-            if same_value(decode(rest), test["output"], test.get("tol"))
-            else (False, "wrong")
-        )
+        got = decode(rest, digit_budget(test["output"]))
+        return (True, "") if same_value(got, test["output"], test.get("tol")) else (False, "wrong")
     if kind != "O":
         return False, "bad frame"
     code, text = rest.split(" ", 1)
