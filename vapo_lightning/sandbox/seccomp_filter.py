@@ -37,25 +37,26 @@ _SECCOMP_ABI = (
                                 "add_key": 248, "request_key": 249, "keyctl": 250,
                                 "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300,
                                 "process_vm_readv": 310, "process_vm_writev": 311,
-                                "io_uring_setup": 425, "pidfd_getfd": 438}),
+                                "io_uring_setup": 425, "pidfd_getfd": 438, "fcntl": 72, "flock": 73}),
         "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "ptrace": 117, "prctl": 167,
                                  "add_key": 217, "request_key": 218, "keyctl": 219,
                                  "inotify_init1": 26, "fanotify_init": 262,
                                  "process_vm_readv": 270, "process_vm_writev": 271,
-                                 "io_uring_setup": 425, "pidfd_getfd": 438}),
+                                 "io_uring_setup": 425, "pidfd_getfd": 438, "fcntl": 25, "flock": 32}),
     }.get(os.uname().machine)
     if L.IS_LINUX
     else None
 )  # fmt: skip
 _DENIED_ALWAYS = {
     "no_ptrace": ("ptrace", "pidfd_getfd", "process_vm_readv", "process_vm_writev"),
-    "no_fs_watch": ("inotify_init", "inotify_init1", "fanotify_init"),
+    "no_fs_watch": ("inotify_init", "inotify_init1", "fanotify_init", "flock"),
 }
 _DENIED_NO_SOCKETS = ("io_uring_setup", "add_key", "request_key", "keyctl")
 _LD_W_ABS, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
 _RET_ALLOW, _RET_EPERM, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
 _X32_BIT, _AF_UNIX = 0x40000000, 1
 _SECCOMP_MODE_FILTER, PR_SET_SECCOMP = 2, 22
+F_NOTIFY = 1026  # fcntl's dnotify command (F_LINUX_SPECIFIC_BASE + 2)
 
 
 def _assemble(prog: list[tuple]) -> list[tuple[int, int, int, int]]:
@@ -86,9 +87,12 @@ def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
     - `not_dumpable`: prctl(PR_SET_DUMPABLE), so that the program cannot make itself
       dumpable again: a crash then never starts a piped core_pattern helper in the host's
       namespaces (RLIMIT_CORE = 1 stops that for exec'd children as well).
-    - `no_fs_watch`: inotify and fanotify, which would show a run the file opens of the
-      concurrent runs on the directories they all read (/usr, the stdlib), and whose
-      instances count against a per-user limit.
+    - `no_fs_watch`: inotify, fanotify and dnotify (`fcntl(F_NOTIFY)`), which would show a
+      run the file opens of the concurrent runs on the directories they all read (/usr, the
+      stdlib), and whose instances count against a per-user limit; and `flock`, whose locks
+      on those shared files two colluding runs could see (a bit at a time). POSIX record
+      locks (`fcntl(F_SETLK)`, `F_OFD_SETLK`) stay: sqlite3 needs them on its files in /tmp,
+      and seccomp cannot tell a shared file from the run's own (docs/sandbox.md).
     - `no_sockets` (when asked): every socket but AF_UNIX ones, from `socket()` or
       `socketpair()`, and `io_uring_setup` (io_uring does socket operations without these
       syscalls), so that nothing can send a packet or move a counter of the network
@@ -114,7 +118,7 @@ def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
         "denied",
     ]
     prog += [(_JEQ, nr[name], "deny", None) for name in denied]
-    prog += [(_JEQ, nr["prctl"], "prctl", None)]
+    prog += [(_JEQ, nr["prctl"], "prctl", None), (_JEQ, nr["fcntl"], "fcntl", None)]
     if no_sockets:
         prog += [
             (_JEQ, nr["socketpair"], "unix_only", None),
@@ -122,6 +126,7 @@ def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
         ]
     prog += [(_RET, _RET_ALLOW), "prctl", (_LD_W_ABS, 16)]  # args[0] (low word): the option
     prog += [(_JEQ, L.PR_SET_DUMPABLE, "deny", "allow")]
+    prog += ["fcntl", (_LD_W_ABS, 24), (_JEQ, F_NOTIFY, "deny", "allow")]  # args[1]: the cmd
     if no_sockets:
         prog += ["unix_only", (_LD_W_ABS, 16), (_JEQ, _AF_UNIX, "allow", "deny")]  # family
     prog += [
