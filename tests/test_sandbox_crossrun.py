@@ -4,8 +4,12 @@ share under a concurrent one's load."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import sys
+import threading
+import time
 
 import pytest
 
@@ -50,3 +54,82 @@ def test_no_directory_watch_or_flock_on_shared_files(pool):
     want = {"dnotify": "EPERM", "flock": "EPERM", "lockf": "ok", "getfl": "ok"}
     r = pool.evaluate(WATCH_AND_LOCK, [{"input": [], "output": want}], "f")
     assert r.passed == 1, r
+
+
+# Clears its parent-death signal (which the filter refuses), names itself for the test to
+# find, then outlives the request's timeout unless killed.
+ORPHAN = """
+import ctypes, time
+def f(name):
+    libc = ctypes.CDLL(None, use_errno=True)
+    cleared = libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG, 0
+    libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+    time.sleep(120)
+    return cleared
+"""
+
+
+def _named(name: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+            if f.read().strip() == name:
+                found.append(int(pid))
+    return found
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_sandbox_dies_with_its_server_and_a_new_server_clears_its_cgroups():
+    name = f"vapo{secrets.token_hex(5)}"  # 14 bytes: comm holds 15
+    pool = Pool(size=1)
+    server = pool.servers[0].proc
+    if "dies_with_server" not in pool.layers:
+        pool.close()
+        pytest.skip("no seccomp filter on this machine")
+    runner = threading.Thread(
+        target=_quiet,
+        args=(pool.evaluate, ORPHAN, [{"input": [name], "output": 0}], "f", 300.0),
+        daemon=True,
+    )
+    runner.start()
+    try:
+        assert _wait_for(lambda: bool(_named(name))), "the program never started"
+        folders = _server_folders(server.pid)
+        server.kill()
+        server.wait()
+        assert _wait_for(lambda: not _named(name)), "the sandbox outlived its server"
+    finally:
+        for pid in _named(name):
+            os.kill(pid, 9)
+        pool.servers[0].proc.stdout.close()
+    if folders:  # cgroups: the dead server's folders stay until a new server starts
+        assert all(os.path.isdir(d) for d in folders)
+        Pool(size=1, spares=1).close()
+        assert not any(os.path.exists(d) for d in folders), folders
+
+
+def _quiet(fn, *args):
+    with contextlib.suppress(RuntimeError, OSError, ValueError):  # the server was killed
+        fn(*args)
+
+
+def _server_folders(pid: int) -> list[str]:
+    """The cgroup folders of the server `pid` (none without per-run cgroups)."""
+    root = "/sys/fs/cgroup"
+    with open(f"/proc/{pid}/cgroup") as f:
+        own = dict(line.split(":", 2)[1:] for line in f.read().splitlines())
+    return [
+        path
+        for c in ("memory", "pids", "cpu")
+        if c in own
+        and os.path.isdir(path := f"{root}/{c}{own[c].rstrip('/')}/vapo-sandbox-{pid}")
+    ]

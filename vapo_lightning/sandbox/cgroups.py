@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import time
 
 DEFAULT_ROOT = "/sys/fs/cgroup"
 
@@ -79,12 +81,13 @@ class RunCgroups:
 
     @staticmethod
     def _make(hierarchy: str, own: str, tag: str) -> str:
-        """Makes the server's folder. One already there under this tag is a dead server's
-        (the tag holds a live pid, ours): killed before `close`, it left its folders behind,
-        as happens where the cgroup is shared beyond this process tree (the root of a
-        hierarchy). Its run folders are removed and the folder taken over; where one still
-        holds a task, the server takes the next free name instead."""
+        """Makes the server's folder, after removing what dead servers left beside it
+        (`remove_dead_servers`). One already there under this tag (our own pid) is a dead
+        server's too, found where the cgroup is shared beyond this process tree: its empty
+        run folders are removed and the folder taken over; where one still holds a task,
+        the server takes the next free name instead."""
         parent = os.path.join(hierarchy, own.lstrip("/"))
+        remove_dead_servers(parent)
         for attempt in range(8):
             path = os.path.join(parent, tag if attempt == 0 else f"{tag}.{attempt}")
             try:
@@ -164,13 +167,59 @@ class RunCgroups:
                 os.rmdir(base)
 
 
-def _reclaim(path: str) -> bool:
-    """Removes a dead server's run folders; True when none is left."""
+def _reclaim(path: str, kill: bool = False) -> bool:
+    """Removes a dead server's run folders, with `kill` after killing what is left in them;
+    True when none is left."""
     for name in os.listdir(path):
         if name.startswith("run-"):
+            run = os.path.join(path, name)
+            if kill:
+                kill_members(run)
             with contextlib.suppress(OSError):  # a task still in it: it stays
-                os.rmdir(os.path.join(path, name))
+                os.rmdir(run)
     return not any(name.startswith("run-") for name in os.listdir(path))
+
+
+def kill_members(cgroup: str, rounds: int = 100) -> None:
+    """SIGKILLs every process in `cgroup` until it is empty (or `rounds` passed): a run's
+    sandbox is pid 1 of its PID namespace, so its death takes the rest of the run along."""
+    for _ in range(rounds):
+        try:
+            pids = [int(p) for p in _read(f"{cgroup}/cgroup.procs").split()]
+        except (OSError, ValueError):
+            return
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+def _server_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"sandbox/server.py" in f.read()
+    except OSError:
+        return False
+
+
+def remove_dead_servers(parent: str) -> None:
+    """Removes the folders of servers that died without `close` (SIGKILLed, or their host
+    crashed): what still runs in them is killed first. A folder is a dead server's when no
+    sandbox server runs under the pid in its name (servers that share a cgroup must share a
+    PID namespace)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name.removeprefix("vapo-sandbox-").split(".")[0]
+        if name.startswith("vapo-sandbox-") and pid.isdigit() and not _server_alive(int(pid)):
+            path = os.path.join(parent, name)
+            with contextlib.suppress(OSError):
+                if _reclaim(path, kill=True):
+                    os.rmdir(path)
 
 
 def join(dirs: list[str]) -> None:

@@ -48,6 +48,7 @@ ALL_LAYERS = (
     "no_ptrace",
     "no_fs_watch",
     "not_dumpable",
+    "dies_with_server",
     "subreaper",
     "memory_cgroup",
     "pids_cgroup",

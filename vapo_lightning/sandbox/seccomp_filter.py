@@ -56,6 +56,7 @@ _LD_W_ABS, _JEQ, _JSET, _RET = 0x20, 0x15, 0x45, 0x06
 _RET_ALLOW, _RET_EPERM, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
 _X32_BIT, _AF_UNIX = 0x40000000, 1
 _SECCOMP_MODE_FILTER, PR_SET_SECCOMP = 2, 22
+_SIGKILL = 9
 F_NOTIFY = 1026  # fcntl's dnotify command (F_LINUX_SPECIFIC_BASE + 2)
 
 
@@ -87,6 +88,9 @@ def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
     - `not_dumpable`: prctl(PR_SET_DUMPABLE), so that the program cannot make itself
       dumpable again: a crash then never starts a piped core_pattern helper in the host's
       namespaces (RLIMIT_CORE = 1 stops that for exec'd children as well).
+    - `dies_with_server`: prctl(PR_SET_PDEATHSIG) to any signal but SIGKILL, so that the
+      program cannot clear the parent-death signal its sandbox set (it would outlive a
+      killed server, re-parented to init); setting SIGKILL again is harmless.
     - `no_fs_watch`: inotify, fanotify and dnotify (`fcntl(F_NOTIFY)`), which would show a
       run the file opens of the concurrent runs on the directories they all read (/usr, the
       stdlib), and whose instances count against a per-user limit; and `flock`, whose locks
@@ -125,7 +129,8 @@ def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
             (_JEQ, nr["socket"], "unix_only", None),
         ]
     prog += [(_RET, _RET_ALLOW), "prctl", (_LD_W_ABS, 16)]  # args[0] (low word): the option
-    prog += [(_JEQ, L.PR_SET_DUMPABLE, "deny", "allow")]
+    prog += [(_JEQ, L.PR_SET_DUMPABLE, "deny", None), (_JEQ, L.PR_SET_PDEATHSIG, None, "allow")]
+    prog += [(_LD_W_ABS, 24), (_JEQ, _SIGKILL, "allow", "deny")]  # args[1]: the signal
     prog += ["fcntl", (_LD_W_ABS, 24), (_JEQ, F_NOTIFY, "deny", "allow")]  # args[1]: the cmd
     if no_sockets:
         prog += ["unix_only", (_LD_W_ABS, 16), (_JEQ, _AF_UNIX, "allow", "deny")]  # family
@@ -183,4 +188,5 @@ def seccomp_sandbox(no_sockets: bool) -> list[str]:
         ),
         "seccomp",
     )
-    return [*_DENIED_ALWAYS, "not_dumpable", *(["no_sockets"] if no_sockets else [])]
+    layers = [*_DENIED_ALWAYS, "not_dumpable", "dies_with_server"]
+    return layers + (["no_sockets"] if no_sockets else [])
