@@ -69,11 +69,13 @@ class Limits:
     """Largest file a process may write (RLIMIT_FSIZE)."""
     open_files: int = 128
     processes: int = 32
-    """RLIMIT_NPROC, counted inside the run's own user namespace when there is one."""
+    """RLIMIT_NPROC, counted inside the run's own user namespace when there is one; it counts
+    threads too. Only without the `pids_cgroup` layer: with it, RLIMIT_NPROC is `pids`."""
     pids: int = 256
     """Tasks (processes and threads) of the whole run, with the `pids_cgroup` layer."""
     tmp_mb: int = 64
-    """Size of the private tmpfs mounted on /tmp (with a mount namespace)."""
+    """Size of the private tmpfs mounted on /tmp, and of the one on /dev/shm
+    (`multiprocessing.shared_memory`), with a mount namespace."""
     stdout_bytes: int = 1 << 20
     """Stdin mode: a test whose stdout exceeds this fails."""
     output_bytes: int = 8 << 20

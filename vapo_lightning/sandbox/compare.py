@@ -13,6 +13,8 @@ import json
 import math
 import re
 
+from vapo_lightning.sandbox.protocol import json_key
+
 FLOAT_REL_TOL = 1e-9
 """Relative tolerance between a returned float and an expected float (a test may set 'tol'):
 ``|got - want| <= FLOAT_REL_TOL * max(|got|, |want|)``. Relative only, so that 0.0 does not
@@ -109,6 +111,8 @@ def same_value(got: object, want: object, tol: float | None = None) -> bool:
     if type(want) is list:
         return len(got) == len(want) and all(same_value(g, w, tol) for g, w in zip(got, want))
     if type(want) is dict:
+        if any(type(k) is not str for k in want):  # keys as the program's travel: JSON's text
+            want = {json_key(k): v for k, v in want.items()}
         return got.keys() == want.keys() and all(same_value(got[k], want[k], tol) for k in want)
     return got == want  # None, bool, int, str
 

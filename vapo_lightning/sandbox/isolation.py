@@ -308,7 +308,9 @@ class Isolation:
             address_space=int(lim["memory_mb"]) << 20,
             file_size=int(lim["file_mb"]) << 20,
             open_files=int(lim["open_files"]),
-            nproc=int(lim["processes"]),
+            # Threads count toward RLIMIT_NPROC too: with a pids cgroup bounding the run's tasks,
+            # the rlimit is that bound, so that `processes` does not cap a program's threads.
+            nproc=int(lim["pids"] if "pids_cgroup" in active else lim["processes"]),
         )
         active.append("rlimits")
         if caps_dropped:

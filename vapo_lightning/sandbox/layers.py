@@ -117,12 +117,13 @@ def enter_namespaces(uid: int, gid: int, flags: int = ALL_NAMESPACES) -> int:
 
 
 def private_mounts(tmp_bytes: int) -> None:
-    """In a fresh mount namespace: fresh tmpfs on /tmp and /dev/shm, fresh /proc (own PIDs)."""
+    """In a fresh mount namespace: fresh tmpfs on /tmp and /dev/shm (`tmp_bytes` each; the
+    run's memory cgroup bounds their pages with the rest), fresh /proc (own PIDs)."""
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     opts = MS_NOSUID | MS_NODEV
     mount("tmpfs", "/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
     if os.path.isdir("/dev/shm"):
-        mount("tmpfs", "/dev/shm", "tmpfs", opts | MS_NOEXEC, "size=1m,mode=1777")
+        mount("tmpfs", "/dev/shm", "tmpfs", opts | MS_NOEXEC, f"size={tmp_bytes},mode=1777")
     mount("proc", "/proc", "proc", opts | MS_NOEXEC)
 
 

@@ -43,6 +43,22 @@ DEFAULT_LIMITS = {
 """A request's ``limits`` when the host gives none (the probe run, the first spares)."""
 
 
+def json_key(key: object) -> str:
+    """A dict key as JSON writes it (1 -> "1", True -> "true", None -> "null"): how a returned
+    dict's keys travel, and how the host reads an expected dict's (MBPP's ``{1: 'a'}``; the
+    importers write expected values through JSON already). Other keys: TypeError."""
+    t = type(key)
+    if t is str:
+        return key
+    if t is bool or key is None:
+        return json.dumps(key)
+    if t is int:
+        return str(key)
+    if t is float and key == key and abs(key) != float("inf"):
+        return repr(key)
+    raise TypeError(f"cannot return a dict key of type {t.__name__}")
+
+
 MODES = ("function", "stdin", "execute")
 
 

@@ -39,6 +39,11 @@ import time
 import types
 from collections.abc import Callable
 
+if __package__:
+    from . import protocol as P
+else:  # imported by server.py run as a script
+    import protocol as P
+
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
@@ -60,9 +65,10 @@ def plain(x: object, depth: int = 0) -> object:
     if t is list or t is tuple:
         return [plain(v, depth + 1) for v in x]
     if t is dict:
-        if any(type(k) is not str for k in x):
-            raise TypeError("dict keys must be str")
-        return {k: plain(v, depth + 1) for k, v in x.items()}
+        out = {P.json_key(k): plain(v, depth + 1) for k, v in x.items()}
+        if len(out) < len(x):  # {1: .., "1": ..}: one JSON object key for two
+            raise ValueError("dict keys equal as JSON text")
+        return out
     raise TypeError(f"cannot return a {t.__name__}")
 
 
@@ -72,9 +78,16 @@ def _encode(value: object) -> str:
     limit = sys.get_int_max_str_digits()
     sys.set_int_max_str_digits(0)
     try:
-        return json.dumps(value, allow_nan=False)
+        return json.dumps(value, allow_nan=False, ensure_ascii=False)
     finally:
         sys.set_int_max_str_digits(limit)
+
+
+def _utf8(line: str) -> bytes:
+    """A frame line as UTF-8, as many bytes as the program's text (JSON's \\u escapes would
+    triple non-ASCII text against the output cap); a lone surrogate (only ever inside a JSON
+    string) becomes its JSON escape, which the host reads back as the same lone surrogate."""
+    return line.encode("utf-8", "backslashreplace")
 
 
 def _as_module(name: str, path: str | None = None) -> dict:
@@ -123,10 +136,10 @@ def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -
     for i, raw in enumerate(inputs):
         try:
             args = json.loads(raw)
-            line = f"{i} R {_encode(plain(fn(*args)))}\n"
+            line = _utf8(f"{i} R {_encode(plain(fn(*args)))}\n")
         except BaseException as err:  # includes SystemExit: one test's failure, not the run's
-            line = f"{i} E {json.dumps(type(err).__name__)}\n"
-        _write_all(res_fd, line.encode())
+            line = f"{i} E {json.dumps(type(err).__name__)}\n".encode()
+        _write_all(res_fd, line)
 
 
 def _run_program(code: str, path: str, stdin_path: str, stdout_path: str) -> None:
@@ -271,8 +284,8 @@ def run_stdin_mode(
             exit_code, out = -999, b""  # over the byte cap: reported as a failure
         # Invalid UTF-8 travels as lone surrogates (json escapes them), which no text the
         # host expects can equal: the host fails such output instead of reading U+FFFD.
-        text_out = json.dumps(out.decode("utf-8", "surrogateescape"))
-        _write_all(res_fd, f"{i} O {exit_code} {text_out}\n".encode())
+        text_out = json.dumps(out.decode("utf-8", "surrogateescape"), ensure_ascii=False)
+        _write_all(res_fd, _utf8(f"{i} O {exit_code} {text_out}\n"))
 
 
 def run_execute_mode(
