@@ -9,8 +9,8 @@ intervals, sets, tuples, matrices, "033" vs 33).
 Model text is never run as code: it only reaches math-verify's LaTeX / expression parser, and
 only inside worker processes. math-verify's own timeout is built on ``signal.alarm`` (main
 thread only) and cannot stop a computation stuck in C, such as ``9^{9^{9^{9}}}``; so each check
-runs in a separate interpreter (started with exec, never a bare fork of the trainer, which may
-hold threads or CUDA) and the host kills a worker that passes its deadline and starts a new one.
+runs in a separate interpreter and the host kills a worker that passes its deadline and starts
+a new one (the pool is `workers`; this file says what its workers run and what a reply means).
 A check that runs out of time, crashes its worker or exhausts its memory is judged wrong, and
 so is a sample whose ground truth math-verify cannot parse; each such check is also an error
 (counted in ``reward/errors`` and shown once per kind, `base`), so that a busy machine or a bad
@@ -20,20 +20,16 @@ answer key cannot pass for a policy that answers wrong.
 from __future__ import annotations
 
 import json
-import os
-import selectors
 import subprocess
 import sys
 import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.rewards.math_answers import extract_answer, fast_verdict, gold_answer
+from vapo_lightning.rewards.workers import READY, Lost, WorkerPool, start_process
 
 __all__ = ["MathReward", "MathVerifier", "extract_answer", "is_equivalent"]
 
@@ -72,44 +68,20 @@ for line in sys.stdin:
 
 
 @dataclass
-class _Worker:
-    proc: subprocess.Popen[bytes]
-    buffer: bytes = b""
-    ready: bool = False
-    task: int | None = None
-    deadline: float = 0.0
-
-
-@dataclass
 class VerifierStats:
     """Counters since the verifier was created."""
 
     fast: int = 0
     """Checks decided without a worker (equal spelling, integers, no answer, answer too long)."""
     pooled: int = 0
-    """Checks sent to a worker."""
+    """Checks answered by a worker."""
     timeouts: int = 0
     """Checks whose worker passed the deadline and was killed (judged wrong)."""
     crashes: int = 0
     """Checks whose worker died (judged wrong)."""
 
 
-def _stop(worker: _Worker) -> None:
-    if worker.proc.poll() is None:
-        worker.proc.kill()
-    worker.proc.wait()
-    for stream in (worker.proc.stdin, worker.proc.stdout):
-        if stream is not None:
-            stream.close()
-
-
-def _stop_all(workers: list[_Worker]) -> None:
-    for worker in workers:
-        _stop(worker)
-    workers.clear()
-
-
-class MathVerifier:
+class MathVerifier(WorkerPool):
     """A pool of math-verify worker processes with a hard wall-clock limit per check.
 
     Args:
@@ -129,22 +101,22 @@ class MathVerifier:
         memory_limit_mb: int = 4096,
         startup_timeout_s: float = 60.0,
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.num_workers = num_workers
-        self.timeout_s = float(timeout_s)
+        super().__init__(
+            num_workers,
+            timeout_s,
+            startup_timeout_s,
+            start_attempts=3,
+            label="math-verify worker",
+            start_hint=f" (is math-verify installed for {sys.executable}?)",
+        )
         self.max_answer_chars = max_answer_chars
         self.memory_limit_mb = memory_limit_mb
-        self.startup_timeout_s = startup_timeout_s
-        self.stats = VerifierStats()
-        self._workers: list[_Worker] = []
-        self._lock = threading.Lock()
-        # Kill the workers when the verifier is collected or the interpreter exits.
-        weakref.finalize(self, _stop_all, self._workers)
+        self._fast = 0
 
-    # -- public
+    @property
+    def stats(self) -> VerifierStats:
+        """The counters as they stand now."""
+        return VerifierStats(self._fast, self.answered, self.timeouts, self.crashes)
 
     def check_batch(
         self,
@@ -181,129 +153,38 @@ class MathVerifier:
             if verdicts[k] is None:
                 pending.append((k, pred, gold))
             else:
-                self.stats.fast += 1
-        if pending:
-            with self._lock:
-                for k, (ok, why) in self._run(pending).items():
-                    verdicts[k] = ok
-                    if why is not None and failures is not None:
-                        failures[k] = why
+                self._fast += 1
+        replies = self.run([(pred, gold) for _, pred, gold in pending]) if pending else []
+        for (k, _, _), reply in zip(pending, replies):
+            verdicts[k], why = self._verdict(reply)
+            if why is not None and failures is not None:
+                failures[k] = why
         return verdicts
 
-    def close(self) -> None:
-        """Kills the workers; a later `check_batch` starts new ones."""
-        with self._lock:
-            _stop_all(self._workers)
+    def _verdict(self, reply: tuple[bool, str | None] | Lost) -> tuple[bool, str | None]:
+        """A worker's ``(verdict, why it could not check or None)``; a lost check is wrong."""
+        if not isinstance(reply, Lost):
+            return reply
+        if reply.timed_out:
+            return False, f"math-verify took over {self.timeout_s:g} s"
+        return False, "its math-verify worker died"
 
-    # -- pool internals
+    # -- the worker's side (`WorkerPool`)
 
-    def _spawn(self) -> _Worker:
+    def _start(self) -> subprocess.Popen[bytes]:
         limit = self.memory_limit_mb * 2**20
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_SOURCE, str(limit)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-            close_fds=True,
-        )
-        return _Worker(proc, deadline=time.monotonic() + self.startup_timeout_s)
+        return start_process([sys.executable, "-c", _WORKER_SOURCE, str(limit)])
 
-    def _replace(self, worker: _Worker) -> _Worker:
-        _stop(worker)
-        fresh = self._spawn()
-        self._workers[self._workers.index(worker)] = fresh
-        return fresh
+    def _encode(self, task: int, request: tuple[str, str]) -> bytes:
+        return json.dumps([task, *request]).encode() + b"\n"
 
-    def _run(self, pending: list[tuple[int, str, str]]) -> dict[int, tuple[bool, str | None]]:
-        """Dispatches `pending` checks to idle workers until all are answered or killed:
-        ``{index: (verdict, why it could not be checked or None)}``."""
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._spawn())
-        queue, results = deque(pending), {}
-        failed_starts = 0
-        try:
-            with selectors.DefaultSelector() as selector:
-                while len(results) < len(pending):
-                    self._hand_out(queue)
-                    for worker in self._wait(selector):
-                        failed_starts = self._read(worker, results, failed_starts)
-                    self._enforce_deadlines(results)
-        except BaseException:  # no worker may carry this batch's checks into the next one
-            _stop_all(self._workers)
-            raise
-        return results
-
-    def _hand_out(self, queue: deque[tuple[int, str, str]]) -> None:
-        """Sends the next queued checks to the idle workers."""
-        for worker in self._workers:
-            if worker.ready and worker.task is None and queue:
-                k, pred, gold = queue.popleft()
-                line = json.dumps([k, pred, gold]).encode() + b"\n"
-                try:
-                    worker.proc.stdin.write(line)  # type: ignore[union-attr]
-                except (BrokenPipeError, OSError):
-                    queue.appendleft((k, pred, gold))
-                    self._replace(worker)
-                    continue
-                worker.task, worker.deadline = k, time.monotonic() + self.timeout_s
-
-    def _wait(self, selector: selectors.BaseSelector) -> list[_Worker]:
-        """The workers with output (or EOF), waited for until the nearest deadline at most."""
-        registered = []
-        for worker in self._workers:
-            fd = worker.proc.stdout.fileno()  # type: ignore[union-attr]
-            selector.register(fd, selectors.EVENT_READ, worker)
-            registered.append(fd)
-        waiting = [w.deadline for w in self._workers if w.task is not None or not w.ready]
-        wait = max(0.0, min(waiting) - time.monotonic()) if waiting else None
-        events = selector.select(wait)
-        for fd in registered:
-            selector.unregister(fd)
-        return [key.data for key, _ in events]
-
-    def _read(
-        self, worker: _Worker, results: dict[int, tuple[bool, str | None]], failed_starts: int
-    ) -> int:
-        """Takes a worker's answers into `results`; a dead worker is replaced, its check
-        judged wrong. Returns `failed_starts`, counting workers that died before "ready"."""
-        chunk = os.read(worker.proc.stdout.fileno(), 1 << 16)  # type: ignore[union-attr]
-        if not chunk:  # the worker died
-            if not worker.ready:
-                failed_starts += 1
-                if failed_starts >= 3:
-                    raise RuntimeError(
-                        "math-verify worker failed to start 3 times; see its stderr "
-                        f"(is math-verify installed for {sys.executable}?)"
-                    )
-            elif worker.task is not None:
-                results[worker.task] = (False, "its math-verify worker died")
-                self.stats.crashes += 1
-            self._replace(worker)
-            return failed_starts
-        *lines, worker.buffer = (worker.buffer + chunk).split(b"\n")
+    def _decode(self, buffer: bytes) -> tuple[list[tuple[int | str, Any]], bytes]:
+        *lines, rest = buffer.split(b"\n")
+        messages = []
         for raw in lines:
-            message = json.loads(raw)
-            if message == "ready":
-                worker.ready = True
-            elif message[0] == worker.task:  # (never another check's answer)
-                results[message[0]] = (bool(message[1]), message[2])
-                self.stats.pooled += 1
-                worker.task = None
-        return failed_starts
-
-    def _enforce_deadlines(self, results: dict[int, tuple[bool, str | None]]) -> None:
-        """Kills and replaces each worker past its deadline (its check is judged wrong)."""
-        now = time.monotonic()
-        for worker in list(self._workers):
-            if worker.deadline > now or (worker.ready and worker.task is None):
-                continue
-            if not worker.ready:
-                raise RuntimeError(
-                    f"math-verify worker did not start within {self.startup_timeout_s} s"
-                )
-            results[worker.task] = (False, f"math-verify took over {self.timeout_s:g} s")  # type: ignore[index]
-            self.stats.timeouts += 1
-            self._replace(worker)
+            m = json.loads(raw)  # "ready", or [task, ok, why]
+            messages.append((READY, None) if m == READY else (m[0], (bool(m[1]), m[2])))
+        return messages, rest
 
 
 # ------------------------------------------------------------------------- public API

@@ -8,71 +8,30 @@
 The function runs in worker processes (fresh interpreters, see `verl_calls`), one sample per
 call, in the worker's main thread: ``signal.alarm`` timeouts, which math-verify and verl's
 ``math_verify.py`` use, work there (off the main thread they raise, and verl's file turns the
-error into a score of 0). A call that passes `call_timeout_s` is stopped by killing its worker.
+error into a score of 0). A call that passes `call_timeout_s` is stopped by killing its worker
+(the pool is `workers`; this file says what its workers run and what a reply means).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pickle
-import selectors
-import struct
 import subprocess
 import sys
-import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vapo_lightning.rewards import verl_calls
 from vapo_lightning.rewards.base import RewardCallback, Sample, SampleError
 from vapo_lightning.rewards.math_answers import number_text
-from vapo_lightning.rewards.verl_calls import load_reward, write_frame
+from vapo_lightning.rewards.verl_calls import frame, load_reward, split_frames
+from vapo_lightning.rewards.workers import Lost, WorkerPool, start_process
 
 __all__ = ["FunctionPool", "VerlReward", "load_reward"]
 
 
-@dataclass
-class _Worker:
-    proc: subprocess.Popen[bytes]
-    deadline: float
-    buffer: bytes = b""
-    ready: bool = False
-    task: int | None = None
-
-
-def _stop(worker: _Worker) -> None:
-    if worker.proc.poll() is None:
-        worker.proc.kill()
-    worker.proc.wait()
-    for stream in (worker.proc.stdin, worker.proc.stdout):
-        stream.close()
-
-
-def _stop_all(workers: list[_Worker]) -> None:
-    for worker in workers:
-        _stop(worker)
-    workers.clear()
-
-
-def _frames(worker: _Worker) -> list[tuple]:
-    """Complete reply frames in the worker's buffer (the rest stays buffered)."""
-    out = []
-    while len(worker.buffer) >= 8:
-        (size,) = struct.unpack("<Q", worker.buffer[:8])
-        if len(worker.buffer) < 8 + size:
-            break
-        out.append(pickle.loads(worker.buffer[8 : 8 + size]))
-        worker.buffer = worker.buffer[8 + size :]
-    return out
-
-
-class FunctionPool:
+class FunctionPool(WorkerPool):
     """Worker processes calling one reward; each call has a hard wall-clock limit.
 
     Args:
@@ -92,111 +51,45 @@ class FunctionPool:
         if num_workers < 1 or not call_timeout_s > 0:
             raise ValueError("FunctionPool needs num_workers >= 1 and call_timeout_s > 0")
         self.spec = (str(Path(spec[0]).resolve()), spec[1], dict(spec[2] or {}))
-        self.num_workers, self.call_timeout_s = num_workers, float(call_timeout_s)
-        self.startup_timeout_s = startup_timeout_s
-        self.timeouts = 0
-        self._workers: list[_Worker] = []
-        self._lock = threading.Lock()
-        weakref.finalize(self, _stop_all, self._workers)  # no worker outlives the pool
-
-    def _spawn(self) -> _Worker:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-        proc = subprocess.Popen(
-            # -c, not the file as a script: its folder (math.py, code.py) would shadow modules
-            [
-                sys.executable,
-                "-c",
-                f"import runpy; runpy.run_path({verl_calls.__file__!r}, run_name='__main__')",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
-        write_frame(proc.stdin, self.spec)
-        return _Worker(proc, deadline=time.monotonic() + self.startup_timeout_s)
-
-    def _replace(self, worker: _Worker) -> None:
-        _stop(worker)
-        self._workers[self._workers.index(worker)] = self._spawn()
+        label = f"reward worker for {self.spec[0]}"
+        super().__init__(num_workers, call_timeout_s, startup_timeout_s, label=label)
 
     def map(
         self, calls: Sequence[tuple[str, str, Any, dict]]
     ) -> list[tuple[float | None, tuple[str, str] | None]]:
         """``(score, None)`` or ``(None, (kind, message))`` per ``(data_source, solution_str,
         ground_truth, extra_info)``."""
-        with self._lock:
-            while len(self._workers) < self.num_workers:
-                self._workers.append(self._spawn())
-            try:
-                return self._run(calls)
-            except BaseException:  # no worker may carry this batch's calls into the next one
-                _stop_all(self._workers)
-                raise
+        return [self._outcome(reply) for reply in self.run(calls)]
 
-    def _run(self, calls: Sequence[tuple]) -> list[tuple[float | None, tuple[str, str] | None]]:
-        queue, results = deque(range(len(calls))), {}
-        with selectors.DefaultSelector() as selector:
-            while len(results) < len(calls):
-                for w in self._workers:  # hand out work
-                    if w.ready and w.task is None and queue:
-                        k = queue.popleft()
-                        try:
-                            write_frame(w.proc.stdin, (k, *calls[k]))
-                        except OSError:  # died since its last reply: run it elsewhere
-                            queue.appendleft(k)
-                            self._replace(w)
-                            continue
-                        w.task, w.deadline = k, time.monotonic() + self.call_timeout_s
-                busy = {w.proc.stdout.fileno(): w for w in self._workers}
-                for fd, w in busy.items():
-                    selector.register(fd, selectors.EVENT_READ, w)
-                wait = min(w.deadline for w in self._workers if w.task is not None or not w.ready)
-                events = selector.select(max(0.0, wait - time.monotonic()))
-                for fd in busy:
-                    selector.unregister(fd)
-                for key, _ in events:
-                    self._read(key.data, results)
-                now = time.monotonic()
-                for w in list(self._workers):  # deadlines, enforced from outside
-                    if w.deadline > now or (w.ready and w.task is None):
-                        continue
-                    if not w.ready:
-                        raise RuntimeError(
-                            f"reward worker did not start in {self.startup_timeout_s} s"
-                        )
-                    why = f"took longer than call_timeout_s={self.call_timeout_s} (worker killed)"
-                    results[w.task] = (None, ("TimeoutError", why))
-                    self.timeouts += 1
-                    self._replace(w)
-        return [results[k] for k in range(len(calls))]
+    def _outcome(self, reply: tuple | Lost) -> tuple[float | None, tuple[str, str] | None]:
+        if not isinstance(reply, Lost):
+            return reply
+        if reply.timed_out:
+            why = f"took longer than call_timeout_s={self.timeout_s} (worker killed)"
+            return None, ("TimeoutError", why)
+        return None, ("worker died", f"worker died (exit code {reply.exit_code})")
 
-    def _read(self, w: _Worker, results: dict[int, tuple]) -> None:
-        chunk = os.read(w.proc.stdout.fileno(), 1 << 16)
-        if not chunk:  # the worker died
-            if not w.ready:
-                raise RuntimeError(
-                    f"reward worker for {self.spec[0]} exited while starting; see its stderr"
-                )
-            if w.task is not None:
-                results[w.task] = (
-                    None,
-                    ("worker died", f"worker died (exit code {w.proc.wait()})"),
-                )
-            self._replace(w)
-            return
-        w.buffer += chunk
-        for task, score, error in _frames(w):
-            if task == "ready":
-                w.ready = True
-            elif task == "load-error":
-                raise RuntimeError(f"reward worker could not load {self.spec[0]}: {error}")
-            elif task == w.task:  # (never another call's answer)
-                results[task], w.task = (score, error), None
-
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         """Kills the workers at once (a hung call is not waited for); later calls start new ones."""
-        _stop_all(self._workers)
+        super().close(wait)
+
+    # -- the worker's side (`WorkerPool`): verl_calls.serve, spoken to in pickled frames
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        # -c, not the file as a script: its folder (math.py, code.py) would shadow modules
+        run = f"import runpy; runpy.run_path({verl_calls.__file__!r}, run_name='__main__')"
+        return start_process([sys.executable, "-c", run], env=env, greeting=frame(self.spec))
+
+    def _encode(self, task: int, call: tuple) -> bytes:
+        return frame((task, *call))
+
+    def _decode(self, buffer: bytes) -> tuple[list[tuple[int | str, Any]], bytes]:
+        replies, rest = split_frames(buffer)
+        for task, _, error in replies:
+            if task == "load-error":
+                raise RuntimeError(f"reward worker could not load {self.spec[0]}: {error}")
+        return [(task, (score, error)) for task, score, error in replies], rest
 
 
 def verl_ground_truth(value: Any) -> Any:

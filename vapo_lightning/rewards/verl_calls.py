@@ -31,7 +31,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["VERL_SOURCES", "load_reward", "normalise_score", "read_frame", "write_frame"]
+__all__ = [
+    "VERL_SOURCES",
+    "frame",
+    "load_reward",
+    "normalise_score",
+    "read_frame",
+    "split_frames",
+    "write_frame",
+]
 
 VERL_SOURCES: dict[str, str] = {
     "openai/gsm8k": "gsm8k",
@@ -178,9 +186,26 @@ def normalise_score(value: Any) -> float:
 # ---------------------------------------------------------------- framing and the worker
 
 
-def write_frame(stream: Any, obj: Any) -> None:
+def frame(obj: Any) -> bytes:
+    """`obj` pickled, after its length (8 bytes, little-endian)."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack("<Q", len(data)) + data)
+    return struct.pack("<Q", len(data)) + data
+
+
+def split_frames(buffer: bytes) -> tuple[list[Any], bytes]:
+    """The complete frames at the start of `buffer`, unpickled, and the rest."""
+    out = []
+    while len(buffer) >= 8:
+        (size,) = struct.unpack("<Q", buffer[:8])
+        if len(buffer) < 8 + size:
+            break
+        out.append(pickle.loads(buffer[8 : 8 + size]))
+        buffer = buffer[8 + size :]
+    return out, buffer
+
+
+def write_frame(stream: Any, obj: Any) -> None:
+    stream.write(frame(obj))
     stream.flush()
 
 
