@@ -135,11 +135,15 @@ def test_without_cgroups_the_report_says_so_and_full_refuses(monkeypatch):
     finally:
         pool.close()
     assert r.passed == 1 and not {"memory_cgroup", "pids_cgroup"} & set(r.layers), r
-    assert missing_isolation(r.layers, "full", is_root=True) == ["memory_cgroup", "pids_cgroup"]
+    assert missing_isolation(r.layers, "full", is_root=True) == [
+        "memory_cgroup",
+        "pids_cgroup",
+        "cpu_cgroup",
+    ]
     import vapo_lightning.rewards.code as code_mod
 
     monkeypatch.setattr(code_mod, "Pool", functools.partial(Pool, cgroup_root=NO_CGROUPS))
-    with pytest.raises(RuntimeError, match=r"(?s)Missing:.*memory_cgroup.*pids_cgroup"):
+    with pytest.raises(RuntimeError, match=r"(?s)Missing:.*memory_cgroup.*pids_cgroup.*cpu"):
         CodeReward(min_isolation="full", num_workers=1)
     CodeReward(min_isolation="strong", num_workers=1).close()
 
@@ -162,7 +166,7 @@ def test_a_dead_servers_folders_are_taken_over():
             assert [cgroups.memory, cgroups.pids] == stale
             assert not any(os.path.exists(os.path.join(d, "run-1")) for d in stale)
             made = cgroups.create(64 << 20, 16)
-            assert cgroups.layers(made) == ["memory_cgroup", "pids_cgroup"]
+            assert cgroups.layers(made) == ["memory_cgroup", "pids_cgroup", "cpu_cgroup"]
             cgroups.remove(made)
         finally:
             cgroups.close()

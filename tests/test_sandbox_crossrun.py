@@ -10,10 +10,12 @@ import secrets
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from vapo_lightning.sandbox import Pool
+from vapo_lightning.sandbox.cgroups import V1_CPU_SHARES
 
 STDLIB = os.path.dirname(os.__file__)
 
@@ -133,3 +135,79 @@ def _server_folders(pid: int) -> list[str]:
         if c in own
         and os.path.isdir(path := f"{root}/{c}{own[c].rstrip('/')}/vapo-sandbox-{pid}")
     ]
+
+
+# 30 busy processes, each in a session of its own; prints the CPU ticks they got together
+# over the window (from /proc: the run's own PID namespace).
+HOG = """
+import os, time
+kids = []
+for _ in range(30):
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        while True:
+            pass
+    kids.append(pid)
+def ticks():
+    total = 0
+    for pid in kids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+time.sleep(0.5)
+start = ticks()
+time.sleep(@WINDOW@)
+print(ticks() - start)
+"""
+
+# One busy process; prints the CPU ticks it got over the same window.
+HONEST = """
+import os, time
+time.sleep(0.5)
+start, end = os.times(), time.monotonic() + @WINDOW@
+while time.monotonic() < end:
+    pass
+now = os.times()
+print(round((now.user + now.system - start.user - start.system) * os.sysconf("SC_CLK_TCK")))
+"""
+
+
+def test_a_run_keeps_its_cpu_share_beside_a_run_of_30_busy_processes():
+    """Each run has a cpu cgroup of its own, of equal weight: the honest run's CPU time over
+    the window is a fair share of what both runs got (about half; without per-run cgroups,
+    about 1/31). Relative CPU time only: no wall-clock threshold."""
+    if os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/cpu"):
+        pytest.skip("per-run cpu cgroups need root and the cgroup v1 cpu hierarchy")
+    pool = Pool(size=2)
+    try:
+        assert "cpu_cgroup" in pool.layers, pool.layers
+        _assert_cpu_cgroups_configured(pool)
+        window = "2.0"
+        with ThreadPoolExecutor(2) as ex:
+            hog = ex.submit(pool.execute, HOG.replace("@WINDOW@", window), 30.0)
+            honest = ex.submit(pool.execute, HONEST.replace("@WINDOW@", window), 30.0)
+            hog, honest = hog.result(), honest.result()
+    finally:
+        pool.close()
+    assert hog.status == honest.status == "ok", (hog, honest)
+    hog_ticks, honest_ticks = int(hog.stdout), int(honest.stdout)
+    share = honest_ticks / (honest_ticks + hog_ticks)
+    print(f"honest {honest_ticks} ticks, hog {hog_ticks} ticks: share {share:.2f}")
+    assert share > 0.25, (honest_ticks, hog_ticks)
+
+
+def _assert_cpu_cgroups_configured(pool: Pool) -> None:
+    """Every idle spare's cpu cgroup: its own folder below its server's, at the set weight."""
+    for folder in _server_folders(pool.servers[0].proc.pid):
+        if "/cpu/" in folder:
+            runs = [d for d in os.listdir(folder) if d.startswith("run-")]
+            assert runs, folder
+            for run in runs:
+                with open(f"{folder}/{run}/cpu.shares") as f:
+                    assert int(f.read()) == V1_CPU_SHARES
+                with open(f"{folder}/{run}/cgroup.procs") as f:
+                    assert f.read().split(), "a spare is in its run's cpu cgroup"
+            return
+    raise AssertionError("no cpu cgroup folder for the server")

@@ -1,11 +1,13 @@
-"""Per-run cgroups: every sandbox in a memory and a pids cgroup of its own.
+"""Per-run cgroups: every sandbox in a memory, a pids and a cpu cgroup of its own.
 
 RLIMIT_AS bounds one process; a memory cgroup bounds the whole run: all of its processes,
 and the pages it puts in memfds, /dev/shm and its /tmp, which count toward no process's
 address space. Swap is off for the run (``memory.memsw.limit_in_bytes`` too, where swap is
 accounted), so the kernel's OOM killer acts inside the run at its limit instead of on the
 host (where it may pick the trainer). The pids cgroup bounds the run's tasks (processes and
-threads together) whatever their uid.
+threads together) whatever their uid. The cpu cgroup gives each run one equal share of the
+CPU, however many processes it starts: 30 busy processes of one run no longer take 30/31 of
+the CPU from a concurrent run of one (which then timed out and scored 0).
 
 cgroup v1 (each controller a hierarchy of its own under /sys/fs/cgroup, as on hybrid hosts).
 On a v2-only host no cgroup is made yet: the runs then lack the layers, and say so.
@@ -50,15 +52,21 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
+V1_CPU_SHARES = 1024
+"""cpu.shares of every run's cgroup (v1): each run, however many processes it starts, weighs
+as much as one busy process of the host, and the same as every other run."""
+
+
 class RunCgroups:
     """The server's side: makes, sets and removes the cgroups of its runs (cgroup v1).
 
     `available` is False when no cgroup could be made (no ``memory_cgroup`` / ``pids_cgroup``
-    layer in the runs' reports)."""
+    / ``cpu_cgroup`` layer in the runs' reports). `bases`: the server's folders, one per
+    hierarchy, each with the controllers it holds; a run gets one folder in each."""
 
     def __init__(self, root: str | None = DEFAULT_ROOT, tag: str | None = None) -> None:
         self.available = False
-        self.memory = self.pids = None  # the folders the runs' cgroups go in
+        self.bases: list[tuple[str, tuple[str, ...]]] = []
         self.swap = False
         self.count = 0
         if root is None:
@@ -68,16 +76,32 @@ class RunCgroups:
             own = _own_paths()
         except (OSError, ValueError):
             return
+        if "memory" not in own:  # v1 (or hybrid): one hierarchy per controller; else none yet
+            return
         try:
-            if "memory" in own:  # v1 (or hybrid): one hierarchy per controller; else none yet
-                self.memory = self._make(os.path.join(root, "memory"), own["memory"], tag)
-                self.swap = os.path.exists(f"{self.memory}/memory.memsw.limit_in_bytes")
-                if "pids" in own:
-                    with contextlib.suppress(OSError):
-                        self.pids = self._make(os.path.join(root, "pids"), own["pids"], tag)
-                self.available = True
+            memory = self._make(os.path.join(root, "memory"), own["memory"], tag)
         except OSError:
-            self.memory = self.pids = None
+            return
+        self.bases = [(memory, ("memory",))]
+        self.swap = os.path.exists(f"{memory}/memory.memsw.limit_in_bytes")
+        for controller in ("pids", "cpu"):
+            if controller in own:
+                with contextlib.suppress(OSError):
+                    base = self._make(os.path.join(root, controller), own[controller], tag)
+                    self.bases.append((base, (controller,)))
+        self.available = True
+
+    def folder(self, controller: str) -> str | None:
+        """The server's folder that holds `controller`, or None."""
+        return next((base for base, held in self.bases if controller in held), None)
+
+    @property
+    def memory(self) -> str | None:
+        return self.folder("memory")
+
+    @property
+    def pids(self) -> str | None:
+        return self.folder("pids")
 
     @staticmethod
     def _make(hierarchy: str, own: str, tag: str) -> str:
@@ -99,19 +123,16 @@ class RunCgroups:
         raise FileExistsError(f"no free cgroup folder for {tag} in {parent}")
 
     def create(self, memory_bytes: int, pids: int) -> list[str]:
-        """A new run's cgroups (one per hierarchy), limits set; [] when none."""
+        """A new run's cgroups (one per hierarchy, in the order of `bases`), limits set; []
+        when none."""
         if not self.available:
             return []
         self.count += 1
-        name = f"run-{self.count}"
-        dirs = [os.path.join(self.memory, name)]
-        if self.pids is not None and self.pids != self.memory:
-            dirs.append(os.path.join(self.pids, name))
         made = []
         try:
-            for d in dirs:
-                os.mkdir(d, 0o700)
-                made.append(d)
+            for base, _ in self.bases:
+                os.mkdir(os.path.join(base, f"run-{self.count}"), 0o700)
+                made.append(os.path.join(base, f"run-{self.count}"))
             self.set_limits(made, memory_bytes, pids)
         except OSError:
             self.remove(made)
@@ -119,7 +140,15 @@ class RunCgroups:
         return made
 
     def set_limits(self, dirs: list[str], memory_bytes: int, pids: int) -> None:
-        mem = dirs[0]
+        for d, (_, held) in zip(dirs, self.bases):
+            if "memory" in held:
+                self._set_memory(d, memory_bytes)
+            if "pids" in held:
+                _write(f"{d}/pids.max", str(pids))
+            if "cpu" in held:
+                _write(f"{d}/cpu.shares", str(V1_CPU_SHARES))
+
+    def _set_memory(self, mem: str, memory_bytes: int) -> None:
         # memsw (memory + swap) may never be below the memory limit: order the writes
         try:
             _write(f"{mem}/memory.limit_in_bytes", str(memory_bytes))
@@ -129,14 +158,12 @@ class RunCgroups:
             if self.swap:
                 _write(f"{mem}/memory.memsw.limit_in_bytes", str(memory_bytes))
             _write(f"{mem}/memory.limit_in_bytes", str(memory_bytes))
-        if self.pids is not None:
-            _write(f"{dirs[-1]}/pids.max", str(pids))
 
     def layers(self, dirs: list[str]) -> list[str]:
         """The layers that joining `dirs` (from `create`) gives."""
         if not dirs:
             return []
-        return ["memory_cgroup"] + (["pids_cgroup"] if self.pids is not None else [])
+        return [f"{c}_cgroup" for c in ("memory", "pids", "cpu") if self.folder(c)]
 
     def oom_kills(self, dirs: list[str]) -> int:
         """How many of the run's processes the OOM killer took at the run's memory limit."""
@@ -158,7 +185,7 @@ class RunCgroups:
                 os.rmdir(d)
 
     def close(self) -> None:
-        for base in {self.memory, self.pids} - {None}:
+        for base, _ in self.bases:
             with contextlib.suppress(OSError):
                 for name in os.listdir(base):
                     if name.startswith("run-"):

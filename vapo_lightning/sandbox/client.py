@@ -52,6 +52,7 @@ ALL_LAYERS = (
     "subreaper",
     "memory_cgroup",
     "pids_cgroup",
+    "cpu_cgroup",
 )
 """Every layer the sandbox knows; `Result.layers` lists those that took effect."""
 

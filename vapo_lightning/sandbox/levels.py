@@ -26,6 +26,7 @@ _REQUIREMENTS = {
     "signals": ("pidns", "landlock_scope"),
     "memory_cgroup": ("memory_cgroup",),
     "pids_cgroup": ("pids_cgroup",),
+    "cpu_cgroup": ("cpu_cgroup",),
 }
 ISOLATION_LEVELS = {
     "none": (),
@@ -52,6 +53,8 @@ _HOW_TO = {
     "server must run as root on a host with the cgroup v1 memory "
     "hierarchy mounted at /sys/fs/cgroup/memory (cgroup v2 is not supported yet)",
     "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with /sys/fs/cgroup/pids",
+    "cpu_cgroup": "a cpu cgroup per run (one equal CPU share each): as for memory_cgroup, "
+    "with /sys/fs/cgroup/cpu",
 }
 
 
