@@ -236,6 +236,7 @@ COMMANDS = {
     "validate": "score a checkpoint on the validation data (val/accuracy, mean@k)",
     "sft": "supervised fine-tuning of a warm start for RL",
     "export": "save a checkpoint's policy and critic in Hugging Face format",
+    "convert-gguf": "turn a GGUF model file into a Hugging Face folder",
 }
 
 
@@ -271,6 +272,10 @@ def main(args: list[str] | None = None) -> None:
             from vapo_lightning.export import main as export_main
 
             export_main(argv[1:])
+        elif command == "convert-gguf":
+            from vapo_lightning.convert_gguf import main as convert_gguf_main
+
+            convert_gguf_main(argv[1:])
         else:
             run_cli(argv if args is not None else None)
     except (CheckpointError, DataError, RewardError, EngineSetupError) as err:  # names the culprit
