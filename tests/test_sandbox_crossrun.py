@@ -7,10 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
+import socket
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -132,8 +136,7 @@ def _server_folders(pid: int) -> list[str]:
     return [
         path
         for c in ("memory", "pids", "cpu")
-        if c in own
-        and os.path.isdir(path := f"{root}/{c}{own[c].rstrip('/')}/vapo-sandbox-{pid}")
+        if c in own and os.path.isdir(path := f"{root}/{c}{own[c].rstrip('/')}/vapo-sandbox-{pid}")
     ]
 
 
@@ -211,3 +214,56 @@ def _assert_cpu_cgroups_configured(pool: Pool) -> None:
                     assert f.read().split(), "a spare is in its run's cpu cgroup"
             return
     raise AssertionError("no cpu cgroup folder for the server")
+
+
+# Connects to a host stream socket and sends to a host datagram socket, both by path.
+HOST_SOCKETS = """
+import errno, socket
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+def f(stream, dgram):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    d = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    return [attempt(lambda: s.connect(stream)), attempt(lambda: d.sendto(b"x", dgram))]
+"""
+
+
+@pytest.mark.parametrize("via_userns", [False, True])
+def test_no_host_unix_socket_is_reachable_by_path(tmp_path_factory, via_userns):
+    """World-writable Unix sockets of the host (here below /var/tmp; on a training node
+    D-Bus, /dev/log, a database's) are not in the run's file system view."""
+    if os.geteuid() != 0 and via_userns:
+        pytest.skip("the user-namespace path of a root server")
+    folder = tmp_path_factory.mktemp("sockets", numbered=True)
+    if os.path.isdir("/var/tmp"):
+        folder = Path(tempfile.mkdtemp(prefix="vapo-sockets-", dir="/var/tmp"))
+    os.chmod(folder, 0o777)
+    stream_path, dgram_path = str(folder / "stream.sock"), str(folder / "dgram.sock")
+    stream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stream.bind(stream_path)
+    stream.listen(4)
+    dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    dgram.bind(dgram_path)
+    for p in (stream_path, dgram_path):
+        os.chmod(p, 0o777)
+    stream.setblocking(False)
+    dgram.setblocking(False)
+    pool = Pool(size=1, via_userns=via_userns)
+    try:
+        assert "minimal_root" in pool.layers, pool.layers
+        test = {"input": [stream_path, dgram_path], "output": ["ENOENT", "ENOENT"]}
+        r = pool.evaluate(HOST_SOCKETS, [test], "f")
+        assert r.passed == 1, r
+        with pytest.raises(BlockingIOError):
+            stream.accept()
+        with pytest.raises(BlockingIOError):
+            dgram.recv(10)
+    finally:
+        pool.close()
+        stream.close()
+        dgram.close()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -38,6 +38,7 @@ ALL_LAYERS = (
     "pidns",
     "mountns",
     "private_tmp",
+    "minimal_root",
     "clean_env",
     "rlimits",
     "no_caps",

@@ -26,13 +26,14 @@ if __package__:
     from . import cgroups as CG
     from . import layers as L
     from . import protocol as P
-    from . import runner
+    from . import rootfs, runner
     from . import seccomp_filter as SF
     from .zygote import close_fds_except, new_session, start_mount_ns_holder
 else:  # imported by server.py run as a script
     import cgroups as CG
     import layers as L
     import protocol as P
+    import rootfs
     import runner
     import seccomp_filter as SF
     from zygote import close_fds_except, new_session, start_mount_ns_holder
@@ -109,19 +110,19 @@ class Isolation:
         ]
         self.dev_fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in DEVICES if os.path.exists(p)]
         # The interpreter, reachable inside so that a program may start it (multiprocessing's
-        # spawn and forkserver, subprocess): read and execute for Landlock; when it lives below
-        # a directory the sandbox uid may not search (/root), `L.expose_below` mounts it back
-        # (a root server's direct path only: the others cannot reach it to mount it).
+        # spawn and forkserver, subprocess): read and execute for Landlock; bind-mounted into
+        # the run's minimal root at its own place (`rootfs`), below folders anyone may search
+        # (a root server's direct path; the others cannot reach one below a mode-700 /root).
         self.python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         self.prefix = os.path.realpath(sys.base_prefix)
         self.prefix_fd = os.open(self.prefix, os.O_PATH | os.O_CLOEXEC)
-        self.hidden = L.unsearchable_ancestor(self.prefix) if self.is_root else None
         # The stdlib, opened now: after the uid drop its path may no longer be searchable.
         self.stdlib = {
             p: os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             for p in sys.path
             if os.path.isdir(p)
         }
+        self.root_plan = rootfs.plan([*READ_PATHS, self.prefix, *self.stdlib], list(DEVICES))
 
     # --- in the zygote -----------------------------------------------------------------------
     def fork_sandbox(
@@ -223,14 +224,12 @@ class Isolation:
             os._exit(72)
 
     def _mounts_and_uid(self, host_dir: str | None, tmp_mb: int, active: list[str]) -> str:
-        """P2's private /tmp (and, as root, the interpreter mounted back), then a root
-        server's uid drop and user namespace. Returns the run's working directory."""
+        """P2's minimal root with a private /tmp (`rootfs`), then a root server's uid drop
+        and user namespace. Returns the run's working directory."""
         workdir = host_dir
         if "mountns" in active:
-            L.private_mounts(int(tmp_mb) << 20)
-            active.append("private_tmp")
-            if self.hidden is not None and os.geteuid() == 0:  # (root: the direct path)
-                L.expose_below(self.hidden, self.prefix)
+            rootfs.build(self.root_plan, int(tmp_mb) << 20, read_only=os.geteuid() == 0)
+            active += ["private_tmp", "minimal_root"]
         if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
             L.drop_privileges(self.uid, self.uid)
             active += ["uid_drop", "own_uid"]

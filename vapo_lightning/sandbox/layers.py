@@ -116,17 +116,6 @@ def enter_namespaces(uid: int, gid: int, flags: int = ALL_NAMESPACES) -> int:
     return flags
 
 
-def private_mounts(tmp_bytes: int) -> None:
-    """In a fresh mount namespace: fresh tmpfs on /tmp and /dev/shm (`tmp_bytes` each; the
-    run's memory cgroup bounds their pages with the rest), fresh /proc (own PIDs)."""
-    mount("none", "/", None, MS_REC | MS_PRIVATE)
-    opts = MS_NOSUID | MS_NODEV
-    mount("tmpfs", "/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
-    if os.path.isdir("/dev/shm"):
-        mount("tmpfs", "/dev/shm", "tmpfs", opts | MS_NOEXEC, f"size={tmp_bytes},mode=1777")
-    mount("proc", "/proc", "proc", opts | MS_NOEXEC)
-
-
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine) if IS_LINUX else None
 _CLONE_PARENT, _SIGCHLD = 0x00008000, 17
 _pylibc = ctypes.PyDLL(None, use_errno=True) if IS_LINUX else None  # keeps the GIL, as fork
@@ -148,32 +137,6 @@ def fork_sibling() -> int:
     if pid < 0:
         raise OSError(err, f"clone: {os.strerror(err)}")
     return pid
-
-
-def unsearchable_ancestor(path: str) -> str | None:
-    """The highest directory on the way to `path` that others may not search (e.g. a mode-700
-    /root holding the interpreter), or None."""
-    parts = path.strip("/").split("/")
-    for i in range(1, len(parts)):
-        parent = "/" + "/".join(parts[:i])
-        if not os.stat(parent).st_mode & stat.S_IXOTH:
-            return parent
-    return None
-
-
-def expose_below(hidden: str, path: str) -> None:
-    """As root in a fresh mount namespace: an empty tmpfs over `hidden` (its contents no longer
-    visible), and `path` (below it) bind-mounted back read-only at its own place, so that every
-    path into it stays as it was (an interpreter's RUNPATH, sys.path) while nothing else of
-    `hidden` is there. (The bind's source must be a mount of this namespace: opened here.)"""
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    try:
-        mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=755")
-        os.makedirs(path, 0o755, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND)
-    finally:
-        os.close(fd)
-    mount("none", path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 class _CapHeader(ctypes.Structure):
@@ -276,15 +239,6 @@ def landlock_enforce(ruleset_fd: int, abi: int) -> list[str]:
     prctl(PR_SET_NO_NEW_PRIVS, 1)
     check(libc.syscall(_SYS["ll_restrict"], ruleset_fd, 0), "landlock_restrict_self")
     return landlock_parts(abi)
-
-
-def landlock_restrict(rules: list[tuple[int, int]], abi: int) -> list[str]:
-    """`landlock_ruleset` + `landlock_enforce` in one go. Returns the parts that took effect."""
-    rs = landlock_ruleset(rules, abi)
-    try:
-        return landlock_enforce(rs, abi)
-    finally:
-        os.close(rs)
 
 
 def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, nproc: int) -> None:

@@ -1,0 +1,103 @@
+"""The run's file system: a minimal root holding only what a program needs.
+
+A copy of the host's mount tree would show every named Unix socket on the host (D-Bus,
+journald's /dev/log, a database's, a container runtime's) one `connect()` away: Landlock
+does not cover connecting to a socket by path, and the seccomp filter allows AF_UNIX (for
+multiprocessing). So each sandbox, in its own mount namespace, builds a fresh tmpfs root
+with the system's libraries and programs (/usr, /lib, /bin, ...), the interpreter's prefix,
+the stdlib folders, four devices, a fresh /proc, and the run's own /tmp and /dev/shm;
+`pivot_root` makes it the root and the host's tree is detached. The server plans it once at
+start (`plan`); each sandbox builds it before its uid drop. Named sockets that live below
+these folders (none do on the usual layouts) are reachable still.
+
+Stdlib only, as `layers`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+if __package__:
+    from . import layers as L
+else:  # imported by server.py run as a script
+    import layers as L
+
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine) if L.IS_LINUX else None
+_MNT_DETACH = 2
+STAGE = "/tmp"
+"""Where the new root is built, in the sandbox's own mount namespace (a tmpfs mounted there
+hides the host's /tmp from this namespace only)."""
+
+
+def plan(paths: list[str], devices: list[str]) -> list[tuple[str, str, str]]:
+    """In the server, at start: what each sandbox's root will hold, as (kind, path, target):
+    kind ``link`` for a symlink (/lib -> usr/lib, `target` its text), else ``dir``, ``file``
+    or ``dev`` for a bind mount of `path`. A path below one already planned is left out."""
+    entries: list[tuple[str, str, str]] = []
+    for p in [*paths, *devices]:
+        if not os.path.lexists(p) or any(p.startswith(e[1] + "/") for e in entries):
+            continue
+        if os.path.islink(p):
+            entries.append(("link", p, os.readlink(p)))
+        else:
+            kind = "dev" if p in devices else ("dir" if os.path.isdir(p) else "file")
+            entries.append((kind, p, ""))
+    return entries
+
+
+def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) -> None:
+    """In a sandbox's fresh mount namespace, with CAP_SYS_ADMIN there: the minimal root of
+    `entries` (`plan`), a fresh /proc (own PIDs), /tmp and /dev/shm (tmpfs of `tmp_bytes`
+    each; the run's memory cgroup bounds their pages with the rest), then `pivot_root` into
+    it and the host's tree detached. `read_only` (a root server's direct path, which may):
+    bind mounts made read-only. In a user namespace (the host's mount flags are locked
+    there), a path the sandbox uid cannot reach (an interpreter below a mode-700 /root) is
+    left out: the stdlib is imported through folders the server opened (`runner.DirFdFinder`)."""
+    L.mount("none", "/", None, L.MS_REC | L.MS_PRIVATE)
+    L.mount("tmpfs", STAGE, "tmpfs", L.MS_NOSUID | L.MS_NODEV, "size=256k,mode=755")
+    for kind, path, link in entries:
+        target = STAGE + path
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if kind == "link":
+            os.symlink(link, target)
+        else:
+            _bind(kind, path, target, read_only)
+    opts = L.MS_NOSUID | L.MS_NODEV
+    for folder, fs, data in (
+        ("/tmp", "tmpfs", f"size={tmp_bytes},mode=1777"),
+        ("/dev/shm", "tmpfs", f"size={tmp_bytes},mode=1777"),
+        ("/proc", "proc", ""),
+    ):
+        os.makedirs(STAGE + folder, 0o755, exist_ok=True)
+        noexec = L.MS_NOEXEC if folder != "/tmp" else 0
+        L.mount(fs, STAGE + folder, fs, opts | noexec, data)
+    os.mkdir(f"{STAGE}/.old", 0o700)
+    _pivot_root(STAGE, f"{STAGE}/.old")
+    os.chdir("/")
+    L.check(L.libc.umount2(b"/.old", _MNT_DETACH), "umount2 /.old")
+    os.rmdir("/.old")
+    with contextlib.suppress(OSError):  # nothing more is made in the root itself
+        L.mount("none", "/", None, L.MS_REMOUNT | L.MS_RDONLY | L.MS_NOSUID | L.MS_NODEV)
+
+
+def _bind(kind: str, path: str, target: str, read_only: bool) -> None:
+    if kind == "dir":
+        os.mkdir(target, 0o755)
+    else:
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    try:
+        L.mount(path, target, None, L.MS_BIND | L.MS_REC)
+    except PermissionError:
+        if read_only:  # root: a real failure
+            raise
+        return  # unreachable to this uid: left out (an empty folder)
+    if read_only and kind != "dev":
+        flags = L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | L.MS_NOSUID | L.MS_NODEV
+        L.mount("none", target, None, flags)
+
+
+def _pivot_root(new_root: str, put_old: str) -> None:
+    if _SYS_PIVOT_ROOT is None:
+        raise OSError(0, "pivot_root: syscall number unknown on this machine")
+    L.check(L.libc.syscall(_SYS_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
