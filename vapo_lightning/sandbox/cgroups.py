@@ -9,11 +9,12 @@ threads together) whatever their uid. The cpu cgroup gives each run one equal sh
 CPU, however many processes it starts: 30 busy processes of one run no longer take 30/31 of
 the CPU from a concurrent run of one (which then timed out and scored 0).
 
-cgroup v1 (each controller a hierarchy of its own under /sys/fs/cgroup, as on hybrid hosts).
-On a v2-only host no cgroup is made yet: the runs then lack the layers, and say so.
+cgroup v1 (each controller a hierarchy of its own under /sys/fs/cgroup, as on hybrid hosts)
+or v2 (one hierarchy, /sys/fs/cgroup itself a cgroup2 mount: ``cgroup.controllers`` there).
+A controller the host does not give leaves its layer out of the runs' reports.
 
 The server (root, or owner of a delegated cgroup) makes a folder ``vapo-sandbox-<pid>``
-below its own cgroup in each hierarchy, one cgroup per spare in it when the spare is forked
+below its own cgroup in each hierarchy (v2: one), one cgroup per spare in it when the spare is forked
 (off the request path), and removes it after the run. The sandbox joins its cgroups itself,
 first thing after its fork, while it still may (``join``). Stdlib only: this runs in the
 server (``python -I -S``).
@@ -55,10 +56,13 @@ def _own_paths() -> dict[str, str]:
 V1_CPU_SHARES = 1024
 """cpu.shares of every run's cgroup (v1): each run, however many processes it starts, weighs
 as much as one busy process of the host, and the same as every other run."""
+V2_CPU_WEIGHT = 100
+"""cpu.weight of every run's cgroup (v2): the same, in v2's units (its default)."""
+V2_CONTROLLERS = ("memory", "pids", "cpu")
 
 
 class RunCgroups:
-    """The server's side: makes, sets and removes the cgroups of its runs (cgroup v1).
+    """The server's side: makes, sets and removes the cgroups of its runs (`version` 1 or 2).
 
     `available` is False when no cgroup could be made (no ``memory_cgroup`` / ``pids_cgroup``
     / ``cpu_cgroup`` layer in the runs' reports). `bases`: the server's folders, one per
@@ -66,6 +70,7 @@ class RunCgroups:
 
     def __init__(self, root: str | None = DEFAULT_ROOT, tag: str | None = None) -> None:
         self.available = False
+        self.version = 0
         self.bases: list[tuple[str, tuple[str, ...]]] = []
         self.swap = False
         self.count = 0
@@ -76,12 +81,14 @@ class RunCgroups:
             own = _own_paths()
         except (OSError, ValueError):
             return
-        if "memory" not in own:  # v1 (or hybrid): one hierarchy per controller; else none yet
-            return
-        try:
-            memory = self._make(os.path.join(root, "memory"), own["memory"], tag)
-        except OSError:
-            return
+        with contextlib.suppress(OSError):
+            if os.path.exists(f"{root}/cgroup.controllers"):  # `root` is a cgroup v2 mount
+                self._init_v2(root, own.get("", "/"), tag)
+            elif "memory" in own:  # v1 (or hybrid): one hierarchy per controller
+                self._init_v1(root, own, tag)
+
+    def _init_v1(self, root: str, own: dict[str, str], tag: str) -> None:
+        memory = self._make(os.path.join(root, "memory"), own["memory"], tag)
         self.bases = [(memory, ("memory",))]
         self.swap = os.path.exists(f"{memory}/memory.memsw.limit_in_bytes")
         for controller in ("pids", "cpu"):
@@ -89,7 +96,20 @@ class RunCgroups:
                 with contextlib.suppress(OSError):
                     base = self._make(os.path.join(root, controller), own[controller], tag)
                     self.bases.append((base, (controller,)))
-        self.available = True
+        self.version, self.available = 1, True
+
+    def _init_v2(self, root: str, own: str, tag: str) -> None:
+        """cgroup v2: one folder holds every controller. A controller reaches the server's
+        folder only when enabled in its parent's ``cgroup.subtree_control``, which the server
+        asks for; the kernel refuses (EBUSY) where the parent holds processes itself and is
+        not the root: then the parent must be delegated with them enabled (systemd's
+        ``Delegate=yes``, the trainer in a leaf). The runs get the controllers that came."""
+        parent = os.path.join(root, own.lstrip("/"))
+        _enable(parent, V2_CONTROLLERS)
+        base = self._make(root, own, tag)
+        held = _enable(base, _words(f"{base}/cgroup.controllers"))
+        self.bases = [(base, held)]
+        self.version, self.available = 2, True
 
     def folder(self, controller: str) -> str | None:
         """The server's folder that holds `controller`, or None."""
@@ -140,12 +160,21 @@ class RunCgroups:
         return made
 
     def set_limits(self, dirs: list[str], memory_bytes: int, pids: int) -> None:
+        """The run's limits. v2 (the kernel's cgroup-v2.rst): ``memory.max`` and
+        ``memory.swap.max`` 0 (no swap), ``pids.max``, ``cpu.weight`` (the default, 100: one
+        equal share per run); v1: their older names."""
         for d, (_, held) in zip(dirs, self.bases):
-            if "memory" in held:
+            if "memory" in held and self.version == 2:
+                _write(f"{d}/memory.max", str(memory_bytes))
+                if os.path.exists(f"{d}/memory.swap.max"):  # (absent without swap accounting)
+                    _write(f"{d}/memory.swap.max", "0")
+            elif "memory" in held:
                 self._set_memory(d, memory_bytes)
             if "pids" in held:
                 _write(f"{d}/pids.max", str(pids))
-            if "cpu" in held:
+            if "cpu" in held and self.version == 2:
+                _write(f"{d}/cpu.weight", str(V2_CPU_WEIGHT))
+            elif "cpu" in held:
                 _write(f"{d}/cpu.shares", str(V1_CPU_SHARES))
 
     def _set_memory(self, mem: str, memory_bytes: int) -> None:
@@ -167,10 +196,11 @@ class RunCgroups:
 
     def oom_kills(self, dirs: list[str]) -> int:
         """How many of the run's processes the OOM killer took at the run's memory limit."""
-        if not dirs:
+        if not dirs or not self.folder("memory"):
             return 0
+        events = "memory.events" if self.version == 2 else "memory.oom_control"
         try:
-            for line in _read(f"{dirs[0]}/memory.oom_control").splitlines():
+            for line in _read(f"{dirs[0]}/{events}").splitlines():
                 key, _, value = line.partition(" ")
                 if key == "oom_kill":
                     return int(value)
@@ -207,9 +237,27 @@ def _reclaim(path: str, kill: bool = False) -> bool:
     return not any(name.startswith("run-") for name in os.listdir(path))
 
 
+def _words(path: str) -> tuple[str, ...]:
+    return tuple(_read(path).split())
+
+
+def _enable(folder: str, controllers: tuple[str, ...]) -> tuple[str, ...]:
+    """Enables `controllers` for the children of the v2 cgroup `folder`, one at a time (one
+    the kernel refuses leaves the others); returns those of V2_CONTROLLERS now enabled."""
+    for c in controllers:
+        if c in V2_CONTROLLERS and c not in _words(f"{folder}/cgroup.subtree_control"):
+            with contextlib.suppress(OSError):
+                _write(f"{folder}/cgroup.subtree_control", f"+{c}")
+    enabled = _words(f"{folder}/cgroup.subtree_control")
+    return tuple(c for c in V2_CONTROLLERS if c in enabled)
+
+
 def kill_members(cgroup: str, rounds: int = 100) -> None:
-    """SIGKILLs every process in `cgroup` until it is empty (or `rounds` passed): a run's
-    sandbox is pid 1 of its PID namespace, so its death takes the rest of the run along."""
+    """Kills every process in `cgroup` (v2: ``cgroup.kill``, which no fork outruns; v1:
+    SIGKILL to each) until it is empty (or `rounds` passed): a run's sandbox is pid 1 of its
+    PID namespace, so its death takes the rest of the run along."""
+    with contextlib.suppress(OSError):
+        _write(f"{cgroup}/cgroup.kill", "1")
     for _ in range(rounds):
         try:
             pids = [int(p) for p in _read(f"{cgroup}/cgroup.procs").split()]

@@ -50,11 +50,14 @@ _HOW_TO = {
     "reaping": "a PID namespace (user namespaces, as above) or PR_SET_CHILD_SUBREAPER (Linux)",
     "signals": "a PID namespace or Landlock ABI >= 6 (Linux >= 6.12)",
     "memory_cgroup": "a memory cgroup per run, limiting all of its processes together: the "
-    "server must run as root on a host with the cgroup v1 memory "
-    "hierarchy mounted at /sys/fs/cgroup/memory (cgroup v2 is not supported yet)",
-    "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with /sys/fs/cgroup/pids",
+    "server must run as root (or own a delegated cgroup) with cgroup v1's memory hierarchy at "
+    "/sys/fs/cgroup/memory, or cgroup v2 at /sys/fs/cgroup with the memory controller "
+    "enabled in the server's parent cgroup.subtree_control (the kernel refuses to enable it "
+    "where that cgroup holds processes itself and is not the root: delegate one, e.g. "
+    "systemd's Delegate=yes, and start the trainer in a leaf of it)",
+    "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with the pids controller",
     "cpu_cgroup": "a cpu cgroup per run (one equal CPU share each): as for memory_cgroup, "
-    "with /sys/fs/cgroup/cpu",
+    "with the cpu controller",
 }
 
 
