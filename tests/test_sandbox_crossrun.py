@@ -23,16 +23,21 @@ from vapo_lightning.sandbox.cgroups import V1_CPU_SHARES
 
 STDLIB = os.path.dirname(os.__file__)
 
-# dnotify on a directory every run imports from, flock on a file every run reads; a POSIX
-# record lock on the run's own file (sqlite3 takes those) still works.
-WATCH_AND_LOCK = f"""
-import errno, fcntl, os
+# What a program's call returned: "ok", or the errno's name.
+ATTEMPT = """
+import errno
 def attempt(fn):
     try:
         fn()
         return "ok"
     except OSError as e:
         return errno.errorcode.get(e.errno, str(e.errno))
+"""
+
+# dnotify on a directory every run imports from, flock on a file every run reads; a POSIX
+# record lock on the run's own file (sqlite3 takes those) still works.
+WATCH_AND_LOCK = f"""{ATTEMPT}
+import fcntl, os
 def f():
     d = os.open({STDLIB!r}, os.O_RDONLY)
     shared = os.open({os.__file__!r}, os.O_RDONLY)
@@ -217,14 +222,8 @@ def _assert_cpu_cgroups_configured(pool: Pool) -> None:
 
 
 # Connects to a host stream socket and sends to a host datagram socket, both by path.
-HOST_SOCKETS = """
-import errno, socket
-def attempt(fn):
-    try:
-        fn()
-        return "ok"
-    except OSError as e:
-        return errno.errorcode.get(e.errno, str(e.errno))
+HOST_SOCKETS = f"""{ATTEMPT}
+import socket
 def f(stream, dgram):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     d = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

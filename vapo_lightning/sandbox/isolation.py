@@ -24,13 +24,14 @@ import sys
 
 if __package__:
     from . import cgroups as CG
+    from . import fd_import, rootfs, runner
     from . import layers as L
     from . import protocol as P
-    from . import rootfs, runner
     from . import seccomp_filter as SF
     from .zygote import close_fds_except, new_session, start_mount_ns_holder
 else:  # imported by server.py run as a script
     import cgroups as CG
+    import fd_import
     import layers as L
     import protocol as P
     import rootfs
@@ -297,7 +298,7 @@ class Isolation:
                 if self.shared_netns:  # without the filter, the namespace would carry data
                     raise
                 P.write_error(ctl_w, f"P2 seccomp: {err}")
-        sys.meta_path.append(runner.DirFdFinder(self.stdlib))
+        sys.meta_path.append(fd_import.DirFdFinder(self.stdlib))
 
     def _run(self, req: dict, ctl_w, res_w, ruleset: int | None, caps_dropped: bool, active):
         """The request's limits and Landlock, the ``L`` line, then the program."""

@@ -53,7 +53,7 @@ def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) 
     it and the host's tree detached. `read_only` (a root server's direct path, which may):
     bind mounts made read-only. In a user namespace (the host's mount flags are locked
     there), a path the sandbox uid cannot reach (an interpreter below a mode-700 /root) is
-    left out: the stdlib is imported through folders the server opened (`runner.DirFdFinder`)."""
+    left out: the stdlib is imported through folders the server opened (`fd_import.DirFdFinder`)."""
     L.mount("none", "/", None, L.MS_REC | L.MS_PRIVATE)
     L.mount("tmpfs", STAGE, "tmpfs", L.MS_NOSUID | L.MS_NODEV, "size=256k,mode=755")
     for kind, path, link in entries:

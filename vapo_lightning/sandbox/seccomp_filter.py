@@ -128,21 +128,22 @@ def sandbox_filter(no_sockets: bool) -> list[tuple[int, int, int, int]]:
             (_JEQ, nr["socketpair"], "unix_only", None),
             (_JEQ, nr["socket"], "unix_only", None),
         ]
-    prog += [(_RET, _RET_ALLOW), "prctl", (_LD_W_ABS, 16)]  # args[0] (low word): the option
+    prog += [(_RET, _RET_ALLOW), *_argument_checks(no_sockets)]
+    prog += ["allow", (_RET, _RET_ALLOW), "deny", (_RET, _RET_EPERM)]
+    return _assemble([*prog, "kill", (_RET, _RET_KILL_PROCESS)])
+
+
+def _argument_checks(no_sockets: bool) -> list:
+    """The checks of `sandbox_filter` on a syscall's arguments (seccomp_data.args[i]'s low
+    word is at 16 + 8 i): prctl's option (and PR_SET_PDEATHSIG's signal), fcntl's command,
+    the address family of socket() and socketpair()."""
+    prog: list = ["prctl", (_LD_W_ABS, 16)]  # args[0]: the option
     prog += [(_JEQ, L.PR_SET_DUMPABLE, "deny", None), (_JEQ, L.PR_SET_PDEATHSIG, None, "allow")]
     prog += [(_LD_W_ABS, 24), (_JEQ, _SIGKILL, "allow", "deny")]  # args[1]: the signal
     prog += ["fcntl", (_LD_W_ABS, 24), (_JEQ, F_NOTIFY, "deny", "allow")]  # args[1]: the cmd
     if no_sockets:
         prog += ["unix_only", (_LD_W_ABS, 16), (_JEQ, _AF_UNIX, "allow", "deny")]  # family
-    prog += [
-        "allow",
-        (_RET, _RET_ALLOW),
-        "deny",
-        (_RET, _RET_EPERM),
-        "kill",
-        (_RET, _RET_KILL_PROCESS),
-    ]
-    return _assemble(prog)
+    return prog
 
 
 def seccomp_filter_array(program: list[tuple[int, int, int, int]]) -> _SockFprog:
