@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vapo_lightning import core
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.tasks import digitwise
 

@@ -115,13 +115,14 @@ def child(args: argparse.Namespace) -> dict:
     # The rollout alone, on the trained policy: the fit's prompts, `reps` times.
     rows = data.train_rows[: args.prompts]
     module.train()  # (sampling as in training: the engine's own stream)
-    module.sync_engine()
+    engine = module.engine(module.gen)
+    engine.sync()
     with torch.no_grad(), torch.autocast(args.device, torch.bfloat16, enabled=on_gpu):
-        module.sample(rows)  # warm-up
+        module.sample(rows, module.gen)  # warm-up
         times = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            r = module.sample(rows)
+            r = module.sample(rows, module.gen)
             if on_gpu:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -131,13 +132,13 @@ def child(args: argparse.Namespace) -> dict:
         syncs = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            module._vllm.load_weights(module.policy)
+            engine.load_weights(module.policy)
             if on_gpu:
                 torch.cuda.synchronize()
             syncs.append(time.perf_counter() - t0)
         out["sync_s"] = statistics.median(syncs)
     out["peak_memory_gb"] = used_memory_gb(args.device)
-    module.close_engine()
+    module.teardown("fit")
     return out
 
 

@@ -1,4 +1,4 @@
-"""Benchmark of the rollout sampler (`vapo_lightning.generation.sample_responses`) against
+"""Benchmark of the rollout sampler (`vapo_lightning.engines.sampler.sample_responses`) against
 `transformers`' `generate` on the same model, prompts and sampling settings.
 
 Two workloads on the quickstart's SFT policy (2.0 M parameters): 16 training prompts × 8
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vapo_lightning.attention import SDPA
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from vapo_lightning.config import Generation
+from vapo_lightning.engines.native import generate
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
-from vapo_lightning.rollout import generate
 from vapo_lightning.tools import PythonTool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,11 +3,12 @@
 Shapes: the quickstart policy's architecture (Llama, 3 layers, hidden 256), random init,
 16 prompts × 4 samples = 64 responses × 128 new tokens (fixed length), one mini-batch.
 The floor is the sum of what any PPO implementation must do on these shapes: sampling the
-responses (with the same sampler, `generation.sample_responses`: this measures the trainer's
+responses (with the same sampler, `engines.sampler.sample_responses`: this measures the trainer's
 overhead, not the sampler) and one forward/backward/AdamW step of each model. At one epoch
 over one mini-batch no separate no-grad forward is needed (pi_old and V_old are the models as
-they stand; `VAPOModule` takes them from the updates' forwards). Both are measured
-alternately in one process.
+they stand; `VAPOModule` takes them from the updates' forwards, `model.algorithm.one_pass`).
+Both are measured alternately in one process; then the trainer again with `one_pass: false`,
+for what the one-pass path saves.
 
     .venv/bin/python benchmarks/bench_trainer.py > benchmarks/results/trainer.md
 """
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
 from vapo_lightning.rewards.math import MathReward
@@ -49,18 +50,18 @@ class StepRecorder(L.Callback):
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("timing_s/")})
 
 
-def make_module() -> VAPOModule:
+def make_module(one_pass: bool = True) -> VAPOModule:
     return VAPOModule(
         policy=ModelSpec(config=POLICY, tokenizer=str(TOKENIZER)),
-        algorithm=Algorithm(mini_batch_size=PROMPTS * N, micro_batch_size=PROMPTS * N),
+        algorithm=Algorithm(mini_batch_size=PROMPTS * N, micro_batch_size=PROMPTS * N, one_pass=one_pass),
         generation=Generation(n=N, max_new_tokens=T, min_new_tokens=T),
         optim=Optim(actor_lr=1e-5, critic_lr=1e-5, warmup_steps=0),
         val_before_train=False,
     )
 
 
-def run_trainer(steps: int) -> tuple[VAPOModule, list[dict[str, float]]]:
-    module, recorder = make_module(), StepRecorder()
+def run_trainer(steps: int, one_pass: bool = True) -> tuple[VAPOModule, list[dict[str, float]]]:
+    module, recorder = make_module(one_pass), StepRecorder()
     data = PromptDataModule(train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
@@ -110,6 +111,9 @@ def main() -> None:
     _, more = run_trainer(2)
     steps += more[1:]
     floors += [floor_once(module, prompts)]
+    # What the one-pass (on-policy) path saves: the same steps with the two no-grad passes.
+    _, two_pass = run_trainer(args.steps, one_pass=False)
+    two_pass = two_pass[1:]
 
     step_times = [s["timing_s/step"] for s in steps]
     floor_times = [sum(f.values()) for f in floors]
@@ -137,7 +141,13 @@ def main() -> None:
           f"{2 * len(prompts) * N * (T + max(map(len, prompts))) / train:.0f} tokens/s  ")  # fmt: skip
     reward = statistics.median(s["timing_s/reward"] for s in steps)
     print(f"Reward phase (MathReward, 1 worker): {reward:.3f} s = {100 * reward / med_step:.1f}% of the step  ")
-    print(f"Peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB over {len(steps)} steps")
+    print(f"Peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB over {len(steps)} steps\n")
+    two = statistics.median(s["timing_s/step"] for s in two_pass)
+    passes = statistics.median(s.get("timing_s/old_log_prob", 0) + s.get("timing_s/values", 0) for s in two_pass)
+    print("| `model.algorithm.one_pass` | median step s | of which no-grad passes s |\n|---|---|---|")
+    print(f"| true (pi_old, V_old from the updates' first forwards) | {med_step:.3f} | 0 |")
+    print(f"| false (separate no-grad passes) | {two:.3f} | {passes:.3f} |")
+    print(f"\nOne pass saves {100 * (1 - med_step / two):.1f} % of the step at these shapes.")
 
 
 if __name__ == "__main__":

@@ -333,7 +333,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
         "- **TRL GRPO does less work per step by design**: no critic (no value forward, no critic "
         "update). With one iteration and steps_per_generation=1 it skips the no-grad old-log-prob "
         "forward (it uses the detached current log-probs); VAPO does the same at one epoch over one "
-        "mini-batch (`PPOUpdates.update` in one pass: pi_old from the actor update's forward, V_old "
+        "mini-batch (on-policy, `model.algorithm.one_pass`: pi_old from the actor update's forward, V_old "
         "from the critic update's forward; "
         f"`timing_s/old_log_prob` = {t_med.get('old_log_prob', 0.0):.2f} s, `timing_s/values` = "
         f"{t_med.get('values', 0.0):.2f} s in this run). With beta=0 neither has a reference model. "
@@ -341,7 +341,7 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     )
     w(
         "- **Generation**: VAPO samples with its own decoding loop over the model's forward "
-        "(`generation.sample_responses`: KV cache written in place, finished responses leave the "
+        "(`engines.sampler.sample_responses`: KV cache written in place, finished responses leave the "
         "batch; at this forced length only the first matters, 1.6-1.7x faster per token than "
         "`generate` in `benchmarks/results/generation.md`); both TRL trainers call `transformers`' "
         "`generate`. This is part of what is compared: each system's own rollout path."

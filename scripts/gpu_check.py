@@ -34,7 +34,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from vapo_lightning.distributed import _mixed_precision, shard
-    from vapo_lightning.generation import gathered_weights, sample_responses
+    from vapo_lightning.engines.sampler import gathered_weights, sample_responses
     from vapo_lightning.models import ModelSpec, build_critic, build_policy
     from vapo_lightning.tokenization import train_bpe
 

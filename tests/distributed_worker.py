@@ -24,7 +24,7 @@ import lightning as L
 import torch
 from torch._dynamo.utils import counters
 
-import vapo_lightning.engines as engines
+import vapo_lightning.engines.native as native
 import vapo_lightning.module as vapo_module
 from tests.helpers import TINY_LLAMA
 from vapo_lightning.config import Algorithm, Generation, Optim
@@ -49,7 +49,7 @@ class EvenLength(RewardCallback):
 def scripted_generate(
     policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=None, tools=None, tokenizer=None
 ):
-    """Stands in for `rollout.generate` (no tools): the same layout, responses a function of
+    """Stands in for `engines.native.generate` (no tools): the same layout, responses a function of
     the prompt."""
     assert not tools
     n = cfg.n if n is None else n
@@ -79,7 +79,7 @@ def scripted_generate(
 def main(
     out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool, compiled: bool
 ) -> None:
-    engines.generate = (
+    native.generate = (
         scripted_generate  # the native engine's sampler (a missed patch fails parity)
     )
     if broken:  # negative control: per-rank normalisers, as if nothing were all-reduced

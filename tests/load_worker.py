@@ -35,9 +35,9 @@ from tests.helpers import make_rows, write_jsonl
 from vapo_lightning.config import Algorithm, Generation
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.distributed import VAPOStrategy
+from vapo_lightning.engines.native import generate
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
-from vapo_lightning.rollout import generate
 
 PROMPTS = [[5, 17, 42, 9, 88], [120, 7, 33]]  # left-padded to one batch
 NEW_TOKENS = 8

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import TINY_LLAMA
 from vapo_lightning import attention
 from vapo_lightning.attention import SDPA, decoding
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec, build_critic, build_policy
 
 PAD = 0

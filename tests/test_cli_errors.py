@@ -99,3 +99,19 @@ def test_a_reward_failing_everywhere_ends_the_run_with_one_line(tmp_path):
     message = str(exit_.value.code)
     assert message.startswith("vapo: error: reward callback VerlReward(verl_reward_score/)")
     assert "no reward file for data_source='arithmetic'" in message
+
+
+def test_the_private_lightning_names_we_rely_on_exist():
+    """`VAPOCLI` overrides `_add_subcommands` and `_parse_ckpt_path` and reads `_get` and
+    `_subcommand_parsers`; `VAPOModule` sets the manual-optimisation step counter. A Lightning
+    release that renames one fails here, by name, not deep in a run (pyproject bounds the
+    version to what this test has seen)."""
+    import inspect
+
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.loops.optimization.manual import _ManualOptimization
+
+    for name in ("_add_subcommands", "_parse_ckpt_path", "_get"):
+        assert callable(getattr(LightningCLI, name, None)), name
+    assert "_subcommand_parsers" in inspect.getsource(LightningCLI._add_subcommands)
+    assert "optim_step_progress" in inspect.getsource(_ManualOptimization.__init__)

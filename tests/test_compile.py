@@ -7,7 +7,7 @@ import torch._dynamo.utils as dynamo_utils
 
 from tests.helpers import TINY_LLAMA, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning.config import Algorithm, Generation
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 from vapo_lightning.rollout import Rollout, policy_logits
 

@@ -169,6 +169,20 @@ def test_explained_variance():
     assert math.isclose(core.explained_variance(ret, ret, mask).item(), 1.0, abs_tol=1e-6)
 
 
+def test_explained_variance_is_undefined_when_the_returns_do_not_vary():
+    """Every response rewarded -1: Var[returns] = 0, so the ratio is undefined (NaN), not the
+    -2e5 a division by the 1e-8 floor gave for a critic off by 0.01; a small but real spread
+    is still a number."""
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    returns, values = torch.full((4, 6), -1.0), torch.full((4, 6), -0.99)
+    values[0, 0] = -1.02
+    assert math.isnan(core.explained_variance(values, returns, mask).item())
+    returns[0, 0] = -0.99  # one token differs: Var ~ 4e-6, defined
+    ev = core.explained_variance(values, returns, mask).item()
+    r, v = returns[mask].double(), values[mask].double()
+    assert math.isclose(ev, (1 - (r - v).var() / r.var()).item(), rel_tol=1e-4)
+
+
 def test_entropy_and_logprobs_match_log_softmax():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 7, 50, generator=g) * 3

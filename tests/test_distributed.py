@@ -120,8 +120,8 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.load_worker import PROMPTS, greedy_tokens, uneven_config, uneven_prompts
+    from vapo_lightning.engines.native import generate
     from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
-    from vapo_lightning.rollout import generate
 
     ckpt = tmp_path / "ckpt"
     tok = load_tokenizer(str(build_tokenizer(ckpt)))

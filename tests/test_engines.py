@@ -17,11 +17,42 @@ def test_validation_follows_the_training_engine_unless_told(tmp_path):
     follows = VAPOModule(policy=policy, generation=Generation(engine="vllm"),
                          val_generation=Generation(n=1, temperature=0.0))  # fmt: skip
     assert (follows.gen.engine, follows.val_gen.engine) == ("vllm", "vllm")
-    assert follows.uses_vllm
     told = VAPOModule(policy=policy, generation=Generation(engine="vllm"),
                       val_generation=Generation(engine="native"))  # fmt: skip
     assert told.val_gen.engine == "native"
-    assert not VAPOModule(policy=policy, val_generation=Generation(engine="native")).uses_vllm
+    native = VAPOModule(policy=policy, val_generation=Generation(engine="native"))
+    assert (native.gen.engine, native.val_gen.engine) == ("native", "native")
+
+
+def test_every_engine_has_the_common_surface():
+    """Each registered engine is a `RolloutEngine` (one file and one line make a new one);
+    only an engine that reports its own log-probs can be corrected for (rollout_is)."""
+    from vapo_lightning.engines import ENGINES, RolloutEngine, engine_class
+
+    classes = {name: engine_class(name) for name in ENGINES}
+    assert all(issubclass(cls, RolloutEngine) for cls in classes.values())
+    assert not classes["native"].reports_logprobs and classes["vllm"].reports_logprobs
+
+
+def test_native_engine_samples_the_policy_itself(tmp_path):
+    """The native engine holds no copy: it never loads weights, and its rollouts carry the
+    `Sample`s the rewards read (text without special tokens, the row's fields)."""
+    from vapo_lightning.engines.native import NativeEngine
+    from vapo_lightning.models import build_policy, load_tokenizer
+
+    tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
+    policy = build_policy(ModelSpec(config=TINY_LLAMA), tok)
+    engine = NativeEngine(policy, tok, [])
+    assert not engine.sync()
+    rows = [{"prompt_ids": tok("1 + 2 =")["input_ids"], "prompt_text": "1 + 2 =", "ground_truth": "3",
+             "data_source": "sums"}]  # fmt: skip
+    torch.manual_seed(0)
+    r = engine.sample(rows, Generation(n=3, max_new_tokens=6))
+    assert len(r) == 3 and len(r.samples) == 3 and r.rollout_logprobs is None
+    assert {(s.prompt, s.ground_truth, s.data_source) for s in r.samples} == {("1 + 2 =", "3", "sums")}
+    texts = tok.batch_decode(r.responses, skip_special_tokens=True)
+    assert [s.response for s in r.samples] == texts
+    assert [len(s.response_ids) for s in r.samples] == r.response_lengths.tolist()
 
 
 def test_engine_dtype_follows_the_trainer_precision():
@@ -46,12 +77,11 @@ class FakeLLM:
 
 def test_sleep_discards_weights_only_when_an_update_replaces_them(monkeypatch):
     from vapo_lightning.config import VLLMOptions
-    from vapo_lightning.engines import RolloutEngines
     from vapo_lightning.engines.vllm import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)  # the engine's memory logic without vLLM
     engine.llm, engine.options, engine.on_gpu = FakeLLM(), VLLMOptions(), True
-    engine.asleep, engine.weights_stale = set(), False
+    engine.asleep, engine.weights_stale, engine.policy = set(), False, "policy"
     loads = []
     def load_weights(self, policy):  # the real one's wake-up and bookkeeping, no copy
         loads.append(policy)
@@ -60,31 +90,24 @@ def test_sleep_discards_weights_only_when_an_update_replaces_them(monkeypatch):
 
     monkeypatch.setattr(VLLMEngine, "load_weights", load_weights)
 
-    class Module(RolloutEngines):
-        gen = val_gen = Generation(engine="vllm")
-        policy = "policy"
-
-    m = Module()
-    m._init_engines()
-    m._vllm, m._engine_version, m.actor_frozen = engine, 0, True
-    m.release_engine()  # value pretraining: the weights survive (offloaded)
+    engine.release(keep_weights=True)  # value pretraining: the weights survive (offloaded)
     assert engine.llm.calls == [("sleep", 1)] and not engine.weights_stale
-    assert not m.sync_engine() and loads == []  # same policy, weights kept: nothing to load
+    assert not engine.sync() and loads == []  # same policy, weights kept: nothing to load
     with engine._awake():
         pass
     assert engine.llm.calls[-1] == ("wake_up", ("kv_cache", "weights")) and not engine.asleep
 
-    m.actor_frozen = False
-    m.release_engine()  # the actor will update: the weights are dropped (level 2)
+    engine.release(keep_weights=False)  # the actor will update: the weights are dropped (level 2)
     assert engine.llm.calls[-1] == ("sleep", 2) and engine.weights_stale
-    # Even if the update is skipped (a non-finite gradient leaves the version unchanged),
-    # the next rollout reloads: dropped weights are never sampled from.
-    assert m.sync_engine() and loads == ["policy"]
+    # Even if the update is skipped (a non-finite gradient: no `policy_changed`), the next
+    # rollout reloads: dropped weights are never sampled from.
+    assert engine.sync() and loads == ["policy"]
     assert engine.llm.calls[-1] == ("wake_up", ("weights",)) and engine.asleep == {"kv_cache"}
-    m.policy_version += 1
-    assert m.sync_engine() and len(loads) == 2  # a new policy always loads
+    assert not engine.sync()
+    engine.policy_changed()
+    assert engine.sync() and len(loads) == 2  # a new policy always loads
 
     engine.on_gpu, engine.asleep = False, set()  # CPU backend: no sleep mode
     calls = len(engine.llm.calls)
-    m.release_engine()
+    engine.release(keep_weights=False)
     assert len(engine.llm.calls) == calls and not engine.asleep

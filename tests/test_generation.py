@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TINY_LLAMA
-from vapo_lightning.generation import GrowingLayer, next_tokens, sample_responses
+from vapo_lightning.engines.sampler import GrowingLayer, next_tokens, sample_responses
 
 PAD, EOS, V = 0, 2, 40
 
@@ -227,7 +227,7 @@ def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypa
     greedy tokens as the fp32 cache that SDPA casts itself. Without autocast: fp32. On a CPU
     with AMX, simulated here whatever this machine has (else: the next test)."""
     import vapo_lightning.attention as attention
-    import vapo_lightning.generation as generation
+    import vapo_lightning.engines.sampler as generation
 
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: True)
 

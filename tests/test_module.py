@@ -278,13 +278,11 @@ def test_a_reward_that_is_no_reward_callback_is_refused(tok, tmp_path):
         trainer.fit(module, datamodule=tiny_data(tmp_path))
 
 
-def test_metrics_over_ranks_sum_the_counts(tok, monkeypatch):
+def test_metrics_over_ranks_sum_the_counts():
     """Across ranks: errors and a reward's counts are the run's sum, extremes their max / min,
     the rest the mean (checked on a gathered (world, K) tensor, as `all_gather` returns)."""
-    from types import SimpleNamespace
+    from vapo_lightning.metrics import reduce_over_ranks
 
-    module = tiny_module(tok)
-    monkeypatch.setattr(type(module), "trainer", SimpleNamespace(world_size=2))
     ranks = [
         {
             "reward/errors": 1.0,
@@ -300,8 +298,7 @@ def test_metrics_over_ranks_sum_the_counts(tok, monkeypatch):
         },
     ]
     gathered = torch.tensor([[r[k] for k in sorted(r)] for r in ranks])
-    monkeypatch.setattr(module, "all_gather", lambda local: gathered)
-    out = module.reduce_metrics(ranks[0], summed={"reward/errors", "code/passed"})
+    out = reduce_over_ranks(sorted(ranks[0]), gathered, summed={"reward/errors", "code/passed"})
     assert out == {
         "actor/pg_loss": 2.0,
         "code/passed": 7.0,
@@ -317,21 +314,21 @@ def test_validation_syncs_the_same_sources_in_the_same_order_on_every_rank(tok, 
     met them (that would pair different sources across ranks, or hang)."""
     from types import SimpleNamespace
 
-    from torchmetrics import MeanMetric
-
     module = tiny_module(tok)
     rows = [{"data_source": s} for s in ("zeta", "alpha", "mid", "unused")]
     trainer = SimpleNamespace(world_size=2, datamodule=SimpleNamespace(val_rows=rows))
-    monkeypatch.setattr(module, "_trainer", trainer)
-    monkeypatch.setattr(type(module), "trainer", property(lambda self: self._trainer))
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: trainer))
+    by_source = module.val_metrics.by_source
     for source, value in (("zeta", 1.0), ("mid", 0.0)):  # met in this order on this rank
-        module.val_accuracy_by_source[source] = MeanMetric()
-        module.val_accuracy_by_source[source].update(torch.tensor([value]))
+        module.val_metrics.source(source).update(torch.tensor([value]))
     other_rank = torch.tensor([1.0, 0.0, 0.0, 0.0])  # alpha, mid, unused, zeta: it saw alpha
     monkeypatch.setattr(module, "all_gather", lambda local: torch.stack([local, other_rank]))
-    assert module._sources_seen_on_any_rank() == ["alpha", "mid", "zeta"]
-    assert "alpha" in module.val_accuracy_by_source and "unused" not in module.val_accuracy_by_source
-    metrics = module._compute_val_metrics()
+    any_rank = lambda seen: module.all_gather(seen).amax(0)  # noqa: E731
+    assert module.val_metrics.sources_seen_on_any_rank([r["data_source"] for r in rows], any_rank) == [
+        "alpha", "mid", "zeta"]  # fmt: skip
+    assert "alpha" in by_source and "unused" not in by_source
+    module.val_metrics.accuracy.update(torch.tensor([1.0]))
+    metrics = module.compute_val_metrics()
     per_source = [k for k in metrics if k.startswith("val/accuracy/")]
     assert per_source == ["val/accuracy/alpha", "val/accuracy/mid", "val/accuracy/zeta"]
     assert float(metrics["val/accuracy/zeta"]) == 1.0 and float(metrics["val/accuracy/mid"]) == 0.0
@@ -432,3 +429,11 @@ def test_consecutive_non_finite_updates_stop_with_a_good_checkpoint(tok, tmp_pat
     state = torch.load(tmp_path / "checkpoints" / "last_good.ckpt", weights_only=True)["state_dict"]
     for name, p in before.items():
         assert torch.equal(state[f"policy.{name}"], p), name
+
+
+def test_an_undefined_explained_variance_is_not_logged_but_a_nan_loss_is():
+    from vapo_lightning.metrics import defined
+
+    m = {"critic/vf_explained_var": float("nan"), "actor/pg_loss": float("nan"), "reward": -1.0}
+    assert set(defined(m)) == {"actor/pg_loss", "reward"}
+    assert defined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}

@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TINY_LLAMA
 from vapo_lightning.config import Generation
-from vapo_lightning.rollout import generate, policy_logits
+from vapo_lightning.engines.native import generate
+from vapo_lightning.rollout import policy_logits
 
 PAD, EOS = 0, 2
 

@@ -10,8 +10,8 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.tool_helpers import Broken, Upper
 from vapo_lightning.config import Generation
-from vapo_lightning.generation import StopText, token_texts
-from vapo_lightning.rollout import generate
+from vapo_lightning.engines.native import generate
+from vapo_lightning.engines.sampler import StopText, token_texts
 from vapo_lightning.tools import Segment, ToolOutput, observation_ids, run_turns
 from vapo_lightning.tools.base import from_spec, spec
 
@@ -327,17 +327,16 @@ def test_observation_tokens_reach_no_loss(tok):
     actor's token-mean surrogate (on-policy, so ratio 1) plus the positive-example NLL, the
     critic's squared error to the Monte-Carlo return; whitening counts actions only; garbage
     at observation positions of every per-token field changes nothing."""
-    from collections import defaultdict
-
-    from tests.test_updates import capture_gradients, module_with
+    from tests.test_updates import module_with, old_estimates, run_updates
     from vapo_lightning import core
+    from vapo_lightning.advantages import compute_advantages
     from vapo_lightning.rollout import critic_values, policy_logits
+    from vapo_lightning.updates import DataParallel
 
     module = module_with(tok, 4)
     r = rollout_with_observations(module.policy.config.vocab_size)
-    module.compute_old_logprobs(r)
-    module.compute_values(r)
-    module.compute_advantages(r)
+    old_estimates(module, r)
+    compute_advantages(r, module.algo, False, DataParallel().global_sum)
     mask = r.response_mask
     assert abs(float(core.masked_mean(r.advantages, mask))) < 1e-5
     n = float(mask.sum())  # unbiased variance over the actions only
@@ -345,9 +344,8 @@ def test_observation_tokens_reach_no_loss(tok):
     assert torch.equal(r.lam_actor, core.length_adaptive_lam(mask.sum(-1), 0.05))
     for name in ("old_logprobs", "values", "advantages", "returns", "entropy"):
         getattr(r, name)[~mask] = float("nan")  # garbage wherever the mask is false
-    grads = capture_gradients(module)
-    module.critic_update(r, torch.arange(len(r)), None, defaultdict(list))
-    module.actor_update(r, torch.arange(len(r)), None, defaultdict(list))
+    steps, _ = run_updates(module, r)  # (its advantages: the same GAE on the same V_old)
+    grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
     assert all(torch.isfinite(g).all() for g in grads.values())
 
     a, n_actions = module.algo, mask.sum()

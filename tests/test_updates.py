@@ -1,11 +1,9 @@
 """The updates (`vapo_lightning.updates`): micro-batching is bookkeeping only (rows are grouped
 by length to cut padding, and the old log-probs, values and both models' gradients equal those
-of one row at a time); the one-pass path gives the two-pass gradients; several critic steps
-per actor step."""
+of one row at a time); the one-pass (on-policy) path gives the two-pass gradients; several
+critic steps per actor step."""
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import lightning as L
 import pytest
@@ -13,9 +11,18 @@ import torch
 
 from tests.helpers import tiny_module
 from vapo_lightning import core
+from vapo_lightning.advantages import compute_advantages, critic_targets
 from vapo_lightning.config import Algorithm
-from vapo_lightning.metrics import PhaseTimer
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits
+from vapo_lightning.updates import (
+    DataParallel,
+    compute_log_probs,
+    compute_values,
+    micro_batches,
+    mini_batches,
+    update_actor,
+    update_critic,
+)
 
 B, P, T = 8, 6, 10
 
@@ -48,16 +55,54 @@ def module_with(tok, micro: int, **algorithm):
     algo = Algorithm(mini_batch_size=B, micro_batch_size=micro, **algorithm)
     module = tiny_module(tok, algorithm=algo)
     module.configure_model()
-    module.trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     return module
+
+
+def old_estimates(module, r: Rollout) -> None:
+    """The two-pass path: no-grad old log-probs and values, then the advantages."""
+    r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(module.policy, r, module.algo.micro_batch_size, 1.0)
+    r.values = compute_values(module.critic, r, module.algo.micro_batch_size)
+
+
+class Recorder:
+    """An optimiser that records each step's gradients (and with `lr`, steps plain SGD)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, steps: list, lr: float = 0.0) -> None:
+        self.name, self.model, self.steps, self.lr = name, model, steps, lr
+
+    def step(self) -> None:
+        self.steps.append((self.name, {n: p.grad.clone() for n, p in self.model.named_parameters()}))
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p -= self.lr * p.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+NO_CLIP = float("inf")  # clip_grad_norm_ leaves the gradients as they are
+
+
+def run_updates(module, r: Rollout, frozen: bool = False, lr: float = 0.0) -> tuple[list, dict]:
+    """`training_step`'s update phases on `r` (critic, advantages, actor), recording each
+    optimiser step's gradients."""
+    steps, a = [], module.algo
+    batches = mini_batches(len(r), a.mini_batch_size, a.ppo_epochs)
+    targets = lambda micro: critic_targets(micro, a, frozen)  # noqa: E731
+    stats = dict(update_critic(module.critic, Recorder("critic", module.critic, steps, lr), r, batches,
+                               targets, a, NO_CLIP, DataParallel()))  # fmt: skip
+    compute_advantages(r, a, frozen, DataParallel().global_sum)
+    if not frozen:
+        stats |= update_actor(module.policy, Recorder("actor", module.policy, steps, lr), r, batches, a,
+                              1.0, NO_CLIP, DataParallel())  # fmt: skip
+    return steps, stats
 
 
 @pytest.mark.parametrize("micro", [1, 2, 8])
 def test_old_logprobs_and_values_equal_one_row_at_a_time(tok, micro):
     module = module_with(tok, micro)
     r = rollout(module.policy.config.vocab_size)
-    module.compute_old_logprobs(r)
-    module.compute_values(r)
+    old_estimates(module, r)
     with torch.no_grad():
         for i in range(B):
             row = r.select([i]).trimmed()
@@ -70,41 +115,22 @@ def test_old_logprobs_and_values_equal_one_row_at_a_time(tok, micro):
 def test_micro_batches_group_rows_by_length(tok):
     module = module_with(tok, 2)
     r = rollout(module.policy.config.vocab_size)
-    groups = [idx for idx, _ in module.micro_batches(r)]
+    groups = [idx for idx, _ in micro_batches(r, 2)]
     assert sorted(torch.cat(groups).tolist()) == list(range(B))
-    widths = [micro.input_ids.shape[1] for _, micro in module.micro_batches(r)]
+    widths = [micro.input_ids.shape[1] for _, micro in micro_batches(r, 2)]
     total = r.attention_mask.sum(-1)
     assert [int(total[idx].max()) for idx in groups] == sorted(int(total[idx].max()) for idx in groups)
     assert sum(widths) < len(groups) * r.input_ids.shape[1]  # padding was cut
-
-
-def capture_gradients(module) -> dict[str, torch.Tensor]:
-    """Plain backward, and each optimizer step replaced by a copy of the gradients."""
-    grads = {}
-
-    def capture(opt, model, name, stats):
-        for n, p in model.named_parameters():
-            grads[f"{name}.{n}"] = p.grad.clone()
-        model.zero_grad(set_to_none=True)
-
-    module.manual_backward = lambda loss: loss.backward()
-    module.clip_and_step = capture
-    return grads
 
 
 def gradients(tok, micro: int, keep: bool = False, frozen: bool = False, **algorithm):
     """Both models' gradients of one two-pass update (no-grad old log-probs and values
     first) on the same rollout, captured before the step; with keep, the rollout too."""
     module = module_with(tok, micro, **algorithm)
-    module.actor_frozen = frozen
     r = rollout(module.policy.config.vocab_size)
-    module.compute_old_logprobs(r)
-    module.compute_values(r)
-    module.compute_advantages(r)
-    grads = capture_gradients(module)
-    module.critic_update(r, torch.arange(B), None, defaultdict(list))
-    if not frozen:
-        module.actor_update(r, torch.arange(B), None, defaultdict(list))
+    old_estimates(module, r)
+    steps, _ = run_updates(module, r, frozen)
+    grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
     return (grads, r) if keep else grads
 
 
@@ -114,11 +140,6 @@ def test_gradients_do_not_depend_on_the_micro_batch_split(tok):
     for k in whole:
         torch.testing.assert_close(single[k], whole[k], atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(pairs[k], whole[k], atol=1e-6, rtol=1e-4)
-
-
-class NoScheduler:
-    def step(self) -> None:
-        pass
 
 
 # Critic targets that depend on V_old (lambda < 1) as well as the Monte-Carlo default.
@@ -138,13 +159,12 @@ def test_one_pass_update_equals_the_two_pass_update(tok, case):
     settings = dict(ONE_PASS_CASES[case])
     frozen = settings.pop("frozen", False)
     module = module_with(tok, 2, **settings)
-    module.actor_frozen = frozen
     r = rollout(module.policy.config.vocab_size)
-    assert module.is_one_pass(r)
-    module.optimizers = lambda: [None, None]
-    module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
-    grads = capture_gradients(module)
-    stats = module.update(r, PhaseTimer())
+    assert module.algo.on_policy(len(r), reference_policy=False)
+    if frozen:  # the module takes pi_old for the metrics only (the actor does not move)
+        r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, 2, 1.0)
+    steps, stats = run_updates(module, r, frozen)
+    grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
     want, two = gradients(tok, 2, keep=True, frozen=frozen, **settings)
     assert grads.keys() == want.keys() and any(k.startswith("actor") for k in want) != frozen
     for k in want:
@@ -152,8 +172,10 @@ def test_one_pass_update_equals_the_two_pass_update(tok, case):
     mask = r.response_mask
     for field in ["old_logprobs", "entropy", "values", "returns", "advantages"]:
         torch.testing.assert_close(getattr(r, field)[mask], getattr(two, field)[mask], atol=1e-5, rtol=1e-5)
-    assert stats["critic/vf_clipfrac"] == 0 and stats.get("actor/pg_clipfrac", 0) == 0
-    assert not module.is_one_pass(r.select(torch.arange(B).repeat(2)))  # two mini-batches
+    assert stats["critic/vf_clipfrac"] == [0] and stats.get("actor/pg_clipfrac", [0]) == [0]
+    assert not module.algo.on_policy(2 * B, reference_policy=False)  # two mini-batches
+    assert not module.algo.on_policy(B, reference_policy=True)  # a KL reference
+    assert not Algorithm(mini_batch_size=B, one_pass=False).on_policy(B, reference_policy=False)
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
@@ -166,26 +188,11 @@ def test_several_critic_steps_per_actor_step(tok, one_pass):
     reference = module_with(tok, 2)  # same seed: same initial critic
     ref_r = rollout(module.policy.config.vocab_size)
     if not one_pass:
-        for m, x in [(module, r), (reference, ref_r)]:
-            m.compute_old_logprobs(x)
-            m.compute_values(x)
-            m.compute_advantages(x)
-    assert module.is_one_pass(r)
-    lr, steps = 0.5, []
-
-    def sgd(opt, model, name, stats):  # a plain SGD step, recording each model's gradients
-        steps.append((name, {n: p.grad.clone() for n, p in model.named_parameters()}))
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= lr * p.grad
-        model.zero_grad(set_to_none=True)
-
-    module.manual_backward = lambda loss: loss.backward()
-    module.clip_and_step = sgd
-    module.optimizers = lambda: [None, None]
-    module.lr_schedulers = lambda: [NoScheduler(), NoScheduler()]
+        old_estimates(module, r)
+    assert module.algo.on_policy(len(r), reference_policy=False)
+    lr = 0.5
     values_before = None if one_pass else r.values.clone()
-    stats = module.update(r, PhaseTimer())
+    steps, stats = run_updates(module, r, lr=lr)
     assert [name for name, _ in steps] == ["critic", "critic", "actor"]
     assert len(stats) and "critic/vf_loss" in stats
 
@@ -197,7 +204,7 @@ def test_several_critic_steps_per_actor_step(tok, one_pass):
         ref_r.values[:, : v_old.shape[1]] = v_old
         if values_before is not None:
             torch.testing.assert_close(values_before[mask], ref_r.values[mask], atol=1e-5, rtol=1e-5)
-        targets = reference.critic_targets(ref_r)
+        targets = critic_targets(ref_r, reference.algo, value_pretraining=False)
     for k in range(2):
         critic.zero_grad(set_to_none=True)
         loss, _ = core.value_loss(critic_values(critic, ref_r), ref_r.values, targets, mask, mask.sum(), 0.2)

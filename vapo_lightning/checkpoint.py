@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "rank_rng_states", "set_rng_state"]
 
 
 class CheckpointError(RuntimeError):
@@ -83,3 +84,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"checkpoint {path} ({size} bytes) is not a readable checkpoint: it is empty, "
                 f"truncated or not a torch file ({type(err).__name__}: {str(err)[:200]})"
             ) from err
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random streams (Python, torch, CUDA)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def rank_rng_states(world_size: int) -> list[dict[str, Any]]:
+    """Every rank's random streams, in rank order (collective with several ranks)."""
+    if world_size == 1:
+        return [rng_state()]
+    states: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(states, rng_state())
+    return states
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

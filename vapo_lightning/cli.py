@@ -241,7 +241,8 @@ COMMANDS = {
 
 
 def usage() -> str:
-    rows = "\n".join(f"  {name:<9} {what}" for name, what in COMMANDS.items())
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}} {what}" for name, what in COMMANDS.items())
     return f"usage: vapo {{{','.join(COMMANDS)}}} ...\n\ncommands:\n{rows}\n\n`vapo COMMAND --help` for each command's options.\n"
 
 

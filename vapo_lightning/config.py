@@ -63,6 +63,10 @@ class Algorithm:
     4 optimiser steps per rollout; the paper's 512 of 512 × 16 make 16)."""
     micro_batch_size: int = 8
     """Responses per forward/backward (gradient accumulation); must divide mini_batch_size."""
+    one_pass: bool = True
+    """With one epoch over one mini-batch (and no KL reference), take pi_old and V_old from
+    the updates' own first forwards instead of separate no-grad passes (verl's on_policy:
+    the same gradients, one forward of each model fewer; `benchmarks/results/trainer.md`)."""
     dynamic_sampling_rounds: int = 0
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample fresh
     prompts, at most this many extra rounds; 0 disables it."""
@@ -108,6 +112,22 @@ class Algorithm:
     @property
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
+
+    def on_policy(self, batch: int, reference_policy: bool) -> bool:
+        """One epoch over one mini-batch, no reference policy (and `one_pass`): pi_old and
+        V_old are the models as they stand, so the no-grad passes can be skipped."""
+        return self.one_pass and self.ppo_epochs == 1 and batch <= self.mini_batch_size and not reference_policy
+
+    def check_batch(self, prompts_per_step: int | None, n: int) -> None:
+        """The rollout batch (prompts × n) splits into mini-batches; GRPO / DAPO have groups."""
+        batch = None if prompts_per_step is None else prompts_per_step * n
+        if batch is not None and batch % self.mini_batch_size:
+            raise ValueError(
+                f"model.algorithm.mini_batch_size={self.mini_batch_size} must divide the rollout "
+                f"batch data.prompts_per_step × model.generation.n = {prompts_per_step} × {n} = {batch}"
+            )
+        if self.advantage == "group" and n < 2:
+            raise ValueError("model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2")
 
 
 @dataclass

@@ -34,6 +34,7 @@ __all__ = [
     "length_adaptive_lam",
     "logprobs_from_logits",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_whiten",
     "nll_loss",
@@ -67,13 +68,21 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return (centred**2).sum() / (n - 1).clamp(min=1)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the valid tokens of the batch; masked positions become 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return torch.where(mask.bool(), out, torch.zeros_like(out))
+def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
+    """(3,) count, sum and sum of squares of `x` over valid positions: summed over
+    data-parallel ranks, the moments of the whole batch."""
+    n = mask.sum().to(x.dtype)
+    return torch.stack([n, masked_sum(x, mask), masked_sum(x * x, mask)])
+
+
+def masked_whiten(x: Tensor, mask: Tensor, moments: Tensor | None = None, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the valid tokens; masked positions become 0. The mean and the
+    unbiased variance come from `moments` (`masked_moments`, e.g. summed over ranks), by
+    default this batch's."""
+    n, s, ss = masked_moments(x, mask) if moments is None else moments
+    mean = s / n
+    var = (ss - n * mean * mean) / (n - 1).clamp(min=1)
+    return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
 
 
 # --------------------------------------------------------------------------- advantages (§4.1-4.2)
@@ -217,9 +226,12 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> 
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
-    """1 - Var[returns - values] / Var[returns] over valid tokens (1 = perfect critic)."""
+    """1 - Var[returns - values] / Var[returns] over valid tokens (1 = perfect critic); NaN,
+    undefined, where the returns do not vary (Var < 1e-8: e.g. every response got the same
+    reward), where dividing by ~0 would give any number (-2e5 for a critic off by 0.01)."""
     var_ret = masked_var(returns, mask)
-    return 1.0 - masked_var(returns - values, mask) / var_ret.clamp(min=1e-8)
+    ev = 1.0 - masked_var(returns - values, mask) / var_ret.clamp(min=1e-8)
+    return torch.where(var_ret >= 1e-8, ev, torch.full_like(ev, float("nan")))
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: Literal["k1", "k3"] = "k3") -> Tensor:

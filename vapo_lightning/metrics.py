@@ -1,24 +1,31 @@
 """What a rollout step logs: verl's metric names (docs/algorithm.md#metrics), phase timings.
 
-`rollout_metrics` is a pure function of the rollout and the phase timer; the module adds
-the update statistics, reduces across ranks and logs.
+`step_metrics` is a pure function of the rollout, the updates' statistics and the phase
+timer; `reduce_over_ranks` combines the ranks' values; the module logs the result.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import Tensor
 
 from vapo_lightning import core, correction
 from vapo_lightning.rollout import Rollout
 
-__all__ = ["ALIASES", "PhaseTimer", "rollout_metrics"]
+__all__ = ["ALIASES", "PhaseTimer", "defined", "reduce_over_ranks", "rollout_metrics", "step_metrics"]
 
-# The seed document's short names, logged as aliases of verl's names.
+# Metrics that are NaN where they are undefined (not a fault): such a step does not log them.
+UNDEFINED_AS_NAN = ("critic/vf_explained_var",)
+
+# Short names, logged beside verl's names for dashboards written against them (the one place
+# they are defined; docs/algorithm.md#metrics lists both). `critic/score/mean` is verl's name
+# for the mean sequence reward, logged for critic-free runs (GRPO, DAPO) too, as verl does.
 ALIASES = {
     "reward": "critic/score/mean",
     "seq_len": "response_length/mean",
@@ -33,6 +40,12 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Counts `seconds` measured inside phase `source` as phase `target` (tool calls
+        made while sampling)."""
+        self.totals[source] -= seconds
+        self.totals[target] += seconds
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -80,3 +93,39 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         timer.totals["step"], 1e-9
     )  # tokens/s
     return {k: float(v) for k, v in m.items()}
+
+
+def step_metrics(
+    r: Rollout, stats: dict[str, list[float]], timer: PhaseTimer, *, actor_lr: float,
+    critic_lr: float | None, value_pretraining: bool, tools: bool,
+) -> dict[str, float]:  # fmt: skip
+    """Everything one rollout step logs on one rank: the updates' statistics (averaged over
+    their steps), the rollout's, learning rates, reward and tool errors, and the aliases."""
+    m = {k: sum(v) / len(v) for k, v in stats.items() if v}
+    m.update(rollout_metrics(r, timer))
+    m.update({"actor/lr": actor_lr, "warmup/active": float(value_pretraining),
+              "reward/errors": float(r.reward_errors), **r.reward_metrics})  # fmt: skip
+    if tools:
+        m["tools/errors"] = float(len(r.tool_errors))
+    if critic_lr is not None:
+        m["critic/lr"] = critic_lr
+    m.update({alias: m[name] for alias, name in ALIASES.items() if name in m})
+    return m
+
+
+def reduce_over_ranks(names: list[str], every: Tensor, summed: set[str]) -> dict[str, float]:
+    """Each metric over ranks, from `every` (world, K) (one all-gather for all metrics): max
+    / min for the extremes, the sum for the counts in `summed` (errors: the run's, not one
+    rank's), the mean for the rest."""
+    ops = {"/max": torch.amax, "/min": torch.amin}
+
+    def reduce(k: str, column: Tensor) -> Tensor:
+        return column.sum() if k in summed else ops.get(k[k.rfind("/") :], torch.mean)(column)
+
+    return {k: float(reduce(k, every[:, i])) for i, k in enumerate(names)}
+
+
+def defined(m: dict[str, float]) -> dict[str, float]:
+    """`m` without the metrics undefined this step (`UNDEFINED_AS_NAN`): a curve skips the
+    step rather than plotting a number. Any other NaN (a loss) stays, to be seen."""
+    return {k: v for k, v in m.items() if not (k in UNDEFINED_AS_NAN and math.isnan(v))}

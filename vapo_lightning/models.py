@@ -238,3 +238,19 @@ def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:
     if spec is not None and spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.float()
+
+
+def compile_in_place(*models: torch.nn.Module | None) -> None:
+    """`torch.compile`s each model in place (same parameters and state_dict keys, hooks
+    included): whole models, where verl's use_torch_compile compiles only its entropy function.
+    The sampler runs them eager (its KV cache grows at each step: `engines.sampler.eager`)."""
+    # Policy and critic share one code object (transformers' forward wrapper), and each needs
+    # a few graphs (grad / no grad, static then dynamic shapes, small / large batches): past
+    # dynamo's default limit (8) they would fall back to eager (one warning). Process-wide,
+    # and left raised.
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), 64))
+    for model in models:
+        if model is not None:
+            model.compile()

@@ -1,17 +1,16 @@
 """VAPOModule: the policy and the critic, trained by VAPO with manual optimisation.
 
-One `training_step` is one rollout step of the paper's algorithm box:
-rollout (group sampling) -> reward -> old log-probs and values -> decoupled, length-adaptive
-GAE -> `ppo_epochs` × mini-batches × micro-batches of critic and actor updates with global
-token normalisers. The math lives in `core`; this file only orchestrates.
+One `training_step` is one rollout step of the paper's algorithm box, one line per phase:
+rollout (group sampling, by an engine) -> reward -> old log-probs and values -> critic
+updates (decoupled GAE targets) -> advantages (length-adaptive GAE) -> actor updates, each
+`ppo_epochs` × mini-batches × micro-batches with global token normalisers. The math lives in
+`core` and `advantages`, the model passes in `updates`, the sampling in `engines`; this file
+orchestrates and holds every Lightning hook.
 """
 
 from __future__ import annotations
 
 import copy
-import random
-from collections import Counter
-from collections.abc import Container
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -19,29 +18,42 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 
 from vapo_lightning import core
+from vapo_lightning.advantages import compute_advantages, critic_targets
+from vapo_lightning.callbacks import ValidationSamples
+from vapo_lightning.checkpoint import rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
-from vapo_lightning.engines import RolloutEngines
-from vapo_lightning.metrics import ALIASES, PhaseTimer, rollout_metrics
-from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
-from vapo_lightning.rewards.base import RewardCallback, combine_rewards
-from vapo_lightning.rollout import (
-    Rollout,
-    cat_rollouts,
-    critic_values,
-    policy_logits,
+from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
+from vapo_lightning.metrics import PhaseTimer, defined, reduce_over_ranks, step_metrics
+from vapo_lightning.models import (
+    ModelSpec,
+    build_critic,
+    build_policy,
+    compile_in_place,
+    load_tokenizer,
 )
-from vapo_lightning.tools.base import Tool, from_spec, spec
-from vapo_lightning.updates import PPOUpdates, as_list
-from vapo_lightning.validation import ValidationMixin
+from vapo_lightning.rewards.base import RewardCallback, check_callbacks, combine_rewards
+from vapo_lightning.rollout import Rollout, cat_rollouts
+from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
+from vapo_lightning.updates import (
+    DataParallel,
+    compute_log_probs,
+    compute_values,
+    count_bad_steps,
+    mini_batches,
+    update_actor,
+    update_critic,
+)
+from vapo_lightning.validation import ValidationMetrics, run_validation
 
 __all__ = ["VAPOModule"]
 
+VAL_SEED = 1234  # validation samples the same draws at every validation
 
-class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule):
+
+class VAPOModule(L.LightningModule):
     """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
 
     Args:
@@ -57,13 +69,10 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         val_before_train: score the validation set once before the first update.
         hf_export_dir: at the end of fit, save policy (with tokenizer) and critic here in
             Hugging Face format (`<dir>/policy`, `<dir>/critic`).
-        torch_compile: `torch.compile` the policy and the critic (whole models; verl's
-            use_torch_compile compiles only its entropy function) for every forward except
-            the sampler's, whose KV cache grows at each step (it runs
-            eager). Fuses the elementwise work of the updates: one actor update 1.24× (fp32)
-            and 1.36× (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a
-            compile of tens of seconds per model at the first step and at the first new
-            batch shape.
+        torch_compile: `torch.compile` the policy and the critic for every forward but the
+            sampler's (`models.compile_in_place`): one actor update 1.24× (fp32) and 1.36×
+            (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a compile of
+            tens of seconds per model at the first step and at the first new batch shape.
     """
 
     def __init__(
@@ -117,11 +126,13 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         self.tokenizer = load_tokenizer(policy.tokenizer or policy.name_or_path)
         self.policy = self.critic = self.ref_policy = None
         self.actor_frozen = False  # set by ValuePretraining: only the critic learns
+        self.engines: dict[str, RolloutEngine] = {}  # by name, made on first use
+        self.longest_prompt = 0  # tokens, of the datamodule's prompts (`setup`)
         self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
+        self.last_val_rollout: Rollout | None = None  # for callbacks (ValidationSamples)
         self.bad_updates = {"actor": 0, "critic": 0}  # consecutive non-finite updates
-        self.tool_errors, self._tool_errors_shown = 0, set()
-        self._init_validation()
-        self._init_engines()
+        self._tool_errors_shown: set[tuple[str, str]] = set()
+        self.val_metrics = ValidationMetrics()
 
     # ------------------------------------------------------------------ setup
 
@@ -136,16 +147,7 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
                 self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval()
         parallelize(self)  # --trainer.strategy=ddp|fsdp: replicate / shard each model
         if self.torch_compile:  # in place: same parameters and state_dict keys, hooks included
-            # Policy and critic share one code object (transformers' forward wrapper), and each
-            # needs a few graphs (grad / no grad, static then dynamic shapes, small / large
-            # batches): past dynamo's default limit (8) they would fall back to eager (one
-            # warning). Process-wide, and left raised.
-            cfg = torch._dynamo.config
-            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-            setattr(cfg, name, max(getattr(cfg, name), 64))
-            for model in (self.policy, self.critic):
-                if model is not None:
-                    model.compile()
+            compile_in_place(self.policy, self.critic)
 
     def configure_optimizers(self) -> Any:
         o = self.optim
@@ -160,52 +162,51 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)
-        per_step = getattr(dm, "prompts_per_step", None)
-        if stage == "fit" and per_step is not None:
-            batch = per_step * self.gen.n
-            if batch % self.algo.mini_batch_size:
-                raise ValueError(
-                    f"model.algorithm.mini_batch_size={self.algo.mini_batch_size} must divide the rollout "
-                    f"batch data.prompts_per_step × model.generation.n = {per_step} × {self.gen.n} = {batch}"
-                )
-        self.check_generation(dm)  # context, engine setup (`engines.RolloutEngines`)
-        self.check_reward_callbacks()
+        self.algo.check_batch(getattr(dm, "prompts_per_step", None) if stage == "fit" else None, self.gen.n)
+        rows = [*getattr(dm, "train_rows", []), *getattr(dm, "val_rows", [])]
+        self.longest_prompt = max((len(row["prompt_ids"]) for row in rows), default=0)
+        config = self.policy.config if self.policy is not None else self.policy_spec.hf_config()
+        check_generation(config, self.longest_prompt, self.gen, self.val_gen, self.algo.rollout_is)
+        check_callbacks(self.trainer.callbacks)
         for tool in self.tools:
             tool.setup()  # (a sandbox pool per process)
-        if self.algo.advantage == "group" and self.gen.n < 2:
-            raise ValueError(
-                "model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2"
-            )
 
     @property
     def reward_callbacks(self) -> list[RewardCallback]:
         return [cb for cb in self.trainer.callbacks if isinstance(cb, RewardCallback)]
 
-    def check_reward_callbacks(self) -> None:
-        """A callback with a `score` method that is no `RewardCallback` would be skipped
-        without a word (its reward never reaching the sum): refuse it before any work."""
-        for cb in self.trainer.callbacks:
-            if callable(getattr(cb, "score", None)) and not isinstance(cb, RewardCallback):
-                raise TypeError(
-                    f"trainer.callbacks: {type(cb).__qualname__} has a score() method but is not "
-                    "a vapo_lightning.rewards.RewardCallback, so its reward would be ignored; "
-                    "subclass RewardCallback"
-                )
-
     # ------------------------------------------------------------------ the algorithm box
 
     def training_step(self, batch: list[dict], batch_idx: int) -> None:
-        timer = PhaseTimer()
+        timer, (actor_opt, critic_opt), frozen = PhaseTimer(), self.optimizer_pair(), self.actor_frozen
         with timer("step"):
-            r = self.rollout_and_score(batch, timer)  # group sampling + rewards
-            if not self.is_one_pass(r):  # else the updates' own forwards give pi_old, V_old
-                with timer("old_log_prob"):
-                    self.compute_old_logprobs(r)  # log pi_old, entropy (no grad)
+            r = self.rollout_and_score(batch, timer)  # group sampling (§4.3) + rewards
+            # One epoch over one mini-batch (verl's on_policy): pi_old and V_old are the models
+            # as they stand, taken from the updates' own first forwards (`updates.OldEstimate`).
+            on_policy = self.algo.on_policy(len(r), reference_policy=self.ref_policy is not None)
+            if not on_policy or frozen:
+                with timer("old_log_prob"):  # log pi_old, entropy, log pi_ref (no grad)
+                    r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(
+                        self.policy, r, self.algo.micro_batch_size, self.logprob_temperature, self.ref_policy
+                    )
+            if not on_policy and self.critic is not None:
                 with timer("values"):
-                    self.compute_values(r)  # V_old(s_t) (no grad)
-                with timer("adv"):
-                    self.compute_advantages(r)  # decoupled, length-adaptive GAE
-            stats = self.update(r, timer)  # critic, then actor unless value pretraining
+                    r.values = compute_values(self.critic, r, self.algo.micro_batch_size)  # V_old
+            batches = mini_batches(len(r), self.algo.mini_batch_size, self.algo.ppo_epochs)
+            stats = {}
+            if self.critic is not None:
+                with timer("update_critic"):  # targets: decoupled GAE from V_old (§4.1)
+                    targets = lambda micro: critic_targets(micro, self.algo, frozen)  # noqa: E731
+                    stats |= update_critic(self.critic, critic_opt, r, batches, targets, self.algo,
+                                           self.optim.max_grad_norm, self.data_parallel)  # fmt: skip
+            with timer("adv"):  # length-adaptive GAE from V_old (§4.2), or GRPO's group baseline
+                compute_advantages(r, self.algo, frozen, self.global_sum)
+            if not frozen:  # value pretraining trains the critic alone (§4.1)
+                with timer("update_actor"):
+                    stats |= update_actor(self.policy, actor_opt, r, batches, self.algo,
+                                          self.logprob_temperature, self.optim.max_grad_norm,
+                                          self.data_parallel)  # fmt: skip
+            self.after_updates(stats)
         self.last_rollout = r
         self.log_step(r, stats, timer)
         self._count_rollout_as_one_step()
@@ -214,22 +215,19 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         """Samples n responses per prompt and scores them. DAPO's dynamic sampling keeps only
         groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
         rounds, n = self.algo.dynamic_sampling_rounds, self.gen.n
-        kept, rows, want, errors = [], batch, len(batch) * n, 0
-        reward_metrics: Counter[str] = Counter()
-        self.tool_errors = 0
+        kept, rounds_seen, rows, want = [], [], batch, len(batch) * n
         with timer("weight_sync"):  # vLLM: the policy's new weights into the engine
-            self.sync_engine()
+            self.engine(self.gen).sync()
         for round_ in range(rounds + 1):
             with timer("gen"):
-                r = self.sample(rows)
-            self.count_tool_use(r, timer)
+                r = self.sample(rows, self.gen)
+            if self.tools:
+                timer.move(r.tool_seconds, "gen", "tools")
             with timer("reward"):
-                self.score(r)
-            errors += self.reward_errors
-            reward_metrics.update(self.reward_metrics)
+                self.compute_rewards(r)
+            rounds_seen.append(r)
             if not rounds:
-                self.release_engine()  # the models train next (a GPU engine sleeps)
-                return r
+                break
             informative = r.select(core.informative_groups(r.scores, r.group_ids))
             if len(informative):
                 kept.append(informative)
@@ -238,146 +236,124 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             if round_ == rounds or self.global_sum(torch.tensor(float(have < want))) == 0:
                 break
             rows = self.trainer.datamodule.sample_prompts(max(1, -(-(want - have) // n)))
-        self.reward_errors, self.reward_metrics = errors, dict(reward_metrics)
-        if not kept:  # every group uniform in every round: zero advantages, nothing to select
-            rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
-            kept = [r]
-        self.release_engine()
-        r = cat_rollouts(kept)
+        self.engine(self.gen).release(keep_weights=self.actor_frozen)  # the models train next
+        if rounds:
+            if not kept:  # every group uniform in every round: zero advantages
+                rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
+                kept = [r]
+            r = self.equal_batches(cat_rollouts(kept), want)
+        metrics: dict[str, float] = {}  # every round's counts, a zero kept (each rank logs each key)
+        for x in rounds_seen:
+            for key, value in x.reward_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        r.tool_errors = [e for x in rounds_seen for e in x.tool_errors]
+        r.reward_errors, r.reward_metrics = sum(x.reward_errors for x in rounds_seen), metrics
+        return r
+
+    def equal_batches(self, r: Rollout, want: int) -> Rollout:
+        """At most `want` responses, and under several ranks as many as the smallest rank's,
+        so every rank makes the same number of optimiser steps."""
         size = torch.tensor(min(len(r), want), device=self.device)
-        if self.trainer.world_size > 1:  # equal batches: the same number of optimiser steps
+        if self.trainer.world_size > 1:
             size = self.all_gather(size).min()
         return r.select(torch.arange(int(size)))
 
-    def count_tool_use(self, r: Rollout, timer: PhaseTimer) -> None:
-        """Tool time leaves `timing_s/gen` for `timing_s/tools`; each failed call counts in
-        `tools/errors`, and each kind of failure is shown once, with its message."""
-        if not self.tools:
-            return
-        timer.totals["tools"] += r.tool_seconds
-        timer.totals["gen"] -= r.tool_seconds
-        self.tool_errors += len(r.tool_errors)
-        for tool, kind, message in r.tool_errors:
-            if (tool, kind) not in self._tool_errors_shown:
-                self._tool_errors_shown.add((tool, kind))
-                rank_zero_warn(
-                    f"tool {tool!r} failed ({kind}): {message} (counted in tools/errors)"
-                )
+    def engine(self, gen: Generation) -> RolloutEngine:
+        """The engine `gen` names, made on first use (after a checkpoint was restored, so a
+        resumed run's engine starts from the resumed weights)."""
+        if gen.engine not in self.engines:
+            longest = self.longest_prompt + max(self.gen.max_new_tokens, self.val_gen.max_new_tokens)
+            self.engines[gen.engine] = make_engine(
+                gen, self.policy, self.tokenizer, self.tools, max_model_len=longest,
+                precision=str(self.trainer.precision), local_rank=self.trainer.local_rank,
+            )  # fmt: skip
+        return self.engines[gen.engine]
 
-    def score(self, r: Rollout) -> None:
-        """Reward callbacks -> R per response (placed on the last token in `compute_advantages`)."""
+    def sample(self, rows: list[dict], gen: Generation) -> Rollout:
+        """n responses per prompt row from the engine `gen` names, with their `Sample`s; a
+        failing tool is shown once per kind (and counted in `tools/errors`)."""
+        engine = self.engine(gen)
+        engine.sync()  # (validation after an update: the engine's copy may be stale)
+        r = engine.sample(rows, gen, reproducible=not self.training)
+        show_errors(r.tool_errors, self._tool_errors_shown)
+        return r
+
+    def compute_rewards(self, r: Rollout) -> None:
+        """Reward callbacks -> R per response (`r.scores`, placed on the last token by GAE),
+        and whether every verifier counts it correct (`r.correct`)."""
         callbacks = self.reward_callbacks
         outcome = combine_rewards(callbacks, r.samples)
         r.scores = torch.tensor(outcome.rewards, dtype=torch.float32, device=self.device)
-        verifiers = [
-            (cb.correct_threshold, scores)
-            for cb, scores in zip(callbacks, outcome.per_callback.values())
-            if cb.correct_threshold is not None
-        ]
-        if verifiers:
-            correct = [
-                all(scores[i] > threshold for threshold, scores in verifiers) for i in range(len(r))
-            ]
-            r.correct = torch.tensor(correct, device=self.device)
-        else:
-            r.correct = r.scores > 0
-        self.reward_errors = outcome.errors
-        self.reward_metrics = outcome.metrics
+        r.correct = torch.tensor(outcome.correct(callbacks), device=self.device)
+        r.reward_errors, r.reward_metrics = outcome.errors, dict(outcome.metrics)
 
-    @torch.no_grad()
-    def compute_old_logprobs(self, r: Rollout) -> None:
-        self.policy.eval()
-        temperature = self.logprob_temperature
-        r.old_logprobs, r.entropy = self.per_token(r), self.per_token(r)
-        r.ref_logprobs = self.per_token(r) if self.ref_policy is not None else None
-        for idx, micro in self.micro_batches(r):
-            logits = policy_logits(self.policy, micro)
-            T = logits.shape[1]
-            r.old_logprobs[idx, :T] = core.logprobs_from_logits(
-                logits, micro.responses, temperature
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the rollouts were sampled from, which log-probs
+        and entropies are taken under (greedy sampling, 0: the plain softmax, 1)."""
+        return self.gen.temperature or 1.0
+
+    @property
+    def data_parallel(self) -> DataParallel:  # Lightning's backward, sums over ranks
+        return DataParallel(self.manual_backward, self.global_sum, self.trainer.world_size)
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""
+        x = x.float()
+        return self.trainer.strategy.reduce(x, reduce_op="sum") if self.trainer.world_size > 1 else x
+
+    def optimizer_pair(self) -> tuple[Any, Any]:  # (actor, critic); no critic: None
+        opts = self.optimizers()
+        return (opts[0], opts[1]) if isinstance(opts, list) else (opts, None)
+
+    def after_updates(self, stats: dict[str, list[float]]) -> None:
+        """Steps the schedulers, tells the engines of a changed policy, and stops the run
+        after `max_bad_steps` non-finite updates in a row, leaving a checkpoint of the last
+        good state (no bad update was ever applied)."""
+        scheds = self.lr_schedulers()
+        actor_sched, *critic_sched = scheds if isinstance(scheds, list) else [scheds]
+        if self.critic is not None:
+            critic_sched[0].step()
+        if not self.actor_frozen:
+            actor_sched.step()
+        if any(s == 0 for s in stats.get("actor/update_skipped", [])):
+            for engine in self.engines.values():  # a new policy: an engine's copy is stale
+                engine.policy_changed()
+        for name in count_bad_steps(self.bad_updates, stats, self.algo.max_bad_steps):
+            path = Path(self.trainer.default_root_dir, "checkpoints", "last_good.ckpt")
+            self.trainer.save_checkpoint(path)
+            raise FloatingPointError(
+                f"{self.bad_updates[name]} consecutive {name} updates had a non-finite gradient "
+                f"(NaN/inf in logits, losses or gradients); stopped. The last good state is in "
+                f"{path}: lower model.optim learning rates or model.optim.max_grad_norm, check "
+                f"rewards and data, then resume with --ckpt_path {path}."
             )
-            r.entropy[idx, :T] = core.entropy_from_logits(logits, temperature)
-            if self.ref_policy is not None:
-                ref_logits = policy_logits(self.ref_policy, micro)
-                r.ref_logprobs[idx, :T] = core.logprobs_from_logits(
-                    ref_logits, micro.responses, temperature
-                )
-
-    @torch.no_grad()
-    def compute_values(self, r: Rollout) -> None:
-        if self.critic is None:
-            return
-        self.critic.eval()
-        r.values = self.per_token(r)
-        for idx, micro in self.micro_batches(r):
-            v = critic_values(self.critic, micro)
-            r.values[idx, : v.shape[1]] = v
-
-    @torch.no_grad()
-    def compute_advantages(self, r: Rollout) -> None:
-        a, mask = self.algo, r.response_mask
-        if a.advantage == "gae":
-            r.lam_actor = self.actor_lambda(r)
-            rewards = core.sparse_rewards(r.scores, mask)
-            adv, _ = core.gae(rewards, r.values, mask, a.gamma, r.lam_actor)
-            r.returns = self.critic_targets(r)
-        else:  # GRPO / DAPO: group-normalised outcome advantage on every token
-            adv = (
-                core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
-            )
-        r.advantages = self.whiten(adv, mask) if a.whiten_advantages else adv
-
-    def actor_lambda(self, r: Rollout) -> Tensor:
-        """Per-response lambda of the actor's GAE: length-adaptive (§4.2, Eq. 5) or fixed."""
-        a = self.algo
-        if a.length_adaptive_gae:
-            return core.length_adaptive_lam(r.response_lengths, a.alpha).to(r.scores)
-        return torch.full_like(r.scores, a.lam_actor)
-
-    @torch.no_grad()
-    def critic_targets(self, r: Rollout) -> Tensor:
-        """The critic's regression targets, GAE returns (B, T). Decoupled GAE (§4.1): with
-        lam_critic (1: Monte-Carlo), and always Monte-Carlo while value pretraining (§4.1,
-        §5.1); without decoupling, with the actor's lambda."""
-        a = self.algo
-        lam = (
-            1.0
-            if self.actor_frozen
-            else (a.lam_critic if a.decoupled_gae else self.actor_lambda(r))
-        )
-        rewards = core.sparse_rewards(r.scores, r.response_mask)
-        return core.gae(rewards, r.values, r.response_mask, a.gamma, lam)[1]
-
-    def whiten(self, x: Tensor, mask: Tensor) -> Tensor:
-        """`core.masked_whiten` with statistics over the valid tokens of all ranks."""
-        n, s, ss = self.global_sum(
-            torch.stack([mask.sum().to(x), core.masked_sum(x, mask), core.masked_sum(x * x, mask)])
-        )
-        mean = s / n
-        var = (ss - n * mean * mean) / (n - 1).clamp(min=1)
-        return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), torch.zeros_like(x))
 
     def _count_rollout_as_one_step(self) -> None:
         """Under manual optimisation Lightning counts every `optimizer.step()` as a global
-        step; users count rollout steps (max_steps, checkpoint and logging intervals), so one
-        rollout advances `trainer.global_step` by exactly one."""
+        step (Lightning-AI/pytorch-lightning#17958, open); users count rollout steps
+        (max_steps, checkpoint and logging intervals), so one rollout advances
+        `trainer.global_step` by exactly one, through the loop's private progress counter
+        (pyproject bounds Lightning to releases tests/test_cli_errors.py checked)."""
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         target = self._rollout_steps_before + 1
         progress.total.ready = progress.total.completed = target
+
+    # ------------------------------------------------------------------ Lightning hooks
 
     def on_fit_start(self) -> None:
         if self.trainer.world_size > 1 and self.trainer.ckpt_path is None:
             # Lightning seeds every rank alike: give each rank its own sampling noise.
             torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)
-        self.sync_engine()  # vLLM: start the engine with the (possibly resumed) weights
+        self.engine(self.gen).sync()  # vLLM: start the engine with the (possibly resumed) weights
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._rollout_steps_before = self.trainer.global_step
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Random streams (one per rank) and counters, so a resumed run samples exactly what
         the uninterrupted run would have (data order: `ResumableDataLoader`)."""
-        states = [rng_state()]
-        if self.trainer.world_size > 1:  # collective: every rank dumps the checkpoint
-            states = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(states, rng_state())
+        states = rank_rng_states(self.trainer.world_size)  # (every rank dumps the checkpoint)
         checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -386,65 +362,83 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
             states = state["rng"]
             set_rng_state(states[self.global_rank] if self.global_rank < len(states) else states[0])
             self.bad_updates = state["bad_updates"]
-        self.policy_version += 1  # restored weights: an engine made before must load them
+        for engine in self.engines.values():  # restored weights: an engine made before reloads
+            engine.policy_changed()
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._rollout_steps_before = self.trainer.global_step
+    def on_train_start(self) -> None:
+        """Scores the validation set once before any update (logged at step 0)."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if not self.val_before_train or dm is None or not getattr(dm, "has_val", False):
+            return
+        if self.trainer.global_step > 0:  # resumed: the run already scored its start
+            return
+        recorders = [c for c in self.trainer.callbacks if isinstance(c, ValidationSamples)]
+        run_validation(self, dm.val_dataloader(), recorders)
+        metrics = {k: float(v) for k, v in self.compute_val_metrics().items()}
+        for logger in self.trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+        if self.trainer.is_global_zero:
+            self.print(f"val/accuracy before training: {metrics['val/accuracy']:.3f}")
+        self.initial_val_accuracy = metrics["val/accuracy"]
 
-    # ------------------------------------------------------------------ logging and export
+    @torch.no_grad()
+    def validation_step(self, batch: list[dict], batch_idx: int) -> None:
+        """Samples (in a forked RNG, seeded per batch: the same draws at every validation,
+        the training stream untouched) and scores one batch of validation prompts."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(VAL_SEED + batch_idx)
+            r = self.sample(batch, self.val_gen)
+        self.compute_rewards(r)
+        self.last_val_rollout = r  # for callbacks (ValidationSamples)
+        self.val_metrics.update(r)
 
-    def log_step(self, r: Rollout, stats: dict[str, float], timer: PhaseTimer) -> None:
-        m = {**stats, **rollout_metrics(r, timer)}
-        lrs = [opt.param_groups[0]["lr"] for opt in as_list(self.optimizers())]
-        m.update(
-            {
-                "actor/lr": lrs[0],
-                "warmup/active": float(self.actor_frozen),
-                "reward/errors": self.reward_errors,
-                **self.reward_metrics,
-            }
-        )
-        if self.tools:
-            m["tools/errors"] = self.tool_errors
-        if len(lrs) > 1:
-            m["critic/lr"] = lrs[1]
-        m.update({alias: m[name] for alias, name in ALIASES.items() if name in m})
-        m["rollout_step"] = float(self._rollout_steps_before + 1)
-        m = self.reduce_metrics(m, summed={"reward/errors", "tools/errors", *self.reward_metrics})
-        shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
-        self.log_dict(
-            {k: v for k, v in m.items() if k not in shown},
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-        )
-        self.log_dict(
-            {k: m[k] for k in shown}, on_step=True, on_epoch=False, batch_size=1, prog_bar=True
-        )
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.compute_val_metrics()
+        if not self.trainer.sanity_checking:
+            self.log_dict(metrics, batch_size=1)
+            self.log("val/acc", metrics["val/accuracy"], prog_bar=True, logger=False, batch_size=1)
 
-    def reduce_metrics(self, m: dict[str, Any], summed: Container[str] = ()) -> dict[str, float]:
-        """One all-gather for all metrics: max / min for the extremes, the sum over ranks for
-        the counts in `summed` (errors: the run's, not one rank's), mean for the rest."""
-        names = sorted(m)
-        local = torch.tensor([float(m[k]) for k in names], device=self.device)
+    def compute_val_metrics(self) -> dict[str, Any]:
+        dm = getattr(self.trainer, "datamodule", None)
+        known = {row["data_source"] for row in getattr(dm, "val_rows", ())}
         if self.trainer.world_size == 1:
-            return dict(zip(names, local.tolist()))
-        every = self.all_gather(local)  # (world, K)
-        ops = {"/max": torch.amax, "/min": torch.amin}
+            return self.val_metrics.compute(known, any_rank=lambda seen: seen)
+        return self.val_metrics.compute(known, lambda seen: self.all_gather(seen).reshape(-1, len(seen)).amax(0))
 
-        def reduce(k: str, column: Tensor) -> Tensor:
-            return column.sum() if k in summed else ops.get(k[k.rfind("/") :], torch.mean)(column)
-
-        return {k: float(reduce(k, every[:, i])) for i, k in enumerate(names)}
+    def on_validation_end(self) -> None:
+        """Training goes on after validation: the engine gives its memory back, keeping its
+        weights (the policy did not change)."""
+        if self.val_gen.engine in self.engines:
+            self.engines[self.val_gen.engine].release(keep_weights=True)
 
     def teardown(self, stage: str) -> None:
-        self.close_engine()
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
         for tool in self.tools:
             tool.close()
 
     def on_train_end(self) -> None:
         if self.hf_export_dir:
             self.export_hf(self.hf_export_dir)
+
+    # ------------------------------------------------------------------ logging and export
+
+    def log_step(self, r: Rollout, stats: dict[str, list[float]], timer: PhaseTimer) -> None:
+        actor_opt, critic_opt = self.optimizer_pair()
+        m = step_metrics(r, stats, timer, actor_lr=actor_opt.param_groups[0]["lr"],
+                         critic_lr=critic_opt.param_groups[0]["lr"] if critic_opt else None,
+                         value_pretraining=self.actor_frozen, tools=bool(self.tools))  # fmt: skip
+        m["rollout_step"] = float(self._rollout_steps_before + 1)
+        names = sorted(m)
+        local = torch.tensor([float(m[k]) for k in names], device=self.device)
+        every = self.all_gather(local) if self.trainer.world_size > 1 else local[None]  # (world, K)
+        m = defined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", *r.reward_metrics}))
+        shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
+        logged = {k: v for k, v in m.items() if k not in shown}
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)
+        self.log_dict({k: m[k] for k in shown}, on_step=True, on_epoch=False, batch_size=1, prog_bar=True)
 
     def export_hf(self, directory: str | Path) -> None:
         """Saves policy (with tokenizer) and critic with `save_pretrained` (safetensors).
@@ -453,17 +447,3 @@ class VAPOModule(PPOUpdates, RolloutEngines, ValidationMixin, L.LightningModule)
         save_pretrained(self.policy, self.tokenizer, directory / "policy", zero)
         if self.critic is not None:
             save_pretrained(self.critic, self.tokenizer, directory / "critic", zero)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

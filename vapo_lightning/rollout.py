@@ -1,8 +1,10 @@
-"""Rollouts: group sampling with `generate`, and the experience buffer the updates read.
+"""Rollouts: the experience buffer the updates read, and how engines assemble it.
 
 A `Rollout` holds one rollout step's experience: n responses per prompt (group sampling,
-VAPO §4.3), prompts left-padded and responses right-padded in one (B, P + T) tensor so a
-single forward gives the log-probs and values of every response token.
+VAPO §4.3: `left_padded` repeats each prompt n times), prompts left-padded and responses
+right-padded in one (B, P + T) tensor so a single forward gives the log-probs and values of
+every response token. The engines (`vapo_lightning.engines`) sample it; the trainer fills in
+rewards, old log-probs, values and advantages, in the order of the algorithm box.
 """
 
 from __future__ import annotations
@@ -15,16 +17,9 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from vapo_lightning.config import Generation
-from vapo_lightning.generation import (
-    StopText,
-    calls_in_lock_step,
-    gathered_weights,
-    sample_responses,
-    token_texts,
-)
 from vapo_lightning.rewards.base import Sample
 from vapo_lightning.tools.base import Tool
-from vapo_lightning.tools.turns import SampleFn, Segment, Turns, run_turns
+from vapo_lightning.tools.turns import SampleFn, Turns, run_turns
 
 __all__ = [
     "Rollout",
@@ -32,8 +27,6 @@ __all__ = [
     "assemble_turns",
     "cat_rollouts",
     "critic_values",
-    "generate",
-    "generate_turns",
     "left_padded",
     "policy_logits",
     "sample_turns",
@@ -66,6 +59,8 @@ class Rollout:
     observation_tokens: Tensor | None = None  # (B,) tokens of their observations
     tool_errors: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, kind, message)
     tool_seconds: float = 0.0  # time spent in tools while sampling
+    reward_errors: int = 0  # samples a reward callback failed on (counted, never silent)
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # callbacks' own counts
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -117,114 +112,6 @@ class Rollout:
             if isinstance(value, Tensor) and value.ndim == 2 and f.name not in out:
                 out[f.name] = value[:, :T]
         return replace(self, **out)
-
-
-@torch.no_grad()
-def generate(
-    policy: PreTrainedModel,
-    prompt_ids: list[list[int]],
-    cfg: Generation,
-    pad_token_id: int,
-    eos_token_id: int,
-    n: int | None = None,
-    tools: list[Tool] | None = None,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-) -> Rollout:
-    """Samples `n` responses for each prompt (`generation.sample_responses`: KV cache grown in
-    place, finished responses leave the batch); stops at EOS (or any of
-    ``cfg.stop_token_ids``), ``cfg.max_batch_size`` sequences per call.
-
-    temperature 0 means greedy. Tokens after the first stop token become padding. With
-    `tools` (and their `tokenizer`), responses call them mid-way: `generate_turns`.
-    """
-    if tools:
-        return generate_turns(policy, prompt_ids, cfg, tokenizer, tools, n)
-    n = cfg.n if n is None else n
-    if not prompt_ids:  # (sharded, the other ranks would wait for this one forever)
-        raise ValueError("generate: no prompts (every rank must sample at least one)")
-    device = next(policy.parameters()).device
-    ids, attn = left_padded(prompt_ids, n, pad_token_id, device)
-    stop = sorted({eos_token_id, *cfg.stop_token_ids})
-    chunk = cfg.max_batch_size or len(ids)
-
-    def sample(rows: slice, lock_step: bool) -> Tensor:
-        return sample_responses(
-            policy,
-            ids[rows],
-            attn[rows],
-            max_new_tokens=cfg.max_new_tokens,
-            min_new_tokens=cfg.min_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            stop_token_ids=stop,
-            pad_token_id=pad_token_id,
-            lock_step=lock_step,
-        )
-
-    starts = range(0, len(ids), chunk)
-    with gathered_weights(policy, cfg.gather_weights) as lock_step:
-        # Sharded and not gathered: ranks with fewer prompts (DAPO's later rounds) make the
-        # extra calls of the busiest rank on one row, discarded: every rank, the same forwards.
-        extra = calls_in_lock_step(policy, len(starts)) - len(starts) if lock_step else 0
-        parts = [sample(slice(i, i + chunk), lock_step) for i in starts]
-        for _ in range(extra):
-            sample(slice(0, 1), lock_step)
-    T = max(p.shape[1] for p in parts)
-    response = torch.cat(  # (B, T); chunks stop at different lengths
-        [torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_token_id) for p in parts]
-    )
-    return assemble(ids, attn, response, stop, pad_token_id, n)
-
-
-@torch.no_grad()
-def generate_turns(
-    policy: PreTrainedModel,
-    prompt_ids: list[list[int]],
-    cfg: Generation,
-    tokenizer: PreTrainedTokenizerBase,
-    tools: list[Tool],
-    n: int | None = None,
-) -> Rollout:
-    """`generate` with tool calls (`tools.turns.run_turns`) on this package's sampler.
-
-    Each round samples the open responses from their whole context (prompt, model tokens and
-    observations so far): the KV cache of a paused response is rebuilt by one prefill, not
-    kept (what that costs: `benchmarks/results/tools.md`).
-    """
-    n = cfg.n if n is None else n
-    if cfg.min_new_tokens:
-        raise ValueError("model.generation.min_new_tokens must be 0 with model.tools")
-    device = next(policy.parameters()).device
-    stop = sorted({tokenizer.eos_token_id, *cfg.stop_token_ids})
-    texts, markers = token_texts(tokenizer), [tool.call_end for tool in tools]
-
-    def sample(
-        contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]
-    ) -> list[Segment]:
-        segments, chunk = [], cfg.max_batch_size or len(contexts)
-        for i in range(0, len(contexts), chunk):
-            ids, attn = left_padded(contexts[i : i + chunk], 1, tokenizer.pad_token_id, device)
-            stop_text = StopText(texts, markers, pause[i : i + chunk])
-            out = sample_responses(
-                policy, ids, attn, max_new_tokens=max(budgets[i : i + chunk]),
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
-                lock_step=False, stop_text=stop_text,
-            )  # fmt: skip
-            for k, row in enumerate(out.tolist()):
-                ends = [j + 1 for j, token in enumerate(row) if token in stop][:1]
-                segments.append(
-                    Segment(row[: stop_text.lengths.get(k, ends[0] if ends else len(row))])
-                )
-        return segments
-
-    with gathered_weights(policy, cfg.gather_weights) as lock_step:
-        if lock_step:  # ranks would make different numbers of forwards
-            raise ValueError(
-                "model.tools with a sharded policy needs model.generation.gather_weights=true"
-            )
-        return sample_turns(sample, prompt_ids, cfg, tokenizer, tools, n, device)
 
 
 def sample_turns(

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from vapo_lightning.generation import sample_responses
+from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
 MODEL = "vapo_lightning/assets/quickstart_sft"

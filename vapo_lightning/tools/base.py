@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-__all__ = ["Tool", "ToolOutput", "from_spec", "spec"]
+__all__ = ["Tool", "ToolOutput", "from_spec", "show_errors", "spec"]
 
 
 @dataclass
@@ -98,3 +98,14 @@ def from_spec(value: Tool | dict[str, Any]) -> Tool:
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
         raise TypeError(f"model.tools: {value['class_path']} is not a vapo_lightning Tool")
     return cls(**value.get("init_args", {}))
+
+
+def show_errors(errors: list[tuple[str, str, str]], shown: set[tuple[str, str]]) -> None:
+    """Warns once per (tool, kind of failure) with its message; each failed call is counted
+    in `tools/errors` by the trainer."""
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    for tool, kind, message in errors:
+        if (tool, kind) not in shown:
+            shown.add((tool, kind))
+            rank_zero_warn(f"tool {tool!r} failed ({kind}): {message} (counted in tools/errors)")

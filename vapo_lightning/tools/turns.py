@@ -154,25 +154,36 @@ def run_turns(
                     pending.setdefault(tools.index(tool), []).append((i, call))
         active = [i for i, _ in pending.pop(-1, [])]
         started = time.perf_counter()
-        for t, calls in pending.items():
-            tool = tools[t]
-            for (i, _), result in zip(calls, _run_tool(tool, [c for _, c in calls])):
-                if result.error is not None:
-                    out.errors.append((tool.name, result.error.split(":")[0], result.error))
-                room = max_new_tokens - len(out.responses[i])
-                ids = observation_ids(
-                    tool, result.text, tokenizer, min(room, max_observation_tokens)
-                )
-                out.responses[i] += ids
-                out.actions[i] += [False] * len(ids)
-                out.logprobs[i] += [0.0] * len(ids)
-                out.calls[i] += 1
-                out.observation_tokens[i] += len(ids)
-                segment_start[i] = len(out.responses[i])
-                if len(out.responses[i]) < max_new_tokens:
-                    active.append(i)
+        active += _observe(out, pending, tools, tokenizer, max_new_tokens, max_observation_tokens, segment_start)
         out.tool_seconds += time.perf_counter() - started
         active.sort()
     if not engine_logprobs:
         out.logprobs = None
     return out
+
+
+def _observe(
+    out: Turns, pending: dict[int, list[tuple[int, str]]], tools: Sequence[Tool],
+    tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, max_observation_tokens: int,
+    segment_start: list[int],
+) -> list[int]:  # fmt: skip
+    """Runs each tool's pending calls (tool index -> (response, call)) and appends their
+    observations to the responses (context, not actions); returns the responses that have
+    room to go on."""
+    going_on = []
+    for t, calls in pending.items():
+        tool = tools[t]
+        for (i, _), result in zip(calls, _run_tool(tool, [c for _, c in calls])):
+            if result.error is not None:
+                out.errors.append((tool.name, result.error.split(":")[0], result.error))
+            room = max_new_tokens - len(out.responses[i])
+            ids = observation_ids(tool, result.text, tokenizer, min(room, max_observation_tokens))
+            out.responses[i] += ids
+            out.actions[i] += [False] * len(ids)
+            out.logprobs[i] += [0.0] * len(ids)
+            out.calls[i] += 1
+            out.observation_tokens[i] += len(ids)
+            segment_start[i] = len(out.responses[i])
+            if len(out.responses[i]) < max_new_tokens:
+                going_on.append(i)
+    return going_on

@@ -147,7 +147,7 @@ def eager() -> Iterator[None]:
 def weights_cast_once() -> Iterator[None]:
     """Under autocast each forward casts every fp32 weight to the autocast dtype again unless
     autocast's cast cache is on, and Lightning's mixed precision turns it off from 2.6 on (in a
-    training step a cached cast would outlive the optimizer step; `PPOUpdates.clip_and_step`
+    training step a cached cast would outlive the optimizer step; `updates.clip_and_step`
     drops them for older versions). A rollout's weights do not change, so the sampler turns the
     cache on: each weight is cast once per call instead of once per token. The cache is dropped
     on entry (the caller's region may hold casts of weights updated since) and on exit (these
@@ -375,14 +375,8 @@ def sample_responses(
     mask, tokens, steps = attention_mask.long(), input_ids, 0
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     for t in range(max_new_tokens):
-        logits = model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=position,
-            use_cache=True,
-            **{cache_arg: cache},
-            logits_to_keep=1,
-        ).logits[:, -1]
+        logits = model(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
+                       **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
         if t < min_new_tokens:
             logits = logits.index_fill(-1, stop, float("-inf"))
         new = next_tokens(logits, temperature, top_p, top_k)

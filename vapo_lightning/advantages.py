@@ -1,0 +1,56 @@
+"""Advantages and critic targets of one rollout (VAPO §4.1-4.2; GRPO's group baseline).
+
+Functions of the rollout (its rewards, V_old, lengths) and the algorithm's switches; the math
+is `core`'s. Whitening takes its statistics over the valid tokens of every data-parallel rank
+(`global_sum`), so ranks see one normalisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from vapo_lightning import core
+from vapo_lightning.config import Algorithm
+from vapo_lightning.rollout import Rollout
+
+__all__ = ["actor_lambda", "compute_advantages", "critic_targets"]
+
+
+def actor_lambda(r: Rollout, a: Algorithm) -> Tensor:
+    """(B,) lambda of the actor's GAE: length-adaptive (§4.2, Eq. 5) or fixed."""
+    if a.length_adaptive_gae:
+        return core.length_adaptive_lam(r.response_lengths, a.alpha).to(r.scores)
+    return torch.full_like(r.scores, a.lam_actor)
+
+
+@torch.no_grad()
+def critic_targets(r: Rollout, a: Algorithm, value_pretraining: bool) -> Tensor:
+    """The critic's regression targets, GAE returns (B, T) from V_old = `r.values`. Decoupled
+    GAE (§4.1): with lam_critic (1: Monte-Carlo), and always Monte-Carlo while value
+    pretraining (§4.1, §5.1); without decoupling, with the actor's lambda."""
+    lam = 1.0 if value_pretraining else (a.lam_critic if a.decoupled_gae else actor_lambda(r, a))
+    rewards = core.sparse_rewards(r.scores, r.response_mask)
+    return core.gae(rewards, r.values, r.response_mask, a.gamma, lam)[1]
+
+
+@torch.no_grad()
+def compute_advantages(
+    r: Rollout, a: Algorithm, value_pretraining: bool, global_sum: Callable[[Tensor], Tensor]
+) -> None:
+    """Fills `r.advantages` (B, T), and with a critic `r.lam_actor` and `r.returns`: GAE with
+    the actor's lambda over V_old, or GRPO / DAPO's group-normalised outcome on every token;
+    whitened over all ranks' valid tokens if `a.whiten_advantages`."""
+    mask = r.response_mask
+    if a.advantage == "gae":
+        r.lam_actor = actor_lambda(r, a)
+        rewards = core.sparse_rewards(r.scores, mask)
+        adv, _ = core.gae(rewards, r.values, mask, a.gamma, r.lam_actor)
+        r.returns = critic_targets(r, a, value_pretraining)
+    else:
+        adv = core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
+    if a.whiten_advantages:
+        adv = core.masked_whiten(adv, mask, global_sum(core.masked_moments(adv, mask)))
+    r.advantages = adv
