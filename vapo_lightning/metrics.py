@@ -20,6 +20,10 @@ from vapo_lightning.rollout import Rollout
 
 __all__ = ["ALIASES", "PhaseTimer", "defined", "reduce_over_ranks", "rollout_metrics", "step_metrics"]
 
+# The phases of a rollout step (`timing_s/<phase>`; `tools` too with model.tools).
+PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "values", "update_critic", "adv",
+          "update_actor", "step")  # fmt: skip
+
 # Metrics that are NaN where they are undefined (not a fault): such a step does not log them.
 UNDEFINED_AS_NAN = ("critic/vf_explained_var",)
 
@@ -87,6 +91,9 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         diff = correction.probs_diff(r.old_logprobs, r.rollout_logprobs, mask)
         m["training/rollout_probs_diff_mean"] = core.masked_mean(diff, mask)
         m["training/rollout_probs_diff_max"] = diff.max()
+    # Every phase each step, 0 where it did not run (the one-pass path skips the no-grad
+    # passes): a key logged only some steps would keep its stale value in Lightning's metrics.
+    m.update({f"timing_s/{k}": 0.0 for k in PHASES})
     m.update({f"timing_s/{k}": v for k, v in timer.totals.items()})
     m["perf/time_per_step"] = timer.totals["step"]
     m["perf/throughput"] = float(r.attention_mask.sum()) / max(
