@@ -123,6 +123,7 @@ class Isolation:
             for p in sys.path
             if os.path.isdir(p)
         }
+        self.import_by_fd = True  # (a sandbox with the minimal root may not need it)
         self.root_plan = rootfs.plan([*READ_PATHS, self.prefix, *self.stdlib], list(DEVICES))
 
     # --- in the zygote -----------------------------------------------------------------------
@@ -229,8 +230,12 @@ class Isolation:
         and user namespace. Returns the run's working directory."""
         workdir = host_dir
         if "mountns" in active:
-            rootfs.build(self.root_plan, int(tmp_mb) << 20, read_only=os.geteuid() == 0)
+            left_out = rootfs.build(self.root_plan, int(tmp_mb) << 20, os.geteuid() == 0)
             active += ["private_tmp", "minimal_root"]
+            # Imports by path then, and no folder of the host's tree held open: from one, a
+            # path through /proc/self/fd/<n>/.. would lead back to the host's sockets. (A
+            # folder left out is one this uid cannot search up from either.)
+            self.import_by_fd = bool(left_out)
         if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
             L.drop_privileges(self.uid, self.uid)
             active += ["uid_drop", "own_uid"]
@@ -281,9 +286,10 @@ class Isolation:
             return None
 
     def _seal(self, keep: set[int], ruleset: int | None, ctl_w: int, active: list[str]) -> None:
-        """Closes every file descriptor but `keep`, the stdlib's and the ruleset; not
-        dumpable; the seccomp filter; imports from the opened stdlib only."""
-        keep |= set(self.stdlib.values())
+        """Closes every file descriptor but `keep`, the stdlib's when imports go through
+        them, and the ruleset; not dumpable; the seccomp filter."""
+        if self.import_by_fd:
+            keep |= set(self.stdlib.values())
         if ruleset is not None:
             keep.add(ruleset)
         close_fds_except(keep)
@@ -298,7 +304,8 @@ class Isolation:
                 if self.shared_netns:  # without the filter, the namespace would carry data
                     raise
                 P.write_error(ctl_w, f"P2 seccomp: {err}")
-        sys.meta_path.append(fd_import.DirFdFinder(self.stdlib))
+        if self.import_by_fd:
+            sys.meta_path.append(fd_import.DirFdFinder(self.stdlib))
 
     def _run(self, req: dict, ctl_w, res_w, ruleset: int | None, caps_dropped: bool, active):
         """The request's limits and Landlock, the ``L`` line, then the program."""

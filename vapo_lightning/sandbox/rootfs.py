@@ -46,23 +46,25 @@ def plan(paths: list[str], devices: list[str]) -> list[tuple[str, str, str]]:
     return entries
 
 
-def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) -> None:
+def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) -> list[str]:
     """In a sandbox's fresh mount namespace, with CAP_SYS_ADMIN there: the minimal root of
     `entries` (`plan`), a fresh /proc (own PIDs), /tmp and /dev/shm (tmpfs of `tmp_bytes`
     each; the run's memory cgroup bounds their pages with the rest), then `pivot_root` into
     it and the host's tree detached. `read_only` (a root server's direct path, which may):
     bind mounts made read-only. In a user namespace (the host's mount flags are locked
     there), a path the sandbox uid cannot reach (an interpreter below a mode-700 /root) is
-    left out: the stdlib is imported through folders the server opened (`fd_import.DirFdFinder`)."""
+    left out: the stdlib is then imported through folders the server opened
+    (`fd_import.DirFdFinder`). Returns the paths left out."""
     L.mount("none", "/", None, L.MS_REC | L.MS_PRIVATE)
     L.mount("tmpfs", STAGE, "tmpfs", L.MS_NOSUID | L.MS_NODEV, "size=256k,mode=755")
+    left_out = []
     for kind, path, link in entries:
         target = STAGE + path
         os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
         if kind == "link":
             os.symlink(link, target)
-        else:
-            _bind(kind, path, target, read_only)
+        elif not _bind(kind, path, target, read_only):
+            left_out.append(path)
     opts = L.MS_NOSUID | L.MS_NODEV
     for folder, fs, data in (
         ("/tmp", "tmpfs", f"size={tmp_bytes},mode=1777"),
@@ -79,9 +81,11 @@ def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) 
     os.rmdir("/.old")
     with contextlib.suppress(OSError):  # nothing more is made in the root itself
         L.mount("none", "/", None, L.MS_REMOUNT | L.MS_RDONLY | L.MS_NOSUID | L.MS_NODEV)
+    return left_out
 
 
-def _bind(kind: str, path: str, target: str, read_only: bool) -> None:
+def _bind(kind: str, path: str, target: str, read_only: bool) -> bool:
+    """Bind-mounts `path` at `target`; False when the sandbox uid cannot reach it."""
     if kind == "dir":
         os.mkdir(target, 0o755)
     else:
@@ -91,10 +95,11 @@ def _bind(kind: str, path: str, target: str, read_only: bool) -> None:
     except PermissionError:
         if read_only:  # root: a real failure
             raise
-        return  # unreachable to this uid: left out (an empty folder)
+        return False  # unreachable to this uid: left out (an empty folder)
     if read_only and kind != "dev":
         flags = L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | L.MS_NOSUID | L.MS_NODEV
         L.mount("none", target, None, flags)
+    return True
 
 
 def _pivot_root(new_root: str, put_old: str) -> None:
