@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from vapo_lightning.sandbox import Pool
+from vapo_lightning.sandbox import Pool, cgroups
 from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT, RunCgroups
 
 V2_ROOT = next(
@@ -92,26 +93,46 @@ def test_a_new_server_kills_and_removes_a_dead_servers_v2_leftovers():
                 os.rmdir(d)
 
 
-def test_v2_limits_are_written_to_the_kernels_files(tmp_path):
-    """memory.max, memory.swap.max 0 (no swap), pids.max, cpu.weight; the OOM kills read from
-    memory.events. A tree of plain files stands in for the kernel's."""
-    run = tmp_path / "vapo-sandbox-1" / "run-1"
-    run.mkdir(parents=True)
-    for name, text in (
-        ("memory.max", ""),
-        ("memory.swap.max", ""),
-        ("pids.max", ""),
-        ("cpu.weight", ""),
-        ("memory.events", "low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\noom_group_kill 0\n"),
-    ):
-        (run / name).write_text(text)
-    cgroups = RunCgroups(root=None)
-    cgroups.version, cgroups.available = 2, True
-    cgroups.bases = [(str(run.parent), ("memory", "pids", "cpu"))]
-    cgroups.set_limits([str(run)], 256 << 20, 64)
-    written = {name: (run / name).read_text() for name in ("memory.max", "memory.swap.max")}
+# The interface files the kernel makes in a new v2 cgroup, for a tree of plain files.
+FAKE_FILES = {
+    "cgroup.controllers": "memory pids cpu\n",
+    "cgroup.subtree_control": "memory pids\n",
+    "cgroup.procs": "",
+    "cgroup.kill": "",
+    "memory.max": "",
+    "memory.swap.max": "",
+    "memory.events": "low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\noom_group_kill 0\n",
+    "pids.max": "",
+    "cpu.weight": "",
+}
+
+
+def test_v2_limits_are_written_to_the_kernels_files(tmp_path, monkeypatch):
+    """memory.max, memory.swap.max 0 (no swap) and pids.max in each run's cgroup; cpu.weight
+    in the server's; the OOM kills read from memory.events. Plain files stand in for the
+    kernel's: a new folder gets them as the kernel would make them."""
+    real_mkdir = os.mkdir
+
+    def mkdir(path, mode=0o777):
+        real_mkdir(path, mode)
+        if str(path).startswith(str(tmp_path)):
+            for name, text in FAKE_FILES.items():
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(text)
+
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory pids cpu\n")
+    (root / "cgroup.subtree_control").write_text("memory pids cpu\n")
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(cgroups, "_own_paths", lambda: {"": "/"})
+    cg = RunCgroups(str(root), tag="vapo-sandbox-test")
+    assert (cg.version, cg.available, cg.cpu) == (2, True, str(root / "vapo-sandbox-test"))
+    assert (root / "vapo-sandbox-test" / "cpu.weight").read_text() == "100"
+    run = cg.create(256 << 20, 64)
+    assert run == [str(root / "vapo-sandbox-test" / "run-1")]
+    written = {n: Path(run[0], n).read_text() for n in ("memory.max", "memory.swap.max")}
     assert written == {"memory.max": str(256 << 20), "memory.swap.max": "0"}
-    assert (run / "pids.max").read_text() == "64"
-    assert (run / "cpu.weight").read_text() == "100"
-    assert cgroups.oom_kills([str(run)]) == 2
-    assert cgroups.layers([str(run)]) == ["memory_cgroup", "pids_cgroup", "cpu_cgroup"]
+    assert Path(run[0], "pids.max").read_text() == "64"
+    assert cg.oom_kills(run) == 2
+    assert cg.layers(run) == ["memory_cgroup", "pids_cgroup", "cpu_cgroup"]

@@ -138,11 +138,13 @@ def _server_folders(pid: int) -> list[str]:
     root = "/sys/fs/cgroup"
     with open(f"/proc/{pid}/cgroup") as f:
         own = dict(line.split(":", 2)[1:] for line in f.read().splitlines())
-    return [
-        path
-        for c in ("memory", "pids", "cpu")
-        if c in own and os.path.isdir(path := f"{root}/{c}{own[c].rstrip('/')}/vapo-sandbox-{pid}")
-    ]
+    tag, found = f"vapo-sandbox-{pid}", []
+    for c in ("memory", "pids", "cpu"):
+        if c in own:
+            path = f"{root}/{c}{own[c].rstrip('/')}"  # (the server is in its cpu folder)
+            path = path if path.endswith("/" + tag) else f"{path}/{tag}"
+            found += [path] if os.path.isdir(path) else []
+    return found
 
 
 # 30 busy processes, each in a session of its own; prints the CPU ticks they got together
@@ -207,18 +209,17 @@ def test_a_run_keeps_its_cpu_share_beside_a_run_of_30_busy_processes():
 
 
 def _assert_cpu_cgroups_configured(pool: Pool) -> None:
-    """Every idle spare's cpu cgroup: its own folder below its server's, at the set weight."""
-    for folder in _server_folders(pool.servers[0].proc.pid):
-        if "/cpu/" in folder:
-            runs = [d for d in os.listdir(folder) if d.startswith("run-")]
-            assert runs, folder
-            for run in runs:
-                with open(f"{folder}/{run}/cpu.shares") as f:
-                    assert int(f.read()) == V1_CPU_SHARES
-                with open(f"{folder}/{run}/cgroup.procs") as f:
-                    assert f.read().split(), "a spare is in its run's cpu cgroup"
-            return
-    raise AssertionError("no cpu cgroup folder for the server")
+    """Each server and everything it forks (the idle spares) are in a cpu cgroup of the
+    server's own, at the set weight: a server runs one run at a time."""
+    spares = pool.spare_sessions()
+    for server in pool.servers:
+        folder = next(f for f in _server_folders(server.proc.pid) if "/cpu/" in f)
+        with open(f"{folder}/cpu.shares") as f:
+            assert int(f.read()) == V1_CPU_SHARES
+        with open(f"{folder}/cgroup.procs") as f:
+            members = {int(p) for p in f.read().split()}
+        assert server.proc.pid in members
+        assert spares & members, "a spare is in its server's cpu cgroup"
 
 
 # Connects to a host stream socket and sends to a host datagram socket, both by path.
