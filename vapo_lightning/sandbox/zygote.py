@@ -184,8 +184,13 @@ class Spares:
             except (ValueError, OSError):
                 sp.p2_pid = sp.p2_fd = None
         if self.iso.subreaper and not sp.c_reaped:
+            # C exits right after forking P2 (or after an error). One that a run of the same
+            # uid stopped (no PID namespace) is killed: a wait for its exit would never end.
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(sp.c_pid, 0)  # C exits right after forking P2 (or after an error)
+                _, status = os.waitpid(sp.c_pid, os.WUNTRACED)
+                if os.WIFSTOPPED(status):
+                    os.kill(sp.c_pid, signal.SIGKILL)
+                    os.waitpid(sp.c_pid, 0)
             sp.c_reaped = True
 
     def discard(self, sp: Spare) -> None:
