@@ -30,10 +30,15 @@ STAGE = "/tmp"
 hides the host's /tmp from this namespace only)."""
 
 
-def plan(paths: list[str], devices: list[str]) -> list[tuple[str, str, str]]:
-    """In the server, at start: what each sandbox's root will hold, as (kind, path, target):
-    kind ``link`` for a symlink (/lib -> usr/lib, `target` its text), else ``dir``, ``file``
-    or ``dev`` for a bind mount of `path`. A path below one already planned is left out."""
+_OWN = ("/tmp", "/dev/shm", "/proc")
+"""The run's own folders, mounted fresh in its root."""
+
+
+def plan(paths: list[str], devices: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
+    """In the server, at start: what each sandbox's root will hold. Returns the folders to
+    make (parents first) and the entries, (kind, path, target): kind ``link`` for a symlink
+    (/lib -> usr/lib, `target` its text), else ``dir``, ``file`` or ``dev`` for a bind
+    mount of `path`. A path below one already planned is left out."""
     entries: list[tuple[str, str, str]] = []
     for p in [*paths, *devices]:
         if not os.path.lexists(p) or any(p.startswith(e[1] + "/") for e in entries):
@@ -43,38 +48,37 @@ def plan(paths: list[str], devices: list[str]) -> list[tuple[str, str, str]]:
         else:
             kind = "dev" if p in devices else ("dir" if os.path.isdir(p) else "file")
             entries.append((kind, p, ""))
-    return entries
+    folders = {"/.old", *_OWN} | {p for kind, p, _ in entries if kind == "dir"}
+    for p in [*folders, *(p for _, p, _ in entries)]:
+        while (p := os.path.dirname(p)) != "/":
+            folders.add(p)
+    return sorted(folders, key=lambda f: f.count("/")), entries
 
 
-def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) -> list[str]:
+def build(layout: tuple[list[str], list[tuple[str, str, str]]], tmp_bytes: int, read_only: bool):
     """In a sandbox's fresh mount namespace, with CAP_SYS_ADMIN there: the minimal root of
-    `entries` (`plan`), a fresh /proc (own PIDs), /tmp and /dev/shm (tmpfs of `tmp_bytes`
+    `layout` (`plan`), a fresh /proc (own PIDs), /tmp and /dev/shm (tmpfs of `tmp_bytes`
     each; the run's memory cgroup bounds their pages with the rest), then `pivot_root` into
     it and the host's tree detached. `read_only` (a root server's direct path, which may):
     bind mounts made read-only. In a user namespace (the host's mount flags are locked
     there), a path the sandbox uid cannot reach (an interpreter below a mode-700 /root) is
     left out: the stdlib is then imported through folders the server opened
     (`fd_import.DirFdFinder`). Returns the paths left out."""
+    folders, entries = layout
     L.mount("none", "/", None, L.MS_REC | L.MS_PRIVATE)
     L.mount("tmpfs", STAGE, "tmpfs", L.MS_NOSUID | L.MS_NODEV, "size=256k,mode=755")
+    for folder in folders:
+        os.mkdir(STAGE + folder, 0o755)
     left_out = []
     for kind, path, link in entries:
-        target = STAGE + path
-        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
         if kind == "link":
-            os.symlink(link, target)
-        elif not _bind(kind, path, target, read_only):
+            os.symlink(link, STAGE + path)
+        elif not _bind(kind, path, STAGE + path, read_only):
             left_out.append(path)
     opts = L.MS_NOSUID | L.MS_NODEV
-    for folder, fs, data in (
-        ("/tmp", "tmpfs", f"size={tmp_bytes},mode=1777"),
-        ("/dev/shm", "tmpfs", f"size={tmp_bytes},mode=1777"),
-        ("/proc", "proc", ""),
-    ):
-        os.makedirs(STAGE + folder, 0o755, exist_ok=True)
-        noexec = L.MS_NOEXEC if folder != "/tmp" else 0
-        L.mount(fs, STAGE + folder, fs, opts | noexec, data)
-    os.mkdir(f"{STAGE}/.old", 0o700)
+    L.mount("tmpfs", f"{STAGE}/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
+    L.mount("tmpfs", f"{STAGE}/dev/shm", "tmpfs", opts | L.MS_NOEXEC, f"size={tmp_bytes},mode=1777")
+    L.mount("proc", f"{STAGE}/proc", "proc", opts | L.MS_NOEXEC)
     _pivot_root(STAGE, f"{STAGE}/.old")
     os.chdir("/")
     L.check(L.libc.umount2(b"/.old", _MNT_DETACH), "umount2 /.old")
@@ -85,10 +89,9 @@ def build(entries: list[tuple[str, str, str]], tmp_bytes: int, read_only: bool) 
 
 
 def _bind(kind: str, path: str, target: str, read_only: bool) -> bool:
-    """Bind-mounts `path` at `target`; False when the sandbox uid cannot reach it."""
-    if kind == "dir":
-        os.mkdir(target, 0o755)
-    else:
+    """Bind-mounts `path` at `target` (a folder `plan` listed, or a file made here); False
+    when the sandbox uid cannot reach it."""
+    if kind != "dir":
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
     try:
         L.mount(path, target, None, L.MS_BIND | L.MS_REC)
