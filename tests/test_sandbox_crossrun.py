@@ -228,7 +228,14 @@ import socket
 def f(stream, dgram):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     d = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    return [attempt(lambda: s.connect(stream)), attempt(lambda: d.sendto(b"x", dgram))]
+    found = [attempt(lambda: s.connect(stream)), attempt(lambda: d.sendto(b"x", dgram))]
+    # and up from any folder held open, back into the host's tree
+    import os
+    for fd in os.listdir("/proc/self/fd"):
+        up = f"/proc/self/fd/{{fd}}/" + "../" * 16 + stream.lstrip("/")
+        if attempt(lambda: socket.socket(socket.AF_UNIX).connect(up)) == "ok":
+            found.append("reached through fd " + fd)
+    return found
 """
 
 
