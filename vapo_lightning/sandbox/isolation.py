@@ -230,12 +230,16 @@ class Isolation:
         and user namespace. Returns the run's working directory."""
         workdir = host_dir
         if "mountns" in active:
-            left_out = rootfs.build(self.root_plan, int(tmp_mb) << 20, os.geteuid() == 0)
-            active += ["private_tmp", "minimal_root"]
-            # Imports by path then, and no folder of the host's tree held open: from one, a
-            # path through /proc/self/fd/<n>/.. would lead back to the host's sockets. (A
-            # folder left out is one this uid cannot search up from either.)
-            self.import_by_fd = bool(left_out)
+            try:
+                left_out = rootfs.build(self.root_plan, int(tmp_mb) << 20, os.geteuid() == 0)
+                active.append("minimal_root")
+                # Imports by path then, and no folder of the host's tree held open: from one,
+                # a path through /proc/self/fd/<n>/.. would lead back to the host's sockets.
+                # (A folder left out is one this uid cannot search up from either.)
+                self.import_by_fd = bool(left_out)
+            except rootfs.NoPivot:
+                rootfs.private_folders(int(tmp_mb) << 20)
+            active.append("private_tmp")
         if os.geteuid() == 0:  # a root server's direct child: mounts done, root no more
             L.drop_privileges(self.uid, self.uid)
             active += ["uid_drop", "own_uid"]

@@ -79,13 +79,31 @@ def build(layout: tuple[list[str], list[tuple[str, str, str]]], tmp_bytes: int, 
     L.mount("tmpfs", f"{STAGE}/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
     L.mount("tmpfs", f"{STAGE}/dev/shm", "tmpfs", opts | L.MS_NOEXEC, f"size={tmp_bytes},mode=1777")
     L.mount("proc", f"{STAGE}/proc", "proc", opts | L.MS_NOEXEC)
-    _pivot_root(STAGE, f"{STAGE}/.old")
+    try:
+        _pivot_root(STAGE, f"{STAGE}/.old")
+    except OSError as err:  # e.g. a root on initramfs: `private_folders` instead
+        L.libc.umount2(STAGE.encode(), _MNT_DETACH)
+        raise NoPivot(err) from err
     os.chdir("/")
     L.check(L.libc.umount2(b"/.old", _MNT_DETACH), "umount2 /.old")
     os.rmdir("/.old")
     with contextlib.suppress(OSError):  # nothing more is made in the root itself
         L.mount("none", "/", None, L.MS_REMOUNT | L.MS_RDONLY | L.MS_NOSUID | L.MS_NODEV)
     return left_out
+
+
+class NoPivot(OSError):
+    """`pivot_root` was refused; the host's tree is as it was (`private_folders` then)."""
+
+
+def private_folders(tmp_bytes: int) -> None:
+    """Without a minimal root (`NoPivot`): fresh /tmp, /dev/shm and /proc over the host's,
+    in this mount namespace. The host's other folders (and their sockets) stay visible."""
+    opts = L.MS_NOSUID | L.MS_NODEV
+    L.mount("tmpfs", "/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
+    if os.path.isdir("/dev/shm"):
+        L.mount("tmpfs", "/dev/shm", "tmpfs", opts | L.MS_NOEXEC, f"size={tmp_bytes},mode=1777")
+    L.mount("proc", "/proc", "proc", opts | L.MS_NOEXEC)
 
 
 def _bind(kind: str, path: str, target: str, read_only: bool) -> bool:
