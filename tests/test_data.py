@@ -1,6 +1,8 @@
 """PromptDataModule (`vapo_lightning/data.py`): a bad row, an overlong prompt or an empty or
 missing file is named by file, line and field before training starts, or skipped when asked."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.helpers import (
@@ -91,3 +93,29 @@ def test_empty_or_missing_dataset_is_an_error_before_training(tok, tmp_path):
         tiny_trainer(tmp_path).fit(
             tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl"))
         )
+
+
+def test_a_prompt_template_with_a_single_brace_is_one_line_before_any_work(tmp_path, monkeypatch):
+    """`\\boxed{}` in a template (the obvious way to write it) would stop the run at the first
+    row with an IndexError 15 frames deep; it is refused in one line naming the field and the
+    fix. Doubled braces work, and give the single ones."""
+    from vapo_lightning import module as vapo_module
+    from vapo_lightning.cli import main
+    from vapo_lightning.data import PromptDataModule
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the template was checked")
+
+    monkeypatch.setattr(vapo_module, "build_policy", no_model)
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
+              "--data.prompt_template={prompt} Put it in \\boxed{}."])  # fmt: skip
+    line = str(stop.value.code)
+    assert line.startswith("vapo: error: data.prompt_template=") and "\n" not in line
+    assert "found '{}'" in line and "\\boxed{{}}" in line
+    for bad in ("no field here", "{prompt} {answer}", "{prompt} }"):
+        with pytest.raises(ValueError, match=r"data\.prompt_template"):
+            PromptDataModule(train="x.jsonl", prompt_template=bad)
+    dm = PromptDataModule(train="x.jsonl", prompt_template="{prompt} Put it in \\boxed{{}}.")
+    assert dm.hparams.prompt_template.format(prompt="1 + 1?") == "1 + 1? Put it in \\boxed{}."

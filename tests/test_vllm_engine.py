@@ -9,6 +9,7 @@ which installs it and where a missing vLLM is a failure.
 from __future__ import annotations
 
 import copy
+import re
 import sys
 from pathlib import Path
 
@@ -208,12 +209,12 @@ def test_a_bad_engine_setup_stops_before_any_work(tmp_path, monkeypatch):
         )
     assert "head_dim=16 has no kernel in vLLM's CPU attention" in str(stop.value.code)
     assert "\n" not in str(stop.value.code)
-    with pytest.raises(
-        ValueError,
-        match=r"max_new_tokens=16: .* beyond the policy's context \(max_position_embeddings=64\)",
-    ):
+    with pytest.raises(SystemExit) as stop:  # one line too (it was a 14-frame traceback)
         main([*args, "--model.policy.config.max_position_embeddings=64",
               "--model.generation.max_new_tokens=16", "--model.val_generation.max_new_tokens=16"])  # fmt: skip
+    line = str(stop.value.code)
+    assert re.search(r"max_new_tokens=16: .* beyond the policy's context \(max_position_embeddings=64\)", line)
+    assert line.startswith("vapo: error: ") and "\n" not in line
     assert not (tmp_path / "checkpoints").exists()
 
 

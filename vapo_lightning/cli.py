@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 
 from vapo_lightning.callbacks import progress_bar
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
+from vapo_lightning.config import SetupError
 from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
 from vapo_lightning.engines.vllm import EngineSetupError
@@ -279,7 +280,7 @@ def main(args: list[str] | None = None) -> None:
             convert_gguf_main(argv[1:])
         else:
             run_cli(argv if args is not None else None)
-    except (CheckpointError, DataError, RewardError, EngineSetupError) as err:  # names the culprit
+    except (CheckpointError, DataError, RewardError, EngineSetupError, SetupError) as err:  # names the culprit
         sys.exit(f"vapo: error: {err}")
 
 

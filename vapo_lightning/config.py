@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+
+class SetupError(ValueError):
+    """A setting that cannot work, found before any work starts: one line naming the field
+    and what to change (the CLI prints it without a traceback)."""
+
 __all__ = ["Algorithm", "Generation", "Optim", "VLLMOptions"]
 
 
@@ -122,12 +127,12 @@ class Algorithm:
         """The rollout batch (prompts × n) splits into mini-batches; GRPO / DAPO have groups."""
         batch = None if prompts_per_step is None else prompts_per_step * n
         if batch is not None and batch % self.mini_batch_size:
-            raise ValueError(
+            raise SetupError(
                 f"model.algorithm.mini_batch_size={self.mini_batch_size} must divide the rollout "
                 f"batch data.prompts_per_step × model.generation.n = {prompts_per_step} × {n} = {batch}"
             )
         if self.advantage == "group" and n < 2:
-            raise ValueError("model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2")
+            raise SetupError("model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2")
 
 
 @dataclass

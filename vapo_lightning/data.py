@@ -9,6 +9,7 @@ malformed row stops the run before any work with an error naming the file, line 
 from __future__ import annotations
 
 import json
+import string
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
+
+from vapo_lightning.config import SetupError
 
 __all__ = ["DataError", "PromptDataModule", "ResumableDataLoader", "ResumableSampler", "read_rows"]
 
@@ -129,7 +132,8 @@ class PromptDataModule(L.LightningDataModule):
         tests_field: the code tests used as ground truth (instead of answer_field).
         data_source_field: optional per-row source name (per-source metrics and rewards).
         prompt_template: format string applied to a string prompt, e.g.
-            "{prompt} Put the final answer in \\boxed{{}}.".
+            "{prompt} Put the final answer in \\boxed{{}}." (braces other than {prompt}
+            doubled, as in Python's str.format).
         chat_template: wrap the prompt with the tokenizer's chat template.
         system_prompt: a system message (with chat_template).
         prompts_per_step: prompts per rollout step (per device); each gets n responses.
@@ -165,6 +169,8 @@ class PromptDataModule(L.LightningDataModule):
             raise ValueError(
                 "data: prompts_per_step, val_batch_size and max_prompt_length must be >= 1"
             )
+        if prompt_template is not None:
+            check_prompt_template(prompt_template)
         self.save_hyperparameters()
         self.prompts_per_step = prompts_per_step
         self.train_rows: list[dict] = []
@@ -304,3 +310,20 @@ class PromptDataModule(L.LightningDataModule):
             self._sampler_seeded = True
         idx = torch.randint(len(self.train_rows), (k,), generator=self._sampler_generator)
         return [self.train_rows[i] for i in idx.tolist()]
+
+
+def check_prompt_template(template: str) -> None:
+    """`template.format(prompt=...)` must work: a `{prompt}` field and no other, other braces
+    doubled (`\\boxed{{}}`); a single `{}` would stop the run at the first row with an
+    IndexError deep in a traceback."""
+    try:
+        others = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None} - {"prompt"}
+        missing = "{prompt}" not in template
+    except ValueError:  # a lone "{" or "}"
+        others, missing = {"a lone brace"}, False
+    if others or missing:
+        what = f"found {', '.join(sorted(repr('{' + f + '}') if f != 'a lone brace' else f for f in others))}" if others else "no {prompt} in it"
+        raise SetupError(
+            f"data.prompt_template={template!r}: {what}; {{prompt}} is the only field filled in, "
+            "so write other braces doubled, e.g. \\boxed{{}} for \\boxed{}"
+        )

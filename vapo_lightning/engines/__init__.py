@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vapo_lightning.config import Generation
+from vapo_lightning.config import Generation, SetupError
 from vapo_lightning.engines.base import RolloutEngine
 from vapo_lightning.tools.base import Tool
 
@@ -69,7 +69,7 @@ def check_generation(
     max_model_len = longest_prompt + max(gen.max_new_tokens, val_gen.max_new_tokens)
     for name, g in (("generation", gen), ("val_generation", val_gen)):
         if limit is not None and longest_prompt + g.max_new_tokens > limit:
-            raise ValueError(
+            raise SetupError(
                 f"model.{name}.max_new_tokens={g.max_new_tokens}: with the longest prompt "
                 f"({longest_prompt} tokens) responses would reach {longest_prompt + g.max_new_tokens} "
                 f"tokens, beyond the policy's context (max_position_embeddings={limit}); lower it "
@@ -77,7 +77,7 @@ def check_generation(
             )
         engine_class(g.engine).check_setup(config, max_model_len)
     if rollout_is != "none" and not engine_class(gen.engine).reports_logprobs:
-        raise ValueError(
+        raise SetupError(
             f"model.algorithm.rollout_is={rollout_is!r} corrects for an inference engine's "
             "sampling: it needs model.generation.engine=vllm"
         )
