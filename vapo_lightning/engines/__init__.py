@@ -12,7 +12,6 @@ Both have the surface of `engines.base.RolloutEngine`; `make_engine` makes the o
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import torch
@@ -46,15 +45,8 @@ def make_engine(
     local_rank: int,
 ) -> RolloutEngine:
     """The engine `gen.engine` names, sampling `policy` (whose weights it holds from now on)."""
-    cls = engine_class(gen.engine)
-    if gen.engine == "native":
-        return cls(policy, tokenizer, tools)
-    return cls(
-        policy, tokenizer, tools,
-        options=gen.vllm,
-        max_model_len=max_model_len,
-        dtype=engine_dtype(gen.vllm.dtype, precision),
-        seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # per engine in VLLMEngine
+    return engine_class(gen.engine).from_generation(
+        gen, policy, tokenizer, tools, max_model_len=max_model_len, precision=precision,
         local_rank=local_rank,
     )  # fmt: skip
 
@@ -79,7 +71,8 @@ def check_generation(
     if rollout_is != "none" and not engine_class(gen.engine).reports_logprobs:
         raise SetupError(
             f"model.algorithm.rollout_is={rollout_is!r} corrects for an inference engine's "
-            "sampling: it needs model.generation.engine=vllm"
+            f"sampling: model.generation.engine={gen.engine} reports no log-probs of its own "
+            "(vllm does)"
         )
 
 

@@ -37,6 +37,15 @@ class RolloutEngine(ABC):
         self.policy, self.tokenizer, self.tools = policy, tokenizer, list(tools)
 
     @classmethod
+    def from_generation(
+        cls, gen: Generation, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], *,
+        max_model_len: int, precision: str, local_rank: int,
+    ) -> RolloutEngine:  # fmt: skip
+        """The engine for `gen` (its own options there), in a process training at `precision`
+        on device `local_rank`, holding prompt + response of up to `max_model_len` tokens."""
+        return cls(policy, tokenizer, tools)
+
+    @classmethod
     def check_setup(cls, config: Any, max_model_len: int) -> None:
         """Refuses, in one line and before any work, a policy or length it cannot run."""
         return None

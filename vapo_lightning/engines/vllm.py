@@ -155,6 +155,19 @@ class VLLMEngine(RolloutEngine):
         return {"distributed_executor_backend": "external_launcher"}, seed + rank // tp
 
     @classmethod
+    def from_generation(
+        cls, gen: Generation, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], *,
+        max_model_len: int, precision: str, local_rank: int,
+    ) -> VLLMEngine:  # fmt: skip
+        from vapo_lightning.engines import engine_dtype
+
+        return cls(
+            policy, tokenizer, tools, options=gen.vllm, max_model_len=max_model_len,
+            dtype=engine_dtype(gen.vllm.dtype, precision), local_rank=local_rank,
+            seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # per engine: `_join_ranks`
+        )  # fmt: skip
+
+    @classmethod
     def check_setup(cls, config: Any, max_model_len: int) -> None:
         check_setup(config, max_model_len)
 
