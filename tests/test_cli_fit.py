@@ -51,3 +51,20 @@ def test_validate_scores_a_checkpoint(tmp_path):
     acc.Reload()
     (value,) = [e.value for e in acc.Scalars("val/accuracy")]
     assert 0.0 <= value <= 1.0
+
+
+@pytest.mark.slow
+def test_validate_needs_no_training_file_and_fit_says_it_does(tmp_path):
+    """`vapo validate` reads only the validation prompts: no data.train to give; a fit without
+    one stops in one line naming the field."""
+    args = ["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false", "--data.train=null"]  # fmt: skip
+    main(["validate", *args])
+    (event,) = glob.glob(f"{tmp_path}/lightning_logs/version_0/events.out.tfevents.*")
+    acc = EventAccumulator(event)
+    acc.Reload()
+    (value,) = [e.value for e in acc.Scalars("val/accuracy")]
+    assert 0.0 <= value <= 1.0
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *args])
+    assert str(stop.value.code).startswith("vapo: error: data.train: training needs prompts")

@@ -125,7 +125,8 @@ class PromptDataModule(L.LightningDataModule):
     """Prompts for rollouts and validation.
 
     Args:
-        train: training files or a hub dataset name (prompts for rollouts).
+        train: training files or a hub dataset name (prompts for rollouts); not needed to
+            validate.
         val: validation files (scored as mean@k accuracy); None: no validation.
         prompt_field: the prompt: a string, or a list of chat messages.
         answer_field: the math answer used as ground truth (None for code).
@@ -146,7 +147,7 @@ class PromptDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        train: str | list[str],
+        train: str | list[str] | None = None,
         val: str | list[str] | None = None,
         prompt_field: str = "prompt",
         answer_field: str | None = "answer",
@@ -187,6 +188,8 @@ class PromptDataModule(L.LightningDataModule):
             return
         tokenizer = self.trainer.lightning_module.tokenizer
         if stage == "fit":
+            if self.hparams.train is None:
+                raise SetupError("data.train: training needs prompts (a jsonl / json / parquet file or a hub dataset)")
             self.train_rows = self._load(self.hparams.train, tokenizer, "train")
         if self.has_val:
             self.val_rows = self._load(self.hparams.val, tokenizer, "val")
