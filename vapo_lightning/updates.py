@@ -145,12 +145,12 @@ def update_critic(
     stats: Stats = defaultdict(list)
     critic.train()
     for index in batches:
+        mask = r.response_mask[index]
+        n_tokens = dp.global_sum(mask.sum())  # (one all-reduce for all its steps)
+        micros = list(micro_batches(r, algo.micro_batch_size, index))
         for _ in range(algo.critic_updates_per_step):
-            mask = r.response_mask[index]
-            n_tokens = dp.global_sum(mask.sum())
             v_old = OldEstimate(r, "values")
             loss_sum = clip_sum = 0.0
-            micros = list(micro_batches(r, algo.micro_batch_size, index))
             for i, (rows, micro) in enumerate(micros):
                 sync_gradients(critic, last=i == len(micros) - 1)
                 values = critic_values(critic, micro)
