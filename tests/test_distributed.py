@@ -72,6 +72,41 @@ def test_cli_ddp_trains_on_two_processes(tmp_path):
     assert is_dcp_folder(tmp_path / "checkpoints" / "last.ckpt")
 
 
+EXIT_PROBE = """
+import atexit
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel
+from vapo_lightning.distributed import VAPOStrategy
+
+class Model(BoringModel):
+    def configure_model(self):  # the strategy requires it; nothing to shard here
+        pass
+
+# Registered before the strategy's handler, so it runs after it (atexit is last in, first out).
+atexit.register(lambda: print("at exit:", dist.is_initialized(), flush=True))
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy=VAPOStrategy(mode="ddp"), max_steps=1,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(Model())
+print("after fit:", dist.get_backend(), flush=True)
+"""
+
+
+def test_the_gloo_process_group_is_destroyed_before_the_interpreter_exits(tmp_path):
+    """Lightning registers the group's destruction at exit for NCCL only; a gloo group left to
+    the interpreter's finalisation aborted a finished 2-rank run now and then (exit -6)."""
+    script = tmp_path / "probe.py"
+    script.write_text(EXIT_PROBE)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "after fit: gloo" in done.stdout
+    assert "at exit: False" in done.stdout, done.stdout
+
+
 @pytest.mark.slow
 def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -23,6 +23,7 @@ gradient equals the single-process gradient of the same global batch.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
@@ -80,6 +82,12 @@ class VAPOStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+        # Lightning destroys the process group at exit for NCCL only. A gloo group left to the
+        # interpreter's finalisation may abort the finished run ("terminate called without an
+        # active exception", exit -6; pytorch/pytorch#190489), so ours is destroyed while the
+        # interpreter is alive, whatever the backend. Registered once; a no-op when destroyed.
+        atexit.unregister(_destroy_dist_connection)
+        atexit.register(_destroy_dist_connection)
 
     @property
     def dp_mesh(self) -> Any:
