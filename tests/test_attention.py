@@ -135,3 +135,48 @@ def test_only_standard_model_types_use_it():
     gpt2 = build_policy(ModelSpec(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 32,
                                           "n_head": 2, "n_positions": 64}), Tok())  # fmt: skip
     assert gpt2.config._attn_implementation == "sdpa"
+
+
+def reference_decode_attention(query, key, value, mask, scaling):
+    """The obvious loop: every query head against its key head, row by row."""
+    B, H, _, D = query.shape
+    groups = H // key.shape[1]
+    out = torch.empty(B, 1, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            k, v = key[b, h // groups].double(), value[b, h // groups].double()
+            s = k @ query[b, h, 0].double() * scaling
+            s[~mask[b, 0, 0]] = float("-inf")
+            out[b, 0, h] = s.softmax(-1) @ v
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_equals_the_per_head_loop(dtype):
+    """On views of a larger cache buffer (the sampler's), a padded row, 3 query heads per key
+    head (SmolLM2's 9 over 3)."""
+    torch.manual_seed(0)
+    B, H, kv_heads, T, D = 3, 6, 2, 7, 16
+    buf_k, buf_v = (torch.randn(B, kv_heads, 20, D, dtype=dtype) for _ in range(2))
+    key, value = buf_k[:, :, :T], buf_v[:, :, :T]
+    query = torch.randn(B, H, 1, D, dtype=dtype)
+    mask = torch.ones(B, 1, 1, T, dtype=torch.bool)
+    mask[1, ..., :4] = False  # left padding
+    got, _ = attention.grouped_decode_attention(query, key, value, mask, 0.3)
+    want = reference_decode_attention(query, key, value, mask, 0.3)
+    assert got.shape == (B, 1, H, D) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    additive = torch.zeros(B, 1, 1, T).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(attention.grouped_decode_attention(query, key, value, additive, 0.3)[0], got)
+
+
+def test_sampling_with_grouped_decoding_equals_transformers_sdpa(models):
+    """Greedy responses of the sampler on the model with this attention (grouped decoding
+    steps) and on the same weights with transformers' SDPA: the same tokens."""
+    policy, plain = models
+    ids, mask = batch()
+    kwargs = dict(max_new_tokens=12, stop_token_ids=[], pad_token_id=PAD, temperature=0.0)
+    ours = sample_responses(policy, ids, mask, **kwargs)
+    theirs = sample_responses(plain, ids, mask, **kwargs)
+    assert torch.equal(ours, theirs)

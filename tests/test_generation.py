@@ -9,7 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TINY_LLAMA
-from vapo_lightning.engines.sampler import GrowingLayer, next_tokens, sample_responses
+from vapo_lightning.engines.sampler import (
+    GrowingLayer,
+    inverse_cdf_draw,
+    next_tokens,
+    sample_responses,
+)
 
 PAD, EOS, V = 0, 2, 40
 
@@ -123,6 +128,23 @@ def test_sampled_tokens_follow_the_tempered_softmax():
     freq = torch.bincount(draws, minlength=V) / n
     p = (logits / temperature).softmax(-1)
     assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()
+
+
+def test_inverse_cdf_draws_never_return_a_zero_probability_token():
+    """Masked tokens (top-k's -inf) between and after the kept ones, a row whose whole mass is
+    on the last token, and a peaked row: 50k draws each, none lands on a zero."""
+    torch.manual_seed(0)
+    probs = torch.zeros(4, 10)
+    probs[0, [1, 4, 5]] = torch.tensor([0.2, 0.5, 0.3])
+    probs[1, 9] = 1.0
+    probs[2, [0, 7]] = torch.tensor([1 - 1e-7, 1e-7])
+    probs[3, 3] = 1.0
+    draws = torch.stack([inverse_cdf_draw(probs) for _ in range(50_000)])
+    for row in range(4):
+        assert set(draws[:, row].unique().tolist()) <= set(probs[row].nonzero().flatten().tolist())
+    assert (draws[:, 1] == 9).all() and (draws[:, 3] == 3).all()
+    freq = torch.bincount(draws[:, 0], minlength=10)[[1, 4, 5]] / 50_000
+    torch.testing.assert_close(freq, torch.tensor([0.2, 0.5, 0.3]), atol=0.01, rtol=0)
 
 
 def test_top_p_keeps_the_smallest_nucleus_renormalised():
