@@ -60,6 +60,10 @@ def boxed(answer: str) -> str:
         ("Answer: \n", None),
         ("**Final Answer:**\n\n$\\frac{1}{2}$", "\\frac{1}{2}"),  # the answer on the line below
         ("Final Answer:\n42\nDone.", "42"),
+        ("4 + 18 = 22 pens. The answer is 22.", "22"),  # the last resort
+        ("The answer is 3. No wait, the final answer is: $1,250.", "1250"),
+        ("the answer is 7\n#### 9", "9"),  # any other form first
+        ("I think the answer is twelve.", None),
     ],
 )
 def test_extract_answer(response, answer):
@@ -103,6 +107,8 @@ def test_extract_answer_is_linear_on_a_2mb_response():
         ("#### 1,000", "1000", True),
         (boxed("1/3"), "0.3333", False),
         ("I don't know", "5", False),
+        ("5 + 7 = 12 pens. The answer is 12.", "12", True),
+        ("The answer is 1,250.", "1250", True),
     ],
 )
 def test_equivalence(verifier, response, gold, expected):

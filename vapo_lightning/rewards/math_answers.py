@@ -2,7 +2,9 @@
 check without math-verify.
 
 The answer is the last ``\\boxed{}`` / ``\\fbox{}``, else the last ``Answer:`` line (DAPO's
-prompt format), else the last ``#### N`` line (GSM8K's). `fast_verdict` decides equal
+prompt format), else the last ``#### N`` line (GSM8K's), else the last number written as
+``The answer is N`` (lm-evaluation-harness's GSM8K chain-of-thought pattern, the way small
+instruct models end). `fast_verdict` decides equal
 spellings and integers (AIME's "033" vs 33); everything else goes to math-verify
 (`vapo_lightning.rewards.math`).
 """
@@ -21,6 +23,7 @@ __all__ = ["extract_answer", "fast_verdict", "gold_answer", "number_text"]
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
 _GSM8K_LINE = re.compile(r"####[ \t]*([^\n]*)")
+_ANSWER_IS = re.compile(r"(?i)\bthe (?:final )?answer is:?[ \t]*\$?(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 _BRACE_NEXT = re.compile(r"[ \t\n]*\{")  # ``\boxed{5}``, ``\boxed { 5 }``
 _BOX_TOKEN = re.compile(r" +([^\s$]+)")  # ``\boxed 5``: one TeX token-ish run
 _MAX_BOX_SCAN = 10_000  # a box whose closing brace is further away than this is not an answer
@@ -93,13 +96,14 @@ def _clean(answer: str) -> str:
 def extract_answer(response: str) -> str | None:
     """The final answer of a response: the last ``\\boxed{}`` or ``\\fbox{}`` (braces balanced,
     ``\\boxed 5`` too), else the last ``Answer: ...`` line (DAPO; the line below it when it
-    ends there), else the last ``#### N`` line (GSM8K). None when there is none or it is
-    empty."""
+    ends there), else the last ``#### N`` line (GSM8K), else the number of the last ``The
+    answer is N`` (commas dropped). None when there is none or it is empty."""
     gsm8k = _last_match(_GSM8K_LINE, response)
     for found in (_last_box(response), _answer_line(response), gsm8k and gsm8k.group(1)):
         if found is not None and (answer := _clean(found)):
             return answer
-    return None
+    answer_is = _last_match(_ANSWER_IS, response)
+    return answer_is.group(1).replace(",", "") if answer_is else None
 
 
 def number_text(value: int | float) -> str:
