@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from vapo_lightning.rewards.base import Sample, combine_rewards
+from vapo_lightning.metrics import answer_shares
 from vapo_lightning.rewards.math import MathReward, MathVerifier, extract_answer, is_equivalent
+from vapo_lightning.rewards.math_answers import answer_forms
 from vapo_lightning.rewards.math_answers import number_text
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -68,6 +70,15 @@ def boxed(answer: str) -> str:
 )
 def test_extract_answer(response, answer):
     assert extract_answer(response) == answer
+
+
+def test_answer_shares_count_readable_and_boxed_answers():
+    responses = ["so \\boxed{12}.", "Answer: 12", "The answer is 12.", "It is 12.", "\\boxed{}"]
+    assert [answer_forms(r) for r in responses] == [
+        (True, True), (True, False), (True, False), (False, False), (False, False)
+    ]
+    assert answer_shares("val", responses) == {"val/answer_share": 0.6, "val/boxed_share": 0.2}
+    assert answer_shares("rollout", []) == {"rollout/answer_share": 0.0, "rollout/boxed_share": 0.0}
 
 
 def test_extract_answer_is_linear_on_a_2mb_response():

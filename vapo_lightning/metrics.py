@@ -16,9 +16,18 @@ import torch
 from torch import Tensor
 
 from vapo_lightning import core, correction
+from vapo_lightning.rewards.math_answers import answer_forms
 from vapo_lightning.rollout import Rollout
 
-__all__ = ["ALIASES", "PhaseTimer", "defined", "reduce_over_ranks", "rollout_metrics", "step_metrics"]
+__all__ = [
+    "ALIASES",
+    "PhaseTimer",
+    "answer_shares",
+    "defined",
+    "reduce_over_ranks",
+    "rollout_metrics",
+    "step_metrics",
+]
 
 # The phases of a rollout step (`timing_s/<phase>`; `tools` too with model.tools).
 PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "values", "update_critic", "adv",
@@ -64,12 +73,22 @@ class PhaseTimer:
             self.totals[name] += time.perf_counter() - start
 
 
+def answer_shares(prefix: str, responses: list[str]) -> dict[str, float]:
+    """`<prefix>/answer_share`: responses with a final answer the math rules read (a box, an
+    `Answer:` line, `####`, `The answer is N`); `<prefix>/boxed_share`: those whose answer is
+    boxed (`rewards.math_answers.answer_forms`)."""
+    forms = [answer_forms(text) for text in responses] or [(False, False)]
+    return {f"{prefix}/answer_share": sum(a for a, _ in forms) / len(forms),
+            f"{prefix}/boxed_share": sum(b for _, b in forms) / len(forms)}  # fmt: skip
+
+
 def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
     """Scores, lengths, values, advantages, lambda, timings and throughput of one rollout."""
     mask, lengths = r.response_mask, r.response_lengths.float()
     m = {
         "critic/score/mean": r.scores.mean(),
         "rollout/accuracy": r.correct.float().mean(),
+        **answer_shares("rollout", [s.response for s in r.samples]),
         "response_length/mean": lengths.mean(),
         "response_length/max": lengths.max(),
         "response_length/min": lengths.min(),

@@ -2,7 +2,8 @@
 source, accumulated with torchmetrics across batches and ranks.
 
 Scored with the same reward callbacks as training (a verifier's `correct_threshold`
-decides "correct"), logged as `val/accuracy` and `val/accuracy/<data_source>`; with tools
+decides "correct"), logged as `val/accuracy` and `val/accuracy/<data_source>`, with the shares
+of answers the math rules read and of boxed ones (`val/answer_share`, `val/boxed_share`); with tools
 also `val/tools/share_of_responses` and `val/tools/calls/mean`. The module's validation hooks
 (`VAPOModule.validation_step`, `on_validation_epoch_end`) feed and read them.
 """
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric, SumMetric
 
+from vapo_lightning.metrics import answer_shares
 from vapo_lightning.rollout import Rollout
 
 __all__ = ["ValidationMetrics", "run_validation"]
@@ -30,12 +32,16 @@ class ValidationMetrics(torch.nn.Module):
         self.by_source = torch.nn.ModuleDict()
         self.tool_share, self.tool_calls = MeanMetric(), MeanMetric()
         self.reward_errors = SumMetric()
+        self.answered, self.boxed = MeanMetric(), MeanMetric()  # `metrics.answer_shares`
 
     def update(self, r: Rollout) -> None:
         """Adds one scored validation batch."""
         self.reward_errors.update(float(r.reward_errors))
         correct = r.correct.float()
         self.accuracy.update(correct)
+        shares = answer_shares("val", [s.response for s in r.samples])
+        self.answered.update(shares["val/answer_share"], weight=len(r.samples))
+        self.boxed.update(shares["val/boxed_share"], weight=len(r.samples))
         if r.tool_calls is not None:
             self.tool_share.update((r.tool_calls > 0).float())
             self.tool_calls.update(r.tool_calls.float())
@@ -51,9 +57,10 @@ class ValidationMetrics(torch.nn.Module):
     def compute(self, known: Iterable[str], any_rank: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
         """The metrics over every rank's batches, then reset. `known`: the validation set's
         sources; `any_rank`: a 0/1 vector's maximum over ranks."""
-        metrics = {"val/accuracy": self.accuracy.compute(), "val/reward_errors": self.reward_errors.compute()}
-        self.accuracy.reset()
-        self.reward_errors.reset()
+        metrics = {"val/accuracy": self.accuracy.compute(), "val/reward_errors": self.reward_errors.compute(),
+                   "val/answer_share": self.answered.compute(), "val/boxed_share": self.boxed.compute()}  # fmt: skip
+        for metric in (self.accuracy, self.reward_errors, self.answered, self.boxed):
+            metric.reset()
         if self.tool_share.update_count:
             metrics["val/tools/share_of_responses"] = self.tool_share.compute()
             metrics["val/tools/calls/mean"] = self.tool_calls.compute()

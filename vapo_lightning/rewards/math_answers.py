@@ -16,7 +16,7 @@ import re
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["extract_answer", "fast_verdict", "gold_answer", "number_text"]
+__all__ = ["answer_forms", "extract_answer", "fast_verdict", "gold_answer", "number_text"]
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -104,6 +104,15 @@ def extract_answer(response: str) -> str | None:
             return answer
     answer_is = _last_match(_ANSWER_IS, response)
     return answer_is.group(1).replace(",", "") if answer_is else None
+
+
+def answer_forms(response: str) -> tuple[bool, bool]:
+    """(has a final answer `extract_answer` reads, that answer is the last box): the shares a
+    run logs as ``*/answer_share`` and ``*/boxed_share``, so a right answer in a form the
+    reward cannot read shows as a low answer share, not only as a low accuracy."""
+    if extract_answer(response) is None:
+        return False, False
+    return True, _last_box(response) is not None and bool(_clean(_last_box(response)))
 
 
 def number_text(value: int | float) -> str:
