@@ -119,3 +119,25 @@ def test_a_prompt_template_with_a_single_brace_is_one_line_before_any_work(tmp_p
             PromptDataModule(train="x.jsonl", prompt_template=bad)
     dm = PromptDataModule(train="x.jsonl", prompt_template="{prompt} Put it in \\boxed{{}}.")
     assert dm.hparams.prompt_template.format(prompt="1 + 1?") == "1 + 1? Put it in \\boxed{}."
+
+
+DEFAULT_SYSTEM_TEMPLATE = (  # SmolLM2's, shortened: a default system message unless one is given
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful AI assistant"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("system_prompt", "system_text"),
+    [(None, "You are a helpful AI assistant"), ("", ""), ("Be brief.", "Be brief.")],
+)
+def test_an_empty_system_prompt_drops_the_templates_default(tok, tmp_path, system_prompt, system_text):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tok)
+    tokenizer.chat_template = DEFAULT_SYSTEM_TEMPLATE
+    data = tiny_data(tmp_path, chat_template=True, system_prompt=system_prompt)
+    row = data._prepare({"prompt": "What is 2 + 3?", "answer": "5"}, "train.jsonl:1", tokenizer)
+    assert row["prompt_text"] == (f"<|im_start|>system\n{system_text}<|im_end|>\n"
+                                  "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip

@@ -136,7 +136,8 @@ class PromptDataModule(L.LightningDataModule):
             "{prompt} Put the final answer in \\boxed{{}}." (braces other than {prompt}
             doubled, as in Python's str.format).
         chat_template: wrap the prompt with the tokenizer's chat template.
-        system_prompt: a system message (with chat_template).
+        system_prompt: a system message (with chat_template); "" gives an empty one, which
+            drops the default system message some templates add (SmolLM2's, Qwen2.5's).
         prompts_per_step: prompts per rollout step (per device); each gets n responses.
         val_batch_size: prompts per validation batch.
         max_prompt_length: prompts longer than this (in tokens) are `overlong_prompts`.
@@ -250,7 +251,7 @@ class PromptDataModule(L.LightningDataModule):
                 f"{where}: field '{hp.prompt_field}' must be a non-empty string or chat messages, got {prompt!r:.80}"
             )
         if hp.chat_template or text is None:
-            if hp.system_prompt:
+            if hp.system_prompt is not None:  # "" too: it replaces a template's default one
                 messages = [{"role": "system", "content": hp.system_prompt}, *messages]
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
