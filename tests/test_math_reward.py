@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from vapo_lightning.rewards.base import Sample, combine_rewards
 from vapo_lightning.metrics import answer_shares
+from vapo_lightning.rewards.base import Sample, combine_rewards
 from vapo_lightning.rewards.math import MathReward, MathVerifier, extract_answer, is_equivalent
-from vapo_lightning.rewards.math_answers import answer_forms
-from vapo_lightning.rewards.math_answers import number_text
+from vapo_lightning.rewards.math_answers import answer_forms, number_text
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(
