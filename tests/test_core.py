@@ -508,3 +508,29 @@ def test_observation_tokens_are_not_steps():
         torch.testing.assert_close(adv[b, keep].double(), ref_adv[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ret[b, keep].double(), ref_ret[0], atol=1e-5, rtol=1e-5)
         assert adv[b, ~mask[b]].eq(0).all() and ret[b, ~mask[b]].eq(0).all()
+
+
+def reference_zero_spread_share(scores: list[float], group_ids: list[int]) -> float:
+    groups: dict[int, set[float]] = {}
+    for score, group in zip(scores, group_ids):
+        groups.setdefault(group, set()).add(score)
+    return sum(len(s) == 1 for s in groups.values()) / len(groups) if groups else 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_zero_spread_share_against_the_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    group_ids = torch.randint(0, 6, (24,), generator=g) * 7  # ids need not be 0..n-1
+    scores = torch.randint(0, 2, (24,), generator=g).float() * 2 - 1
+    got = core.zero_spread_share(scores, group_ids)
+    assert got.item() == pytest.approx(reference_zero_spread_share(scores.tolist(), group_ids.tolist()))
+    # informative_groups keeps exactly the responses of the groups counted as spread
+    kept = set(group_ids[core.informative_groups(scores, group_ids)].tolist())
+    spread = {gid for gid in set(group_ids.tolist()) if len(set(scores[group_ids == gid].tolist())) > 1}
+    assert kept == spread
+
+
+def test_zero_spread_share_edges():
+    assert core.zero_spread_share(torch.tensor([-1.0, -1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 1.0
+    assert core.zero_spread_share(torch.tensor([-1.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 0.5
+    assert core.zero_spread_share(torch.tensor([]), torch.tensor([], dtype=torch.long)) == 0.0

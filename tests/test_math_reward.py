@@ -397,3 +397,17 @@ def test_wrong_answers_are_rejected(verifier):
     accepted = [label for label, ok in zip(labels, verdicts) if ok is not False]
     assert len(labels) > sum(map(len, golds.values()))
     assert accepted == [], f"{len(accepted)} wrong answers accepted: {accepted[:20]}"
+
+
+def test_a_step_without_reward_contrast_is_said():
+    import warnings
+
+    import torch
+
+    from vapo_lightning.metrics import warn_without_reward_signal
+
+    with pytest.warns(UserWarning, match="rollout/zero_spread_groups"):
+        warn_without_reward_signal({"rollout/zero_spread_groups": torch.tensor(1.0)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_without_reward_signal({"rollout/zero_spread_groups": torch.tensor(0.75)})

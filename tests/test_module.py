@@ -81,6 +81,7 @@ def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
         "val/answer_share",
         "val/boxed_share",
         "rollout/answer_share",
+        "rollout/zero_spread_groups",
         "val/accuracy/add",
         "val/accuracy/sum",
         "rollout/entropy",

@@ -210,6 +210,16 @@ def informative_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
     return torch.nonzero(hi[inverse] > lo[inverse]).squeeze(-1)
 
 
+def zero_spread_share(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """The share of groups whose responses all got the same reward: no group-normalised
+    advantage (GRPO, DAPO) and no reward contrast within the prompt. (B,), (B,) -> scalar."""
+    groups = torch.unique(group_ids)
+    if not len(groups):
+        return scores.new_zeros(())
+    informative = torch.unique(group_ids[informative_groups(scores, group_ids)])
+    return 1.0 - scores.new_tensor(len(informative) / len(groups))
+
+
 def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> Tensor:
     """DAPO's soft overlong punishment, added to the reward. (B,) lengths -> (B,) penalties.
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vapo_lightning import core, correction
@@ -27,6 +28,7 @@ __all__ = [
     "reduce_over_ranks",
     "rollout_metrics",
     "step_metrics",
+    "warn_without_reward_signal",
 ]
 
 # The phases of a rollout step (`timing_s/<phase>`; `tools` too with model.tools).
@@ -82,12 +84,24 @@ def answer_shares(prefix: str, responses: list[str]) -> dict[str, float]:
             f"{prefix}/boxed_share": sum(b for _, b in forms) / len(forms)}  # fmt: skip
 
 
+def warn_without_reward_signal(m: dict[str, float]) -> None:
+    """Says so (once per run) when every group of a step got equal rewards."""
+    if m.get("rollout/zero_spread_groups") == 1.0:
+        rank_zero_warn(
+            "every prompt's responses got the same reward this step (rollout/zero_spread_groups "
+            "= 1): group-normalised advantages are all 0 and the rewards hold no contrast to "
+            "learn from; if this goes on, lower the task's difficulty or raise generation.n or "
+            "the temperature",
+        )
+
+
 def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
     """Scores, lengths, values, advantages, lambda, timings and throughput of one rollout."""
     mask, lengths = r.response_mask, r.response_lengths.float()
     m = {
         "critic/score/mean": r.scores.mean(),
         "rollout/accuracy": r.correct.float().mean(),
+        "rollout/zero_spread_groups": core.zero_spread_share(r.scores, r.group_ids),
         **answer_shares("rollout", [s.response for s in r.samples]),
         "response_length/mean": lengths.mean(),
         "response_length/max": lengths.max(),
@@ -129,6 +143,7 @@ def step_metrics(
     their steps), the rollout's, learning rates, reward and tool errors, and the aliases."""
     m = {k: sum(v) / len(v) for k, v in stats.items() if v}
     m.update(rollout_metrics(r, timer))
+    warn_without_reward_signal(m)  # rank 0's groups
     m.update({"actor/lr": actor_lr, "warmup/active": float(value_pretraining),
               "reward/errors": float(r.reward_errors), **r.reward_metrics})  # fmt: skip
     if tools:
