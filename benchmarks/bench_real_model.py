@@ -124,7 +124,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="rollout-step variants; none: the rollout table only")  # fmt: skip
     args = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit(f"{MODEL} not found: convert the model first (docs/own_model.md)")
@@ -141,6 +142,8 @@ def main() -> None:
     for precision in ("fp32", "bf16"):
         s = rollout_tokens_per_s(precision, args.reps)
         print(f"| {precision} | {min(s):.0f} / **{statistics.median(s):.0f}** / {max(s):.0f} |", flush=True)
+    if not args.variants:
+        return
     print(f"\n## Rollout step: configs/smollm2.yaml (64 responses of ≤ 192 tokens), step {args.steps} of {args.steps}\n")
     print("Seconds per phase of the last step (`timing_s/*`); gen tokens/s = generated tokens / `timing_s/gen`; "
           "peak RSS of the whole run. No value pretraining, so both models update at every step.\n")
