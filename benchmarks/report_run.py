@@ -48,6 +48,12 @@ def by_rollout_step(logged: dict, tag: str) -> list[tuple[int, float]]:
     return [(int(step_of[s]), v) for s, v in logged.get(tag, []) if s in step_of]
 
 
+def after_steps(logged: dict, step: int) -> int:
+    """How many rollout steps a validation logged at global `step` came after: the one before
+    training is logged at step 0, a later one at its last rollout step's global step."""
+    return int(dict(logged.get("rollout_step", [])).get(step, 0)) if step else 0
+
+
 def windows(points: list[tuple[int, float]], size: int) -> list[tuple[str, float]]:
     out = []
     for start in range(0, len(points), size):
@@ -69,7 +75,7 @@ def plot(logged: dict, out_png: Path, title: str) -> None:
             ax.plot([s for s, _ in points], [scale * v for _, v in points], ".-", alpha=0.8)
         if tag == "rollout/accuracy" and logged.get("val/accuracy"):
             val = logged["val/accuracy"]
-            ax.plot([s for s, _ in val], [100 * v for _, v in val], "s-", label="val/accuracy")
+            ax.plot([after_steps(logged, s) for s, _ in val], [100 * v for _, v in val], "s-", label="val/accuracy")
             ax.legend()
         ax.set_xlabel("rollout step")
         ax.set_title(label)
@@ -93,9 +99,9 @@ def main() -> None:
              f"Machine: {machine()}\n", "## Validations\n",
              "| after rollout steps | " + " | ".join(tag for tag, _ in VALIDATION) + " |",
              "|---|" + "---|" * len(VALIDATION)]  # fmt: skip
-    for i, (step, _) in enumerate(logged.get("val/accuracy", [])):  # logged at the global step
+    for i, (step, _) in enumerate(logged.get("val/accuracy", [])):
         cells = [f"{scale * logged[tag][i][1]:.1f} %" if tag in logged else "-" for tag, scale in VALIDATION]
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+        lines.append(f"| {after_steps(logged, step)} | " + " | ".join(cells) + " |")
     lines += ["", f"## Training, mean over windows of {args.window} rollout steps\n",
               "| steps | " + " | ".join(label for _, label, _ in CURVES) + " | seconds per step |",
               "|---|" + "---|" * (len(CURVES) + 1)]  # fmt: skip
