@@ -112,7 +112,8 @@ def answer_forms(response: str) -> tuple[bool, bool]:
     reward cannot read shows as a low answer share, not only as a low accuracy."""
     if extract_answer(response) is None:
         return False, False
-    return True, _last_box(response) is not None and bool(_clean(_last_box(response)))
+    box = _last_box(response)
+    return True, box is not None and bool(_clean(box))
 
 
 def number_text(value: int | float) -> str:
