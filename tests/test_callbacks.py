@@ -90,3 +90,67 @@ def test_validation_before_training_is_written_at_step_0(tmp_path):
     assert [r["step"] for r in rows] == [0] * 12 + [2] * 12
     start = [r["correct"] for r in rows if r["step"] == 0]
     assert sum(start) / len(start) == pytest.approx(module.initial_val_accuracy, abs=1e-6)
+
+
+def test_training_samples_are_the_scored_responses_of_each_step(tok, tmp_path):
+    """`TrainingSamples` writes k responses per rollout step, one per prompt, with the reward
+    the update used and each reward callback's own score, to JSONL and to TensorBoard text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.helpers import ParityReward
+    from vapo_lightning.callbacks import TrainingSamples
+
+    class Seen(L.Callback):  # the rollout as the update saw it, before anything else reads it
+        def __init__(self):
+            self.rollouts = []
+
+        def on_train_batch_end(self, trainer, module, *args):
+            self.rollouts.append(module.last_rollout)
+
+    class Half(ParityReward):  # a second, weighted reward with its own scores
+        def __init__(self):
+            super().__init__(weight=0.5)
+
+        def score(self, samples):
+            return [0.5] * len(samples)
+
+    L.seed_everything(2)
+    seen, out = Seen(), tmp_path / "samples.jsonl"
+    trainer = tiny_trainer(tmp_path, max_steps=2, limit_val_batches=0,
+                           callbacks=[Half(), seen, TrainingSamples(k=3, path=str(out))])  # fmt: skip
+    trainer.fit(tiny_module(tok, val_before_train=False), datamodule=tiny_data(tmp_path))
+    rows = [json.loads(line) for line in out.open()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    for step, r in enumerate(seen.rollouts, 1):
+        firsts = [0, 4, 8]  # n = 4: the first response of each of the first 3 prompts
+        mine = [row for row in rows if row["step"] == step]
+        assert [row["response"] for row in mine] == [r.samples[i].response for i in firsts]
+        for row, i in zip(mine, firsts):
+            parity = 1.0 if sum(r.samples[i].response_ids) % 2 == 0 else -1.0
+            assert row["scores"] == {"ParityReward": parity, "Half": 0.5}
+            assert row["reward"] == pytest.approx(float(r.scores[i])) == pytest.approx(parity + 0.25)
+            assert row["correct"] == (parity > 0) and row["tokens"] == int(r.response_lengths[i])
+    (events,) = (tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = acc.Tensors("rollout/samples/text_summary")
+    assert [t.step for t in texts] == [1, 2]
+    assert rows[3]["response"].splitlines()[0] in texts[1].tensor_proto.string_val[0].decode()
+
+
+def test_each_reward_callbacks_mean_is_logged_under_its_name(tok, tmp_path):
+    from tests.helpers import ParityReward
+
+    class Half(ParityReward):
+        def score(self, samples):
+            return [0.5] * len(samples)
+
+    L.seed_everything(2)
+    trainer = tiny_trainer(tmp_path, max_steps=1, limit_val_batches=0, callbacks=[Half(weight=0.0)])
+    module = tiny_module(tok, val_before_train=False)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    logged = scalars(tmp_path)
+    r = module.last_rollout
+    parity = [1.0 if sum(s.response_ids) % 2 == 0 else -1.0 for s in r.samples]
+    assert logged["reward/Half"] == [(0, 0.5)]
+    assert logged["reward/ParityReward"] == [(0, pytest.approx(sum(parity) / len(parity)))]

@@ -465,3 +465,28 @@ def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
     assert first["timing_s/update_actor"] == 0.0 and second["timing_s/update_actor"] > 0
     parts = sum(v for k, v in second.items() if k not in ("timing_s/step",))
     assert parts <= second["timing_s/step"] * 1.001
+
+
+def test_the_actor_is_not_updated_on_a_batch_without_signal(tok, tmp_path, monkeypatch):
+    """GRPO on a batch whose every group scored alike has a zero gradient: no actor forward
+    and backward, no optimiser step (AdamW's weight decay would still move the weights). The
+    positive-example LM loss is signal enough: a correct response there keeps the update."""
+    import vapo_lightning.module as module_file
+
+    calls = []
+    real = module_file.update_actor
+    monkeypatch.setattr(module_file, "update_actor", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for value, nll_coef, expected in [(-1.0, 0.1, 0), (1.0, 0.0, 0), (1.0, 0.1, 1)]:
+        L.seed_everything(0)
+        algorithm = Algorithm(advantage="group", mini_batch_size=16, micro_batch_size=4, nll_coef=nll_coef)
+        module = tiny_module(tok, algorithm=algorithm, val_before_train=False,
+                             optim=Optim(actor_lr=1e-3, weight_decay=0.1, warmup_steps=0))  # fmt: skip
+        module.configure_model()
+        before, calls[:] = snapshot(module.policy), []
+        trainer = L.Trainer(max_steps=1, default_root_dir=tmp_path / str(value) / str(nll_coef),
+                            callbacks=[Fixed(value)], limit_val_batches=0, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        trainer.fit(module, datamodule=tiny_data(tmp_path))
+        assert len(calls) == expected, (value, nll_coef)
+        assert bool(changed(before, module.policy)) == bool(expected)
+        assert (trainer.callback_metrics["timing_s/update_actor"] > 0) == bool(expected)

@@ -16,7 +16,7 @@ from vapo_lightning import core
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout
 
-__all__ = ["actor_lambda", "compute_advantages", "critic_targets"]
+__all__ = ["actor_lambda", "actor_signal", "compute_advantages", "critic_targets"]
 
 
 def actor_lambda(r: Rollout, a: Algorithm) -> Tensor:
@@ -54,3 +54,17 @@ def compute_advantages(
     if a.whiten_advantages:
         adv = core.masked_whiten(adv, mask, global_sum(core.masked_moments(adv, mask)))
     r.advantages = adv
+
+
+@torch.no_grad()
+def actor_signal(r: Rollout, a: Algorithm) -> Tensor:
+    """1 if the actor's loss has a gradient on this rank's batch, else 0: a non-zero advantage
+    on some response token, or a term that does not go through the advantage (the
+    positive-example LM loss with a correct response, a KL penalty, an entropy bonus). GRPO
+    on a batch whose every group scored alike has none: its update would be a full forward
+    and backward of a zero gradient, and AdamW's momentum and weight decay would still move
+    the weights."""
+    signal = bool(r.advantages[r.response_mask].ne(0).any())
+    signal |= a.nll_coef > 0 and bool(r.correct.any())
+    signal |= a.kl_coef > 0 or a.entropy_coef > 0
+    return torch.tensor(float(signal), device=r.scores.device)

@@ -1,5 +1,5 @@
-"""Built-in callbacks: value pretraining (VAPO §4.1), entropy tracking, validation samples
-to JSONL and the progress bar.
+"""Built-in callbacks: value pretraining (VAPO §4.1), entropy tracking, training and
+validation samples to JSONL (and TensorBoard) and the progress bar.
 
 Callbacks change the module's state and log; they never compute losses.
 """
@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from vapo_lightning import core
 from vapo_lightning.distributed import save_pretrained
 
-__all__ = ["EntropyTracker", "ValidationSamples", "ValuePretraining", "progress_bar"]
+__all__ = ["EntropyTracker", "TrainingSamples", "ValidationSamples", "ValuePretraining", "progress_bar"]
 
 
 class _RolloutBar:
@@ -161,6 +161,8 @@ class EntropyTracker(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         r = pl_module.last_rollout
+        if r.entropy is None:  # a step without actor update in one pass: no pi_old pass ran
+            return
         mask, ent = r.response_mask, r.entropy
         mean = float(core.masked_mean(ent, mask))
         metrics = {"rollout/entropy": mean}
@@ -262,3 +264,65 @@ class ValidationSamples(L.Callback):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class TrainingSamples(L.Callback):
+    """A few responses of every rollout step, as they were scored: appended to a JSONL file
+    (``step, prompt, response, reward``, each reward callback's own score under ``scores``,
+    ``correct, ground_truth, tokens, truncated``) and shown in TensorBoard's text tab
+    (``rollout/samples``). `vapo fit` adds it (k 4) unless the config lists it.
+
+    Args:
+        k: responses per step, the first response of each of the first k prompts; 0: off.
+        path: the file. None: ``train_samples.jsonl`` in the trainer's ``default_root_dir``.
+            Rank 0 writes (its share of the batch).
+    """
+
+    def __init__(self, k: int = 4, path: str | None = None) -> None:
+        if k < 0:
+            raise ValueError(f"TrainingSamples.k must be >= 0, got {k}")
+        self.k, self.path = k, None if path is None else Path(path)
+
+    def rows(self, step: int, r: Any) -> list[dict]:
+        """The first response of each of the first `k` groups of rollout `r`."""
+        firsts = {}
+        for i, g in enumerate(r.group_ids.tolist()):
+            firsts.setdefault(g, i)
+        lengths, out = r.response_lengths.tolist(), []
+        for i in list(firsts.values())[: self.k]:
+            s = r.samples[i]
+            scores = {name: float(r.reward_parts[i, j]) for j, name in enumerate(r.reward_names)}
+            out.append({"step": step, "prompt": s.prompt, "response": s.response,
+                        "reward": float(r.scores[i]), "scores": scores, "correct": bool(r.correct[i]),
+                        "ground_truth": s.ground_truth, "tokens": lengths[i],
+                        "truncated": bool(r.truncated[i])})  # fmt: skip
+        return out
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        r = getattr(pl_module, "last_rollout", None)
+        if not self.k or r is None or not trainer.is_global_zero:
+            return
+        step = trainer.global_step  # the rollout steps done, this one included
+        rows = self.rows(step, r)
+        path = self.path or Path(trainer.default_root_dir) / "train_samples.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
+        text = "\n\n".join(as_markdown(row) for row in rows)
+        for logger in trainer.loggers:
+            exp = getattr(logger, "experiment", None)
+            if hasattr(exp, "add_text"):
+                exp.add_text("rollout/samples", text, step)
+
+
+def as_markdown(row: dict) -> str:
+    """One sample for TensorBoard's text tab: a heading line, prompt and response verbatim."""
+    scores = ", ".join(f"{k} {v:g}" for k, v in row["scores"].items())
+    verdict = "correct" if row["correct"] else "wrong"
+    cut = ", truncated" if row["truncated"] else ""
+    block = lambda text: "\n".join("    " + line for line in str(text).splitlines())  # noqa: E731
+    return (f"**reward {row['reward']:g}** ({scores}), {verdict}, {row['tokens']} tokens{cut}; "
+            f"ground truth `{row['ground_truth']}`\n\n{block(row['prompt'])}\n\n"
+            f"{block(row['response'])}")  # fmt: skip

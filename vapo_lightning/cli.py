@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from vapo_lightning.callbacks import progress_bar
+from vapo_lightning.callbacks import TrainingSamples, progress_bar
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
 from vapo_lightning.config import SetupError
 from vapo_lightning.data import DataError, PromptDataModule
@@ -189,6 +189,8 @@ class VAPOCLI(_OwnProgs, LightningCLI):
             isinstance(cb, ProgressBar) for cb in callbacks
         ):
             callbacks.append(progress_bar())
+        if not any(isinstance(cb, TrainingSamples) for cb in callbacks):
+            callbacks.append(TrainingSamples())  # a few scored responses per step, to read
         kwargs = {"strategy": strategy, "plugins": plugins, "callbacks": callbacks, **kwargs}
         return super().instantiate_trainer(**kwargs)
 

@@ -110,6 +110,8 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         "prompt_length/mean": r.attention_mask[:, : r.prompt_length].sum(-1).float().mean(),
         "critic/advantages/mean": core.masked_mean(r.advantages, mask),
     }
+    for k, name in enumerate(r.reward_names):  # each reward callback's own mean (unweighted)
+        m[f"reward/{name}"] = r.reward_parts[:, k].mean()
     if r.values is not None:
         m["critic/values/mean"] = core.masked_mean(r.values, mask)
         m["critic/returns/mean"] = core.masked_mean(r.returns, mask)

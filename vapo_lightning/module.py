@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from vapo_lightning import core
-from vapo_lightning.advantages import compute_advantages, critic_targets
+from vapo_lightning.advantages import actor_signal, compute_advantages, critic_targets
 from vapo_lightning.callbacks import ValidationSamples
 from vapo_lightning.checkpoint import rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim
@@ -35,7 +35,7 @@ from vapo_lightning.models import (
     load_tokenizer,
 )
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, combine_rewards
-from vapo_lightning.rollout import Rollout, cat_rollouts
+from vapo_lightning.rollout import Rollout, cat_rollouts, with_round_counts
 from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
 from vapo_lightning.updates import (
     DataParallel,
@@ -201,7 +201,8 @@ class VAPOModule(L.LightningModule):
                                            self.optim.max_grad_norm, self.data_parallel)  # fmt: skip
             with timer("adv"):  # length-adaptive GAE from V_old (§4.2), or GRPO's group baseline
                 compute_advantages(r, self.algo, frozen, self.global_sum)
-            if not frozen:  # value pretraining trains the critic alone (§4.1)
+            # Value pretraining trains the critic alone (§4.1); no rank with a gradient: no step.
+            if not frozen and self.global_sum(actor_signal(r, self.algo)) > 0:
                 with timer("update_actor"):
                     stats |= update_actor(self.policy, actor_opt, r, batches, self.algo,
                                           self.logprob_temperature, self.optim.max_grad_norm,
@@ -242,13 +243,7 @@ class VAPOModule(L.LightningModule):
                 rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
                 kept = [r]
             r = self.equal_batches(cat_rollouts(kept), want)
-        metrics: dict[str, float] = {}  # every round's counts, a zero kept (each rank logs each key)
-        for x in rounds_seen:
-            for key, value in x.reward_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value
-        r.tool_errors = [e for x in rounds_seen for e in x.tool_errors]
-        r.reward_errors, r.reward_metrics = sum(x.reward_errors for x in rounds_seen), metrics
-        return r
+        return with_round_counts(r, rounds_seen)
 
     def equal_batches(self, r: Rollout, want: int) -> Rollout:
         """At most `want` responses, and under several ranks as many as the smallest rank's,
@@ -286,6 +281,8 @@ class VAPOModule(L.LightningModule):
         r.scores = torch.tensor(outcome.rewards, dtype=torch.float32, device=self.device)
         r.correct = torch.tensor(outcome.correct(callbacks), device=self.device)
         r.reward_errors, r.reward_metrics = outcome.errors, dict(outcome.metrics)
+        r.reward_names, parts = list(outcome.per_callback), list(outcome.per_callback.values())
+        r.reward_parts = torch.tensor(parts, dtype=torch.float32, device=self.device).T  # (B, K)
 
     @property
     def logprob_temperature(self) -> float:
@@ -314,7 +311,7 @@ class VAPOModule(L.LightningModule):
         actor_sched, *critic_sched = scheds if isinstance(scheds, list) else [scheds]
         if self.critic is not None:
             critic_sched[0].step()
-        if not self.actor_frozen:
+        if "actor/update_skipped" in stats:  # the actor stepped (not frozen, had a signal)
             actor_sched.step()
         if any(s == 0 for s in stats.get("actor/update_skipped", [])):
             for engine in self.engines.values():  # a new policy: an engine's copy is stale

@@ -30,6 +30,7 @@ __all__ = [
     "left_padded",
     "policy_logits",
     "sample_turns",
+    "with_round_counts",
 ]
 
 
@@ -61,6 +62,8 @@ class Rollout:
     tool_seconds: float = 0.0  # time spent in tools while sampling
     reward_errors: int = 0  # samples a reward callback failed on (counted, never silent)
     reward_metrics: dict[str, float] = field(default_factory=dict)  # callbacks' own counts
+    reward_parts: Tensor | None = None  # (B, K) each reward callback's own score
+    reward_names: list[str] = field(default_factory=list)  # (K,) their names
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -262,3 +265,17 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
             continue
         out[f.name] = torch.cat([pad(v, 0, T - v.shape[1]) if v.ndim == 2 else v for v in values])
     return Rollout(**out)
+
+
+def with_round_counts(r: Rollout, rounds: list[Rollout]) -> Rollout:
+    """`r` (the responses kept from DAPO's dynamic-sampling `rounds`) with the counts of every
+    round: reward and tool errors, and the reward callbacks' metrics summed, a zero kept
+    (each rank logs each key)."""
+    metrics: dict[str, float] = {}
+    for x in rounds:
+        for key, value in x.reward_metrics.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    r.tool_errors = [e for x in rounds for e in x.tool_errors]
+    r.reward_errors, r.reward_metrics = sum(x.reward_errors for x in rounds), metrics
+    r.reward_names = rounds[0].reward_names  # (cat_rollouts keeps tensors only)
+    return r
