@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -80,3 +81,31 @@ def test_the_cli_writes_checkpoints_atomically(tmp_path):
     cli = VAPOCLI(VAPOModule, PromptDataModule, run=False, auto_configure_optimizers=False,
                   args=["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_a_resumed_run_logs_on_in_its_tensorboard_folder(tmp_path):
+    """`--ckpt_path last` continues the killed run's `version_0` (not a new `version_1`), and
+    the steps the killed run logged after its checkpoint keep the resumed run's values only."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vapo_lightning.checkpoint import continue_logging
+
+    first = TensorBoardLogger(tmp_path)
+    for step in range(5):  # a run killed after step 4, its last checkpoint at global step 3
+        first.log_metrics({"reward": float(step)}, step=step)
+    first.finalize("killed")
+    (tmp_path / "checkpoints").mkdir()
+    torch.save({"global_step": 3}, tmp_path / "checkpoints" / "last.ckpt")
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=TensorBoardLogger(tmp_path))
+    continue_logging(trainer, "last")
+    for step in (3, 4, 5):  # the resumed run logs from its checkpoint on
+        trainer.logger.log_metrics({"reward": 10.0 + step}, step=step)
+    trainer.logger.finalize("success")
+    assert [d.name for d in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    acc = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    fresh = L.Trainer(default_root_dir=tmp_path / "other", logger=TensorBoardLogger(tmp_path / "other"))
+    continue_logging(fresh, None)  # not resuming: a new version as always
+    assert fresh.logger.version == 0 and "purge_step" not in fresh.logger._kwargs

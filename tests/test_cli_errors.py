@@ -103,7 +103,8 @@ def test_a_reward_failing_everywhere_ends_the_run_with_one_line(tmp_path):
 
 def test_the_private_lightning_names_we_rely_on_exist():
     """`VAPOCLI` overrides `_add_subcommands` and `_parse_ckpt_path` and reads `_get` and
-    `_subcommand_parsers`; `VAPOModule` sets the manual-optimisation step counter. A Lightning
+    `_subcommand_parsers`; `VAPOModule` sets the manual-optimisation step counter; a resumed
+    run sets TensorBoardLogger's `_version` and `_kwargs`. A Lightning
     release that renames one fails here, by name, not deep in a run (pyproject bounds the
     version to what this test has seen)."""
     import inspect
@@ -115,3 +116,7 @@ def test_the_private_lightning_names_we_rely_on_exist():
         assert callable(getattr(LightningCLI, name, None)), name
     assert "_subcommand_parsers" in inspect.getsource(LightningCLI._add_subcommands)
     assert "optim_step_progress" in inspect.getsource(_ManualOptimization.__init__)
+    from lightning.pytorch.loggers import TensorBoardLogger  # `checkpoint.continue_logging`
+
+    logger = TensorBoardLogger("unused")
+    assert logger._version is None and isinstance(logger._kwargs, dict)

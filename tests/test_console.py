@@ -1,6 +1,9 @@
 """What a run prints: the rollout step out of max_steps and the metrics that matter, none of
 Lightning's messages that do not apply (the entropy alert: tests/test_callbacks.py)."""
 
+import json
+import re
+
 from tests.test_cli_errors import ROOT, vapo
 
 
@@ -13,3 +16,20 @@ def test_a_run_prints_rollout_steps_and_no_lightning_noise(tmp_path):
     for noise in ("args parameter", "Using ModelCheckpoint with manual optimization", "litlogger",
                   "in eval mode at the start", "Epoch 0/", "v_num", "LeafSpec"):  # fmt: skip
         assert noise not in out, noise
+
+
+def test_a_resumed_run_counts_its_steps_and_logs_on_in_its_folder(tmp_path):
+    """After `--ckpt_path last` the bar reads ``Rollouts 3/3`` (Lightning's read ``3/0``: its
+    total counted the steps left, its counter this epoch's batches) and shows seconds per step;
+    the logs stay in one TensorBoard folder, and a training sample of each step is kept."""
+    common = ["-c", str(ROOT / "configs/tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
+              "--trainer.val_check_interval=2", "--model.val_before_train=false"]  # fmt: skip
+    first = vapo("fit", *common, "--trainer.max_steps=2")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    again = vapo("fit", *common, "--trainer.max_steps=3", "--ckpt_path=last")
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert re.findall(r"Rollouts\s+\S+\s+(\d+/\d+)", out)[-1] == "3/3" and "s/step" in out
+    assert [d.name for d in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "train_samples.jsonl").open()]
+    assert steps == [1] * 4 + [2] * 4 + [3] * 4

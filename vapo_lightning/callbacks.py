@@ -23,15 +23,28 @@ __all__ = ["EntropyTracker", "TrainingSamples", "ValidationSamples", "ValuePretr
 
 
 class _RolloutBar:
-    """Shows ``step k/max_steps``, reward, accuracy and reward errors; no epoch, no v_num."""
+    """Shows ``step k/max_steps``, seconds per rollout step (a rate in it/s reads 0.00 for
+    steps of minutes), reward, accuracy and reward errors; no epoch, no v_num."""
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = {k: v for k, v in super().get_metrics(trainer, pl_module).items() if k != "v_num"}
         step = items.pop("rollout_step", None)
         if step is not None:
             limit = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
-            items = {"step": f"{int(step)}{limit}", **items}
+            seconds = trainer.callback_metrics.get("timing_s/step")
+            per_step = {} if seconds is None else {"s/step": f"{float(seconds):.1f}"}
+            items = {"step": f"{int(step)}{limit}", **per_step, **items}
         return items
+
+    @property
+    def total_train_batches(self) -> int | float:
+        """Lightning's total for a run that ends by max_steps counts the steps left from now,
+        while the bar counts this epoch's batches from 0: a resumed run read ``3/0``. The
+        batches this epoch already did count in the total too."""
+        total, epoch = super().total_train_batches, self.trainer.num_training_batches
+        if total < epoch:
+            total = min(epoch, total + self.trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        return total
 
 
 class RolloutRichBar(_RolloutBar, RichProgressBar):

@@ -5,6 +5,8 @@ checkpoints live on another file system the move is a copy, and a full disk leav
 ``last.ckpt`` behind. `AtomicCheckpointIO` writes a temporary file in the target's own folder,
 syncs it and renames it over the target, so a failed write leaves the previous checkpoint
 as it was. The CLI installs it unless the run brings its own `CheckpointIO`.
+
+A resumed run logs on in its TensorBoard folder (`continue_logging`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "rank_rng_states", "set_rng_state"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "continue_logging", "rank_rng_states", "set_rng_state"]
 
 
 class CheckpointError(RuntimeError):
@@ -108,3 +112,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def continue_logging(trainer: L.Trainer, ckpt_path: str | None) -> None:
+    """A run resumed from `ckpt_path` logs into the TensorBoard folder its latest run wrote
+    (``version_N``), not a new ``version_N+1`` that splits one run's curves in two. What the
+    interrupted run logged after its checkpoint is purged (SummaryWriter's ``purge_step``):
+    the resumed run logs those steps again, and each step keeps one value. A logger given a
+    version, or a checkpoint elsewhere than a file, is left alone."""
+    logger = trainer.logger
+    if ckpt_path is None or not isinstance(logger, TensorBoardLogger) or logger._version is not None:
+        return
+    if ckpt_path == "last":  # the CLI's checkpoint folder (`VAPOCLI.before_fit`)
+        ckpt_path = os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+    versions = [d.name[len("version_") :] for d in Path(logger.root_dir).glob("version_*")]
+    versions = sorted(int(v) for v in versions if v.isdigit())
+    if not Path(ckpt_path).is_file() or not versions:
+        return
+    step = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)["global_step"]
+    logger._version = versions[-1]
+    logger._kwargs["purge_step"] = int(step)

@@ -25,7 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from vapo_lightning.callbacks import TrainingSamples, progress_bar
-from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
+from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError, continue_logging
 from vapo_lightning.config import SetupError
 from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
@@ -196,10 +196,12 @@ class VAPOCLI(_OwnProgs, LightningCLI):
 
     def before_fit(self) -> None:
         """Checkpoints without a `dirpath` go to `<default_root_dir>/checkpoints`, not to a
-        logger version folder, so `--ckpt_path last` finds them when a killed run restarts."""
+        logger version folder, so `--ckpt_path last` finds them when a killed run restarts;
+        the restarted run logs on in the killed run's TensorBoard folder."""
         for cb in self.trainer.checkpoint_callbacks:
             if cb.dirpath is None:
                 cb.dirpath = os.path.join(self.trainer.default_root_dir, "checkpoints")
+        continue_logging(self.trainer, self._sub_config()[1].get("ckpt_path"))
 
 
 class _DropMessages(logging.Filter):
