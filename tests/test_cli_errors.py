@@ -59,6 +59,18 @@ def test_bad_values_are_one_line_naming_the_field(capsys, args, named):
     assert named in one_line_error(capsys, *args)
 
 
+def test_a_plugin_class_path_that_does_not_import_says_why(capsys, tmp_path, monkeypatch):
+    """jsonargparse's "Expected a path but my_rewards.Boxed either not accessible or invalid"
+    becomes the reason: no such module, or no such class in it."""
+    (tmp_path / "my_rewards.py").write_text("class BoxedFormat:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = one_line_error(capsys, "--trainer.callbacks+=my_reward.BoxedFormat")
+    assert 'trainer.callbacks' in line and "No module named 'my_reward'" in line
+    line = one_line_error(capsys, "--trainer.callbacks+=my_rewards.BoxedFromat")
+    assert f"module my_rewards ({tmp_path / 'my_rewards.py'}) has no 'BoxedFromat'" in line
+
+
 def test_an_unknown_yaml_key_is_named_first(capsys, tmp_path):
     extra = tmp_path / "extra.yaml"
     extra.write_text("model:\n  algorithm:\n    clip_hihg: 0.3\n")

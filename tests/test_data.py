@@ -25,7 +25,7 @@ def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
         )
 
     write_jsonl(path, [*make_rows(2), {"prompt": "What is 1 + 1?"}])
-    with pytest.raises(DataError, match=r"bad\.jsonl:3: field 'answer' is missing"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: no field 'answer' \(the row has 'prompt'\); set data\.answer_field"):
         tiny_trainer(tmp_path).fit(
             tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
         )
@@ -71,8 +71,10 @@ def test_overlong_prompts_error_or_drop(tok, tmp_path):
             r"bad\.jsonl:3: field 'data_source' must be a string",
         ),
         (["not", "an", "object"], r"bad\.jsonl:3: expected a JSON object"),
+        ({"question": "What is 1 + 1?", "answer": "2"},
+         r"bad\.jsonl:3: no field 'prompt' \(the row has 'question', 'answer'\); set data\.prompt_field"),
     ],
-    ids=["empty-prompt", "mistyped-prompt", "empty-answer", "mistyped-source", "not-an-object"],
+    ids=["empty-prompt", "mistyped-prompt", "empty-answer", "mistyped-source", "not-an-object", "gsm8k-fields"],
 )
 def test_bad_rows_name_file_line_and_field(tok, tmp_path, row, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [*make_rows(2), row])

@@ -8,8 +8,10 @@ which replicates or shards the policy and the critic each on its own.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import re
 import sys
 import typing
 import warnings
@@ -60,6 +62,27 @@ def _first_reason(message: str) -> str:
     return " ".join(lines[:2])
 
 
+NOT_A_CLASS = re.compile(r"Expected a path but (\S+) either not accessible or invalid")
+
+
+def _why_not_importable(reason: str) -> str:
+    """jsonargparse says "Expected a path but my_rewards.Boxed either not accessible or
+    invalid" for a class path that does not import; say why it does not."""
+    match = NOT_A_CLASS.search(reason)
+    if match is None:
+        return reason
+    dotted, key = match.group(1), reason[: match.start()]  # 'Parser key "trainer.callbacks": '
+    module, _, name = dotted.rpartition(".")
+    try:
+        found = importlib.import_module(module) if module else None
+    except Exception as err:  # not found, or the plug-in's own import failed
+        return (f"{key}{dotted} does not import: {type(err).__name__}: {err} (plug-in modules are "
+                f"imported from the working directory, {os.getcwd()})")  # fmt: skip
+    if found is not None and not hasattr(found, name):
+        return f"{key}{dotted}: module {module} ({getattr(found, '__file__', '?')}) has no {name!r}"
+    return reason
+
+
 class VAPOArgumentParser(LightningArgumentParser):
     """Reports a parse error in one line (the unknown key or bad value first), not after
     the whole usage text."""
@@ -68,7 +91,7 @@ class VAPOArgumentParser(LightningArgumentParser):
         if not self.exit_on_error:
             return super().error(message, ex)
         prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
-        sys.stderr.write(f"{prog}: error: {_first_reason(message)}\n")
+        sys.stderr.write(f"{prog}: error: {_why_not_importable(_first_reason(message))}\n")
         sys.stderr.write(f"(`{prog} --help` lists every option)\n")
         self.exit(2)
 

@@ -234,6 +234,13 @@ class PromptDataModule(L.LightningDataModule):
         hp = self.hparams
         if not isinstance(raw, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+        truth = ("tests_field", hp.tests_field) if hp.tests_field else ("answer_field", hp.answer_field)
+        for setting, name in (("prompt_field", hp.prompt_field), truth):
+            if name and name not in raw:  # e.g. GSM8K's "question"
+                raise DataError(
+                    f"{where}: no field '{name}' (the row has {', '.join(map(repr, raw)) or 'none'}); "
+                    f"set data.{setting} to the field that holds it"
+                )
         prompt = raw.get(hp.prompt_field)
         if isinstance(prompt, str):
             if not prompt.strip():
