@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,14 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "continue_logging", "rank_rng_states", "set_rng_state"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CheckpointError",
+    "checkpoint_seconds",
+    "continue_logging",
+    "rank_rng_states",
+    "set_rng_state",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -39,9 +47,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """`TorchCheckpointIO` with a same-folder temporary file and a rename (local paths);
     remote URLs are left to Lightning's fsspec writer."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0  # spent writing since `take_seconds`
+
+    def take_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
+        start = time.perf_counter()
+        try:
+            self._write(checkpoint, path, storage_options)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _write(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None) -> None:
         if storage_options is not None or not _is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(str(path).removeprefix("file://"))
@@ -132,3 +155,10 @@ def continue_logging(trainer: L.Trainer, ckpt_path: str | None) -> None:
     step = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)["global_step"]
     logger._version = versions[-1]
     logger._kwargs["purge_step"] = int(step)
+
+
+def checkpoint_seconds(trainer: L.Trainer) -> float | None:
+    """Seconds spent writing checkpoints since the last call (`AtomicCheckpointIO`); None
+    where another writer saves (a sharded ``fsdp`` checkpoint, a run's own `CheckpointIO`)."""
+    io = trainer.strategy.checkpoint_io
+    return io.take_seconds() if isinstance(io, AtomicCheckpointIO) else None

@@ -134,9 +134,10 @@ def check_model_config(model: dict[str, Any]) -> None:
                     )
 
 
-def check_checkpoint_path(ckpt_path: str | None) -> None:
+def check_checkpoint_path(ckpt_path: str | None, resume: bool = False) -> None:
     """An explicit checkpoint file must exist and be a complete torch file (its zip
-    directory is at the end: an empty or truncated file has none)."""
+    directory is at the end: an empty or truncated file has none); one that resumes a run
+    must hold the optimiser state (not `ModelCheckpoint(save_weights_only=True)`'s)."""
     if ckpt_path is None or ckpt_path in ("last", "best", "hpc", "registry") or "://" in ckpt_path:
         return
     path = Path(ckpt_path)
@@ -147,6 +148,20 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
             f"ckpt_path={ckpt_path} ({path.stat().st_size} bytes): not a complete checkpoint "
             "(empty, truncated or not a torch file)"
         )
+    if resume and path.is_file() and not holds_optimizer_state(path):
+        raise UsageError(
+            f"ckpt_path={ckpt_path} holds weights only (ModelCheckpoint save_weights_only): it "
+            "cannot resume a run; score it with `vapo validate`, or `vapo export` it and start "
+            "a new run from the exported policy (model.policy.name_or_path)"
+        )
+
+
+def holds_optimizer_state(path: Path) -> bool:
+    """Whether a torch checkpoint file has Lightning's ``optimizer_states`` key, read from
+    its pickled index (a few kB), not by loading its tensors."""
+    with zipfile.ZipFile(path) as archive:
+        (index,) = [n for n in archive.namelist() if n.endswith("/data.pkl")] or [None]
+        return index is None or b"optimizer_states" in archive.read(index)
 
 
 class _OwnProgs:
@@ -186,7 +201,7 @@ class VAPOCLI(_OwnProgs, LightningCLI):
         """Lightning reads the checkpoint's hyper-parameters here, before anything else."""
         config = self._sub_config()[1]
         try:
-            check_checkpoint_path(config.get("ckpt_path"))
+            check_checkpoint_path(config.get("ckpt_path"), resume=self._sub_config()[0] == "fit")
         except UsageError as err:
             self._config_error(err)
         super()._parse_ckpt_path()

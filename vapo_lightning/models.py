@@ -240,6 +240,16 @@ def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:
     return model.float()
 
 
+def check_torch_compile() -> None:
+    """`compile_in_place` needs `torch.compiler.set_stance` (torch >= 2.6)."""
+    if not hasattr(torch.compiler, "set_stance"):
+        raise ValueError(
+            f"model.torch_compile needs torch >= 2.6 (torch.compiler.set_stance keeps the "
+            f"sampler eager); this is torch {torch.__version__}. Upgrade torch, or set it false "
+            "(load_from_checkpoint(..., torch_compile=False) for a compiled run's checkpoint)."
+        )
+
+
 def compile_in_place(*models: torch.nn.Module | None) -> None:
     """`torch.compile`s each model in place (same parameters and state_dict keys, hooks
     included): whole models, where verl's use_torch_compile compiles only its entropy function.

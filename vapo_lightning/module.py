@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from vapo_lightning import core
 from vapo_lightning.advantages import actor_signal, compute_advantages, critic_targets
 from vapo_lightning.callbacks import ValidationSamples
-from vapo_lightning.checkpoint import rank_rng_states, set_rng_state
+from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
@@ -31,6 +31,7 @@ from vapo_lightning.models import (
     ModelSpec,
     build_critic,
     build_policy,
+    check_torch_compile,
     compile_in_place,
     load_tokenizer,
 )
@@ -107,12 +108,8 @@ class VAPOModule(L.LightningModule):
         self.tools = [from_spec(t) for t in tools or []]
         self.val_before_train = val_before_train
         self.hf_export_dir = hf_export_dir
-        if torch_compile and not hasattr(torch.compiler, "set_stance"):
-            raise ValueError(
-                f"model.torch_compile needs torch >= 2.6 (torch.compiler.set_stance keeps the "
-                f"sampler eager); this is torch {torch.__version__}. Upgrade torch, or set it false "
-                "(load_from_checkpoint(..., torch_compile=False) for a compiled run's checkpoint)."
-            )
+        if torch_compile:
+            check_torch_compile()
         self.torch_compile = torch_compile
         hparams = {"policy": policy, "critic": critic, "algorithm": self.algo, "generation": self.gen,
                    "optim": self.optim, "val_generation": self.val_gen, "tools": [spec(t) for t in self.tools],
@@ -346,6 +343,11 @@ class VAPOModule(L.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._rollout_steps_before = self.trainer.global_step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the callbacks, `ModelCheckpoint` included: logs what this step's save took."""
+        if (seconds := checkpoint_seconds(self.trainer)) is not None:  # (None: not measured)
+            self.log("timing_s/checkpoint", seconds, on_step=True, on_epoch=False, batch_size=1)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Random streams (one per rank) and counters, so a resumed run samples exactly what
