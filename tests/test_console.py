@@ -33,3 +33,12 @@ def test_a_resumed_run_counts_its_steps_and_logs_on_in_its_folder(tmp_path):
     assert [d.name for d in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
     steps = [json.loads(line)["step"] for line in (tmp_path / "train_samples.jsonl").open()]
     assert steps == [1] * 4 + [2] * 4 + [3] * 4
+
+
+def test_a_run_without_validation_data_in_bf16_prints_no_false_alarms(tmp_path):
+    done = vapo("fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), "--trainer.max_steps=1", "--data.val=null",
+                "--trainer.precision=bf16-mixed", f"--trainer.default_root_dir={tmp_path}")  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    for noise in ("Total length of `DataLoader` across ranks is zero", "not supported by the model summary"):
+        assert noise not in out, noise

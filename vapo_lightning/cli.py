@@ -254,12 +254,14 @@ class _DropMessages(logging.Filter):
 def quiet_lightning() -> None:
     """Silences Lightning's messages that do not apply to VAPO: the ModelCheckpoint example
     for manual optimisation (checkpoints are taken after a rollout step's updates, by design),
-    "modules in eval mode" (the sampler switches modes itself), an internal deprecation, and
-    the litlogger advertisement."""
+    "modules in eval mode" (the sampler switches modes itself), an internal deprecation, the
+    model summary's "precision not supported" (its size column is fp32 weights, which
+    bf16-mixed keeps) and the litlogger advertisement."""
     for message in (
         "Using ModelCheckpoint with manual optimization",
         r"Found \d+ module\(s\) in eval mode",
         r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        r"Precision \S+ is not supported by the model summary",  # its size column: fp32 weights
     ):
         warnings.filterwarnings("ignore", message=message)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

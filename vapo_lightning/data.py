@@ -299,7 +299,9 @@ class PromptDataModule(L.LightningDataModule):
             generator=torch.Generator(),  # its base-seed draw must not touch the global RNG
         )
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_rows:  # no validation data: no loader (an empty one makes Lightning warn)
+            return []
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=list)
 
     def state_dict(self) -> dict[str, Any]:
