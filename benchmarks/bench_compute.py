@@ -78,7 +78,8 @@ def run(T: int, steps: int, precision: str) -> tuple[VAPOModule, list[dict[str, 
     )
     recorder = StepRecorder()
     data = PromptDataModule(
-        train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS
+        train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS,
+        chat_template=False,
     )
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         precision="bf16-mixed" if precision == "bf16" else "32-true",

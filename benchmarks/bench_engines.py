@@ -97,7 +97,7 @@ def child(args: argparse.Namespace) -> dict:
         optim=Optim(actor_lr=1e-6, critic_lr=1e-6, warmup_steps=0),
         val_before_train=False,
     )
-    data = PromptDataModule(train=str(PROMPTS), prompts_per_step=args.prompts, max_prompt_length=256)
+    data = PromptDataModule(train=str(PROMPTS), prompts_per_step=args.prompts, max_prompt_length=256, chat_template=False)
     root = tempfile.mkdtemp(prefix="bench_engines_")
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu", devices=1, max_steps=args.fit_steps,

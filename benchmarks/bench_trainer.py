@@ -62,7 +62,7 @@ def make_module(one_pass: bool = True) -> VAPOModule:
 
 def run_trainer(steps: int, one_pass: bool = True) -> tuple[VAPOModule, list[dict[str, float]]]:
     module, recorder = make_module(one_pass), StepRecorder()
-    data = PromptDataModule(train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS)
+    data = PromptDataModule(train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS, chat_template=False)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[MathReward(num_workers=1), recorder])  # fmt: skip

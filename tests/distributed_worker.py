@@ -95,7 +95,7 @@ def main(
         val_before_train=False,
         torch_compile=compiled,
     )
-    data = PromptDataModule(train=train, prompts_per_step=per_rank)
+    data = PromptDataModule(train=train, prompts_per_step=per_rank, chat_template=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,

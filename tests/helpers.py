@@ -85,6 +85,7 @@ def tiny_data(tmp: Path, **overrides) -> PromptDataModule:
         "val": str(write_jsonl(tmp / "val.jsonl", make_rows(6, offset=100))),
         "prompts_per_step": 4,
         "val_batch_size": 3,
+        "chat_template": False,  # raw prompts (the tokenizers built here have a template)
     }
     kwargs.update(overrides)
     return PromptDataModule(**kwargs)

@@ -194,7 +194,7 @@ def main(out: Path, checkpoint: str, devices: int) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(module, datamodule=PromptDataModule(train=str(train), prompts_per_step=2))
+    trainer.fit(module, datamodule=PromptDataModule(train=str(train), prompts_per_step=2, chat_template=False))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 missing file is named by file, line and field before training starts, or skipped when asked."""
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -143,3 +144,29 @@ def test_an_empty_system_prompt_drops_the_templates_default(tok, tmp_path, syste
     row = data._prepare({"prompt": "What is 2 + 3?", "answer": "5"}, "train.jsonl:1", tokenizer)
     assert row["prompt_text"] == (f"<|im_start|>system\n{system_text}<|im_end|>\n"
                                   "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("template", [DEFAULT_SYSTEM_TEMPLATE, None], ids=["instruct", "base"])
+def test_the_chat_template_is_used_by_default_when_the_tokenizer_has_one(tok, tmp_path, template):
+    """An instruct model given raw prompts answers badly and nothing says why: unless the
+    config says otherwise, a tokenizer's chat template wraps each prompt, and start-up says
+    which was chosen."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tok)
+    tokenizer.chat_template = template
+    data = tiny_data(tmp_path, chat_template=None, val=None)
+    data.trainer = SimpleNamespace(lightning_module=SimpleNamespace(tokenizer=tokenizer))
+    with mock.patch("vapo_lightning.data.rank_zero_info") as info:
+        data.setup("fit")
+    text = data.train_rows[0]["prompt_text"]
+    if template:
+        assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+        assert "chat template wraps each prompt" in info.call_args[0][0]
+    else:
+        assert text == make_rows(1)[0]["prompt"]
+        assert "has no chat template" in info.call_args[0][0]
+    explicit = tiny_data(tmp_path, chat_template=False)._prepare(make_rows(1)[0], "x:1", tokenizer)
+    assert explicit["prompt_text"] == make_rows(1)[0]["prompt"]

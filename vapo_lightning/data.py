@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
 
 from vapo_lightning.config import SetupError
@@ -135,7 +136,9 @@ class PromptDataModule(L.LightningDataModule):
         prompt_template: format string applied to a string prompt, e.g.
             "{prompt} Put the final answer in \\boxed{{}}." (braces other than {prompt}
             doubled, as in Python's str.format).
-        chat_template: wrap the prompt with the tokenizer's chat template.
+        chat_template: wrap the prompt with the tokenizer's chat template (what an instruct
+            model was trained on); None: when the tokenizer has one (said once at start-up),
+            false: the raw text (base models, or a prompt_template that is the whole prompt).
         system_prompt: a system message (with chat_template); "" gives an empty one, which
             drops the default system message some templates add (SmolLM2's, Qwen2.5's).
         prompts_per_step: prompts per rollout step (per device); each gets n responses.
@@ -155,7 +158,7 @@ class PromptDataModule(L.LightningDataModule):
         tests_field: str | None = None,
         data_source_field: str = "data_source",
         prompt_template: str | None = None,
-        chat_template: bool = False,
+        chat_template: bool | None = None,
         system_prompt: str | None = None,
         prompts_per_step: int = 8,
         val_batch_size: int = 64,
@@ -188,12 +191,24 @@ class PromptDataModule(L.LightningDataModule):
         if self.train_rows or self.val_rows:
             return
         tokenizer = self.trainer.lightning_module.tokenizer
+        if self.hparams.chat_template is None:
+            rank_zero_info(
+                "data.chat_template: the tokenizer's chat template wraps each prompt (set it false for raw text)"
+                if self.uses_chat_template(tokenizer)
+                else "data.chat_template: the tokenizer has no chat template; prompts are raw text"
+            )
         if stage == "fit":
             if self.hparams.train is None:
                 raise SetupError("data.train: training needs prompts (a jsonl / json / parquet file or a hub dataset)")
             self.train_rows = self._load(self.hparams.train, tokenizer, "train")
         if self.has_val:
             self.val_rows = self._load(self.hparams.val, tokenizer, "val")
+
+    def uses_chat_template(self, tokenizer: Any) -> bool:
+        """`chat_template`, or left None, whether the tokenizer has a chat template."""
+        if self.hparams.chat_template is not None:
+            return self.hparams.chat_template
+        return bool(getattr(tokenizer, "chat_template", None))
 
     def _load(self, sources: str | list[str], tokenizer: Any, split: str) -> list[dict]:
         hp = self.hparams
@@ -257,7 +272,7 @@ class PromptDataModule(L.LightningDataModule):
             raise DataError(
                 f"{where}: field '{hp.prompt_field}' must be a non-empty string or chat messages, got {prompt!r:.80}"
             )
-        if hp.chat_template or text is None:
+        if self.uses_chat_template(tokenizer) or text is None:
             if hp.system_prompt is not None:  # "" too: it replaces a template's default one
                 messages = [{"role": "system", "content": hp.system_prompt}, *messages]
             text = tokenizer.apply_chat_template(
