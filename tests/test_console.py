@@ -42,3 +42,24 @@ def test_a_run_without_validation_data_in_bf16_prints_no_false_alarms(tmp_path):
     assert done.returncode == 0, out[-3000:]
     for noise in ("Total length of `DataLoader` across ranks is zero", "not supported by the model summary"):
         assert noise not in out, noise
+
+
+def test_validation_metrics_give_no_sync_dist_hint_under_a_process_group(tok, tmp_path):
+    """vLLM makes a process group; Lightning then asks, for each validation metric, to log it
+    with sync_dist=True. They are reduced over ranks already: the hint is not shown."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from tests.helpers import tiny_data, tiny_module, tiny_trainer
+    from vapo_lightning.cli import quiet_lightning
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            quiet_lightning()  # (its filters go with the context)
+            tiny_trainer(tmp_path).validate(tiny_module(tok), datamodule=tiny_data(tmp_path))
+    finally:
+        dist.destroy_process_group()
+    assert not [w for w in seen if "sync_dist" in str(w.message)]

@@ -256,12 +256,16 @@ def quiet_lightning() -> None:
     for manual optimisation (checkpoints are taken after a rollout step's updates, by design),
     "modules in eval mode" (the sampler switches modes itself), an internal deprecation, the
     model summary's "precision not supported" (its size column is fp32 weights, which
-    bf16-mixed keeps) and the litlogger advertisement."""
+    bf16-mixed keeps), the sync_dist hint for validation metrics (reduced over ranks already)
+    and the litlogger advertisement."""
     for message in (
         "Using ModelCheckpoint with manual optimization",
         r"Found \d+ module\(s\) in eval mode",
         r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         r"Precision \S+ is not supported by the model summary",  # its size column: fp32 weights
+        # Validation metrics are reduced over ranks before they are logged (`ValidationMetrics`);
+        # Lightning asks for sync_dist whenever a process group exists (vLLM makes one).
+        r"It is recommended to use `self.log\('val/",
     ):
         warnings.filterwarnings("ignore", message=message)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
