@@ -111,3 +111,24 @@ def test_sleep_discards_weights_only_when_an_update_replaces_them(monkeypatch):
     calls = len(engine.llm.calls)
     engine.release(keep_weights=False)
     assert len(engine.llm.calls) == calls and not engine.asleep
+
+
+def test_rewards_read_the_response_without_special_tokens(tmp_path):
+    """The EOS that ends a response (and the padding after it, here the same token, as in
+    SmolLM2) is in its ids, not in the text a reward parses: "The answer is 5</s>" would not
+    read as 5 by every reward."""
+    from transformers import AutoTokenizer
+
+    from vapo_lightning.engines.base import samples_of
+    from vapo_lightning.rollout import Rollout
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    answer = tok("What is 2 + 3? 2 + 3 = 5", add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    prompt, response = torch.tensor([[7, 8]]), torch.tensor([answer + [eos, eos, eos]])
+    mask = torch.arange(response.shape[1])[None] <= len(answer)
+    r = Rollout(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([torch.ones_like(prompt), mask.long()], 1),
+                response_mask=mask, group_ids=torch.tensor([0]), truncated=torch.tensor([False]))  # fmt: skip
+    (sample,) = samples_of(r, [{"prompt_text": "p", "ground_truth": "5"}], tok)
+    assert sample.response == "What is 2 + 3? 2 + 3 = 5"
+    assert sample.response_ids == [*answer, eos]

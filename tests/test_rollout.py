@@ -70,3 +70,20 @@ def test_policy_logits_are_the_response_positions_of_a_full_forward(policy):
         logits = policy_logits(policy, r)
     assert logits.is_contiguous() and logits.shape == (len(r), T, full.shape[-1])
     torch.testing.assert_close(logits, full[:, -T - 1 : -1])
+
+
+def test_an_eos_that_is_also_the_pad_token_stays_the_responses_last_action(policy):
+    """SmolLM2's tokenizer pads with its EOS (`<|im_end|>`). The EOS the model chose is in
+    the response mask, as when the two differ: a mask built from `!= pad` would drop it, and
+    the policy would never be trained to stop."""
+    cfg = Generation(n=2, max_new_tokens=12, temperature=0)
+    free = generate(policy, PROMPTS, cfg, PAD, EOS)
+    eos = int(free.responses[int(free.response_lengths.argmax()), 2])  # one it emits mid-way
+    apart = generate(policy, PROMPTS, cfg, PAD, eos)
+    same = generate(policy, PROMPTS, cfg, eos, eos)
+    assert torch.equal(same.response_mask, apart.response_mask)
+    assert torch.equal(same.responses[same.response_mask], apart.responses[apart.response_mask])
+    ended = ~same.truncated
+    assert ended.any()
+    last = same.response_lengths[ended] - 1
+    assert (same.responses[ended, last] == eos).all()
