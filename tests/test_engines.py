@@ -125,7 +125,7 @@ def test_rewards_read_the_response_without_special_tokens(tmp_path):
     tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
     answer = tok("What is 2 + 3? 2 + 3 = 5", add_special_tokens=False)["input_ids"]
     eos = tok.eos_token_id
-    prompt, response = torch.tensor([[7, 8]]), torch.tensor([answer + [eos, eos, eos]])
+    prompt, response = torch.tensor([[7, 8]]), torch.tensor([[*answer, eos, eos, eos]])
     mask = torch.arange(response.shape[1])[None] <= len(answer)
     r = Rollout(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([torch.ones_like(prompt), mask.long()], 1),
                 response_mask=mask, group_ids=torch.tensor([0]), truncated=torch.tensor([False]))  # fmt: skip
