@@ -42,6 +42,7 @@ PHASES = ["gen", "reward", "old_log_prob", "values", "update_critic", "adv", "up
 VARIANTS = {  # name -> command-line overrides
     "native, bf16-mixed": [],
     "native, bf16-mixed, torch.compile": ["--model.torch_compile=true"],
+    "native, bf16-mixed, gradient checkpointing": ["--model.policy.gradient_checkpointing=true"],
     "native, fp32": ["--trainer.precision=32-true"],
     "vLLM, bf16-mixed": ["--model.generation.engine=vllm"],
     "vLLM, fp32": ["--model.generation.engine=vllm", "--trainer.precision=32-true"],

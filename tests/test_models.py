@@ -116,3 +116,13 @@ def test_a_critic_with_another_tokenizer_is_refused_naming_both(tmp_path):
         match=r"model.critic: its tokenizer \(.*other\) is not the policy's \(.*tok\): \d+ of \d+ token ids differ",
     ):
         build_critic(ModelSpec(name_or_path=str(tmp_path / "other")), None, tok)
+
+
+def test_gradient_checkpointing_reaches_the_critic_built_from_the_policy(tmp_path):
+    """`model.policy.gradient_checkpointing` on a run whose critic is the policy's backbone
+    (no critic spec): both models trade compute for activation memory, not the policy alone."""
+    tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
+    for flag in (True, False):
+        policy = build_policy(ModelSpec(config=TINY_LLAMA, tokenizer=str(tmp_path / "tok"), gradient_checkpointing=flag), tok)
+        critic = build_critic(None, policy, tok)
+        assert policy.is_gradient_checkpointing == critic.is_gradient_checkpointing == flag

@@ -133,7 +133,7 @@ def build_policy(
         )
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
-    return _finish(model, spec)
+    return _finish(model, spec.gradient_checkpointing)
 
 
 def check_critic_tokenizer(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> None:
@@ -206,7 +206,9 @@ def build_critic(
         if head.bias is not None:
             nn.init.zeros_(head.bias)
     model.config.problem_type = "regression"
-    return _finish(model, spec)
+    # Without a spec of its own the critic checkpoints activations as the policy it copies does.
+    checkpointing = spec.gradient_checkpointing if spec is not None else policy.is_gradient_checkpointing
+    return _finish(model, checkpointing)
 
 
 def _value_head(model: PreTrainedModel) -> nn.Linear:
@@ -231,11 +233,11 @@ def _saved_generation_config(path: str, model: PreTrainedModel) -> GenerationCon
         return model.generation_config
 
 
-def _finish(model: PreTrainedModel, spec: ModelSpec | None) -> PreTrainedModel:
+def _finish(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedModel:
     cfg = model.config
     if cfg._attn_implementation == "sdpa" and cfg.model_type in STANDARD_SDPA:
         model.set_attn_implementation(SDPA)  # fp32 attention on the CPU under autocast
-    if spec is not None and spec.gradient_checkpointing:
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.float()
 
