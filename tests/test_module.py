@@ -443,9 +443,11 @@ def test_an_undefined_explained_variance_is_not_logged_but_a_nan_loss_is():
     assert defined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}
 
 
-def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
-    """Value pretraining (step 1) computes pi_old by a no-grad pass; in one pass the next step
-    does not: its `timing_s/old_log_prob` is 0, not step 1's value kept by Lightning."""
+@pytest.mark.parametrize("tracker", [True, False], ids=["entropy-tracked", "unwatched"])
+def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path, tracker):
+    """Value pretraining (step 1) computes pi_old by a no-grad pass for `EntropyTracker`
+    (without one, nothing reads it and the pass is skipped); in one pass the next step does
+    not: its `timing_s/old_log_prob` is 0, not step 1's value kept by Lightning."""
     from vapo_lightning.callbacks import ValuePretraining
 
     class Phases(L.Callback):
@@ -458,10 +460,11 @@ def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
     L.seed_everything(0)
     phases = Phases()
     module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=16, micro_batch_size=4), val_before_train=False)
-    tiny_trainer(tmp_path, max_steps=2, callbacks=[ValuePretraining(steps=1), phases],
+    watch = [EntropyTracker()] if tracker else []
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[ValuePretraining(steps=1), phases, *watch],
                  limit_val_batches=0).fit(module, datamodule=tiny_data(tmp_path))  # fmt: skip
     first, second = phases.seen
-    assert first["timing_s/old_log_prob"] > 0 and second["timing_s/old_log_prob"] == 0.0
+    assert (first["timing_s/old_log_prob"] > 0) == tracker and second["timing_s/old_log_prob"] == 0.0
     assert first["timing_s/update_actor"] == 0.0 and second["timing_s/update_actor"] > 0
     parts = sum(v for k, v in second.items() if k not in ("timing_s/step",))
     assert parts <= second["timing_s/step"] * 1.001

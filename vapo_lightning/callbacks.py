@@ -19,7 +19,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from vapo_lightning import core
 from vapo_lightning.distributed import save_pretrained
 
-__all__ = ["EntropyTracker", "TrainingSamples", "ValidationSamples", "ValuePretraining", "progress_bar"]
+__all__ = [
+    "EntropyTracker",
+    "TrainingSamples",
+    "ValidationSamples",
+    "ValuePretraining",
+    "progress_bar",
+    "watches_the_policy",
+]
 
 
 class _RolloutBar:
@@ -230,6 +237,13 @@ class EntropyTracker(L.Callback):
                 f"at rollout step {step} (threshold {self.blowup_above}). Sampling is close to "
                 "uniform noise: lower the learning rate or check the rewards."
             )
+
+
+def watches_the_policy(r: Any, callbacks: Sequence[L.Callback]) -> bool:
+    """Whether a metric reads the rollout's pi_old pass while the actor is frozen (value
+    pretraining): `EntropyTracker`'s entropy, or an engine's log-probs against the trainer's
+    (`training/rollout_probs_diff_*`). Otherwise the pass is skipped."""
+    return r.rollout_logprobs is not None or any(isinstance(c, EntropyTracker) for c in callbacks)
 
 
 class ValidationSamples(L.Callback):

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from vapo_lightning import core
 from vapo_lightning.advantages import actor_signal, compute_advantages, critic_targets
-from vapo_lightning.callbacks import ValidationSamples
+from vapo_lightning.callbacks import ValidationSamples, watches_the_policy
 from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
@@ -181,7 +181,8 @@ class VAPOModule(L.LightningModule):
             # One epoch over one mini-batch (verl's on_policy): pi_old and V_old are the models
             # as they stand, taken from the updates' own first forwards (`updates.OldEstimate`).
             on_policy = self.algo.on_policy(len(r), reference_policy=self.ref_policy is not None)
-            if not on_policy or frozen:
+            # log pi_old for the ratio, or, while value pretraining, for metrics that watch it.
+            if (not on_policy and not frozen) or (frozen and watches_the_policy(r, self.trainer.callbacks)):
                 with timer("old_log_prob"):  # log pi_old, entropy, log pi_ref (no grad)
                     r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(
                         self.policy, r, self.algo.micro_batch_size, self.logprob_temperature, self.ref_policy

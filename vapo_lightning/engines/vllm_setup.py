@@ -31,6 +31,9 @@ class VLLMNotInstalled(EngineSetupError, ImportError):
 def import_vllm() -> Any:
     """Imports vllm, or raises one clear line saying how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    # vLLM's INFO lines include a several-kB config dump per engine; VLLM_LOGGING_LEVEL=INFO
+    # brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
     except ImportError as e:
