@@ -52,7 +52,7 @@ def test_validation_metrics_give_no_sync_dist_hint_under_a_process_group(tok, tm
     import torch.distributed as dist
 
     from tests.helpers import tiny_data, tiny_module, tiny_trainer
-    from vapo_lightning.cli import quiet_lightning
+    from vapo_lightning.console import quiet_lightning
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -63,3 +63,37 @@ def test_validation_metrics_give_no_sync_dist_hint_under_a_process_group(tok, tm
     finally:
         dist.destroy_process_group()
     assert not [w for w in seen if "sync_dist" in str(w.message)]
+
+
+def test_vllm_warnings_about_what_the_engine_does_by_design_are_dropped():
+    """No tokenizer in the engine (chat-template warm-up, EOS id) and the rotary cache a sync
+    does not send: dropped. The same warning for a layer with weights is kept: it would mean
+    a sync that missed weights (greedy equality after a sync: tests/test_vllm_engine.py)."""
+    import logging
+
+    from vapo_lightning.console import quiet_vllm
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    quiet_vllm()
+    renderer = logging.getLogger("vllm.renderers.base")
+    loader = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    seen = Seen()
+    for logger in (renderer, loader):
+        logger.addHandler(seen)
+    try:
+        renderer.warning("Chat template warmup failed")
+        renderer.warning("Using None for EOS token id because tokenizer is not initialized")
+        renderer.warning("Unknown chat template")
+        loader.warning("%s: Failed to load weights", "RotaryEmbedding")
+        loader.warning("%s: Failed to load weights", "QKVParallelLinear")
+    finally:
+        for logger in (renderer, loader):
+            logger.removeHandler(seen)
+    assert seen.messages == ["Unknown chat template", "QKVParallelLinear: Failed to load weights"]

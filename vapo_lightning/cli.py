@@ -9,12 +9,10 @@ which replicates or shards the policy and the critic each on its own.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import re
 import sys
 import typing
-import warnings
 import zipfile
 from dataclasses import is_dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from vapo_lightning.callbacks import TrainingSamples, progress_bar
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError, continue_logging
 from vapo_lightning.config import SetupError
+from vapo_lightning.console import quiet_lightning
 from vapo_lightning.data import DataError, PromptDataModule
 from vapo_lightning.distributed import resolve_strategy
 from vapo_lightning.engines.vllm import EngineSetupError
@@ -240,36 +239,6 @@ class VAPOCLI(_OwnProgs, LightningCLI):
             if cb.dirpath is None:
                 cb.dirpath = os.path.join(self.trainer.default_root_dir, "checkpoints")
         continue_logging(self.trainer, self._sub_config()[1].get("ckpt_path"))
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, *needles: str) -> None:
-        super().__init__()
-        self.needles = needles
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(n in record.getMessage() for n in self.needles)
-
-
-def quiet_lightning() -> None:
-    """Silences Lightning's messages that do not apply to VAPO: the ModelCheckpoint example
-    for manual optimisation (checkpoints are taken after a rollout step's updates, by design),
-    "modules in eval mode" (the sampler switches modes itself), an internal deprecation, the
-    model summary's "precision not supported" (its size column is fp32 weights, which
-    bf16-mixed keeps), the sync_dist hint for validation metrics (reduced over ranks already)
-    and the litlogger advertisement."""
-    for message in (
-        "Using ModelCheckpoint with manual optimization",
-        r"Found \d+ module\(s\) in eval mode",
-        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        r"Precision \S+ is not supported by the model summary",  # its size column: fp32 weights
-        # Validation metrics are reduced over ranks before they are logged (`ValidationMetrics`);
-        # Lightning asks for sync_dist whenever a process group exists (vLLM makes one).
-        r"It is recommended to use `self.log\('val/",
-    ):
-        warnings.filterwarnings("ignore", message=message)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_DropMessages("litlogger"))
 
 
 def import_from_working_directory() -> None:

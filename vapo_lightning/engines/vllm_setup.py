@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from vapo_lightning.console import quiet_vllm
+
 __all__ = ["EngineSetupError", "VLLMNotInstalled", "check_architecture", "check_setup", "import_vllm",
            "write_model_dir"]  # fmt: skip
 
@@ -36,6 +38,8 @@ def import_vllm() -> Any:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
+
+        quiet_vllm()
     except ImportError as e:
         raise VLLMNotInstalled(
             f"model.generation.engine=vllm needs vLLM, which is not installed ({e}): {INSTALL}"
