@@ -32,8 +32,11 @@ VLLM = [
 ]
 
 
-def scalars(root: Path, version: int) -> dict[str, list[tuple[int, float]]]:
-    (event_file,) = glob.glob(f"{root}/lightning_logs/version_{version}/events.out.tfevents.*")
+def scalars(root: Path, version: int, run: int | None = None) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the one event file of `version`, or of its `run`-th (a resumed run logs
+    on in the same folder, in a file of its own)."""
+    files = sorted(glob.glob(f"{root}/lightning_logs/version_{version}/events.out.tfevents.*"))
+    (event_file,) = files if run is None else [files[run]]
     acc = EventAccumulator(event_file)
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
@@ -61,7 +64,8 @@ def test_fit_then_resume_with_the_vllm_engine(tmp_path, monkeypatch):
     # Resumed: the engine starts from the checkpoint's weights (not the SFT start it was
     # configured with), so the first resumed rollout is already in sync.
     main([*args, "--trainer.max_steps=6", "--ckpt_path=last"])
-    resumed = scalars(tmp_path, 1)
+    assert [d.name for d in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    resumed = scalars(tmp_path, 0, run=-1)
     steps = [s for s, _ in resumed["training/rollout_probs_diff_max"]]
     assert steps[0] >= 4
     check_engine_in_sync(resumed, actor_steps=2)
