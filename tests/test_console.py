@@ -82,7 +82,9 @@ def test_vllm_warnings_about_what_the_engine_does_by_design_are_dropped():
             self.messages.append(record.getMessage())
 
     quiet_vllm()
+    quiet_vllm()  # every engine made calls it: its filters are added once
     renderer = logging.getLogger("vllm.renderers.base")
+    assert len(renderer.filters) == 1
     loader = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     seen = Seen()
     for logger in (renderer, loader):

@@ -47,9 +47,11 @@ def quiet_vllm() -> None:
     and it has no EOS id of its own, the trainer passes the stop ids), and a weight sync does
     not send the rotary embedding's cos/sin cache, which is computed from the config and kept
     (greedy tokens after a sync equal the trainer's: tests/test_vllm_engine.py)."""
-    logging.getLogger("vllm.renderers.base").addFilter(
-        DropMessages("Chat template warmup failed", "because tokenizer is not initialized")
-    )
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        DropMessages("RotaryEmbedding: Failed to load weights")
-    )
+    for name, drop in VLLM_BY_DESIGN.items():  # the same filter objects: added once per logger
+        logging.getLogger(name).addFilter(drop)
+
+
+VLLM_BY_DESIGN = {  # logger -> its warnings about what the engine does by design (`quiet_vllm`)
+    "vllm.renderers.base": DropMessages("Chat template warmup failed", "because tokenizer is not initialized"),
+    "vllm.model_executor.model_loader.reload.layerwise": DropMessages("RotaryEmbedding: Failed to load weights"),
+}
