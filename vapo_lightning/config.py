@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 
 class SetupError(ValueError):
     """A setting that cannot work, found before any work starts: one line naming the field
@@ -68,6 +70,11 @@ class Algorithm:
     4 optimiser steps per rollout; the paper's 512 of 512 × 16 make 16)."""
     micro_batch_size: int = 8
     """Responses per forward/backward (gradient accumulation); must divide mini_batch_size."""
+    share_prompts: bool = True
+    """Run each prompt once for the min(n, micro_batch_size) responses to it that share a
+    micro-batch (`vapo_lightning.packing`): the same logits, values and gradients, less work
+    the longer the prompts; needs an attention that takes a 4-D mask (sdpa, eager), and n and
+    micro_batch_size multiples of one another."""
     one_pass: bool = True
     """With one epoch over one mini-batch (and no KL reference), take pi_old and V_old from
     the updates' own first forwards instead of separate no-grad passes (verl's on_policy:
@@ -130,6 +137,13 @@ class Algorithm:
             raise SetupError(
                 f"model.algorithm.mini_batch_size={self.mini_batch_size} must divide the rollout "
                 f"batch data.prompts_per_step × model.generation.n = {prompts_per_step} × {n} = {batch}"
+            )
+        c = min(n, self.micro_batch_size)
+        if self.share_prompts and n > 1 and (n % c or self.micro_batch_size % c):
+            rank_zero_warn(
+                f"model.algorithm.share_prompts: micro_batch_size={self.micro_batch_size} and "
+                f"model.generation.n={n} are not multiples of one another, so every response "
+                "runs its prompt through the models on its own"
             )
         if self.advantage == "group" and n < 2:
             raise SetupError("model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2")

@@ -35,6 +35,7 @@ from vapo_lightning.models import (
     compile_in_place,
     load_tokenizer,
 )
+from vapo_lightning.packing import pack_size
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, combine_rewards
 from vapo_lightning.rollout import Rollout, cat_rollouts, with_round_counts
 from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
@@ -178,6 +179,7 @@ class VAPOModule(L.LightningModule):
         timer, (actor_opt, critic_opt), frozen = PhaseTimer(), self.optimizer_pair(), self.actor_frozen
         with timer("step"):
             r = self.rollout_and_score(batch, timer)  # group sampling (§4.3) + rewards
+            r.pack = pack_size(r.group_ids, self.algo)  # responses per shared-prompt forward
             # One epoch over one mini-batch (verl's on_policy): pi_old and V_old are the models
             # as they stand, taken from the updates' own first forwards (`updates.OldEstimate`).
             on_policy = self.algo.on_policy(len(r), reference_policy=self.ref_policy is not None)
@@ -190,7 +192,7 @@ class VAPOModule(L.LightningModule):
             if not on_policy and self.critic is not None:
                 with timer("values"):
                     r.values = compute_values(self.critic, r, self.algo.micro_batch_size)  # V_old
-            batches = mini_batches(len(r), self.algo.mini_batch_size, self.algo.ppo_epochs)
+            batches = mini_batches(len(r), self.algo.mini_batch_size, self.algo.ppo_epochs, r.pack)
             stats = {}
             if self.critic is not None:
                 with timer("update_critic"):  # targets: decoupled GAE from V_old (§4.1)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from vapo_lightning import packing
 from vapo_lightning.config import Generation
 from vapo_lightning.rewards.base import Sample
 from vapo_lightning.tools.base import Tool
@@ -64,6 +65,8 @@ class Rollout:
     reward_metrics: dict[str, float] = field(default_factory=dict)  # callbacks' own counts
     reward_parts: Tensor | None = None  # (B, K) each reward callback's own score
     reward_names: list[str] = field(default_factory=list)  # (K,) their names
+    pack: int = 1  # responses per shared-prompt forward (`packing`): micro-batches keep runs
+    # of this many consecutive rows together; 1: every row on its own
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -214,9 +217,17 @@ def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
 
     Only positions P-1 .. P+T-2 (each predicts the next token, a response token) go through
     the LM head, and the result is contiguous: slicing a (B, T+1, V) output would make the
-    log-prob functions reshape it into a second full copy.
+    log-prob functions reshape it into a second full copy. With `r.pack` > 1, the responses
+    to one prompt share a single forward of it (`packing`).
     """
     L, T = r.input_ids.shape[1], r.response_mask.shape[1]
+    packed = _packed(policy, r)
+    if packed is not None:
+        out = policy(
+            input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False,
+        )  # fmt: skip
+        return packed.rows(out.logits)
     out = policy(
         input_ids=r.input_ids,
         attention_mask=r.attention_mask,
@@ -230,10 +241,24 @@ def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
 def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
     """V(s_t) for each response token: the critic's output one position before it, (B, T)."""
     T = r.response_mask.shape[1]
+    packed = _packed(critic, r)
+    if packed is not None:
+        out = critic(
+            input_ids=packed.input_ids,
+            attention_mask=packed.attention_mask,
+            position_ids=packed.position_ids,
+        )
+        return packed.rows(out.logits[:, packed.keep, 0]).float()
     out = critic(
         input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids
     )
     return out.logits[:, -T - 1 : -1, 0].float()
+
+
+def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:
+    if r.pack < 2 or not packing.takes_masks(model):
+        return None
+    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack)
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:

@@ -46,23 +46,27 @@ class DataParallel:
     world_size: int = 1
 
 
-def mini_batches(n: int, size: int, epochs: int) -> list[Tensor]:
+def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
     """The rows of each mini-batch of `epochs` passes over n responses, shuffled anew at every
-    epoch (one mini-batch: in order)."""
+    epoch (one mini-batch: in order); runs of `pack` consecutive rows (responses to one prompt,
+    `packing`) are shuffled as units and stay together."""
     if n <= size:
         return [torch.arange(n) for _ in range(epochs)]
-    return [rows for _ in range(epochs) for rows in torch.randperm(n).split(size)]
+    units = torch.arange(n).view(-1, pack)
+    return [units[i].reshape(-1) for _ in range(epochs) for i in torch.randperm(len(units)).split(size // pack)]
 
 
 def micro_batches(r: Rollout, size: int, index: Tensor | None = None) -> Iterator[tuple[Tensor, Rollout]]:
     """(rows of `r`, micro-batch) pairs over the rows `index` (default: all); rows are
-    grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding.
+    grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding, and
+    runs of `r.pack` rows (one prompt's responses) stay together for a shared-prompt forward.
     The loss sums each token once over global normalisers (§4.2), so the grouping does not
     change the gradient."""
     index = torch.arange(len(r)) if index is None else index
-    order = index[torch.argsort(r.attention_mask[index].sum(-1).cpu(), stable=True)]
-    for rows in order.split(size):
-        yield rows, r.select(rows).trimmed()
+    units = index.view(-1, r.pack)  # (units, pack)
+    lengths = r.attention_mask[index].sum(-1).cpu().view(-1, r.pack).amax(-1)
+    for rows in units[torch.argsort(lengths, stable=True)].split(max(1, size // r.pack)):
+        yield rows.reshape(-1), r.select(rows.reshape(-1)).trimmed()
 
 
 def per_token(r: Rollout) -> Tensor:

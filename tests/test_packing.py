@@ -1,0 +1,178 @@
+"""Shared-prompt forwards (`vapo_lightning.packing`): c responses to one prompt in one
+sequence give each response the logits, values and gradients it has in its own row."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from tests.helpers import tiny_module
+from tests.test_updates import NO_CLIP, Recorder
+from vapo_lightning import packing
+from vapo_lightning.advantages import compute_advantages, critic_targets
+from vapo_lightning.config import Algorithm
+from vapo_lightning.rollout import Rollout, critic_values, policy_logits
+from vapo_lightning.updates import (
+    DataParallel,
+    compute_log_probs,
+    compute_values,
+    micro_batches,
+    mini_batches,
+    update_actor,
+    update_critic,
+)
+
+G, N, P, T = 3, 4, 6, 10  # prompts, responses per prompt, prompt and response widths
+
+
+def grouped_rollout(vocab: int, same_prompt: bool = True) -> Rollout:
+    """G prompts of 2-6 tokens (left-padded), each answered N times with 1-10 tokens."""
+    g = torch.Generator().manual_seed(1)
+    B = G * N
+    prompt_len = torch.randint(2, P + 1, (G,), generator=g).repeat_interleave(N)
+    resp_len = torch.randint(1, T + 1, (B,), generator=g)
+    prompts = torch.randint(3, vocab, (G, P), generator=g).repeat_interleave(N, 0)
+    if not same_prompt:
+        prompts[1, -1] = (prompts[0, -1] + 1) % vocab  # row 1 answers a different prompt
+    prompt_mask = torch.arange(P)[None] >= P - prompt_len[:, None]
+    response_mask = torch.arange(T)[None] < resp_len[:, None]
+    ids = torch.cat([prompts, torch.randint(3, vocab, (B, T), generator=g)], 1)
+    attn = torch.cat([prompt_mask, response_mask], 1)
+    scores = torch.randn(B, generator=g)
+    return Rollout(
+        input_ids=torch.where(attn, ids, torch.zeros_like(ids)),
+        attention_mask=attn.long(),
+        response_mask=response_mask,
+        group_ids=torch.arange(B) // N,
+        truncated=torch.zeros(B, dtype=torch.bool),
+        scores=scores,
+        correct=scores > 0,
+    )
+
+
+def module_for(tok, micro: int = 4, **algorithm):
+    L.seed_everything(0)
+    module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=G * N, micro_batch_size=micro, **algorithm))
+    module.configure_model()
+    return module
+
+
+def per_row(fn, model, r: Rollout) -> list[torch.Tensor]:
+    """fn on each row alone (trimmed): the slow, obvious reference."""
+    out = []
+    for i in range(len(r)):
+        row = r.select([i]).trimmed()
+        out.append(fn(model, row)[0, : int(row.response_mask.sum())])
+    return out
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_packed_logits_and_values_equal_each_row_alone(tok, c):
+    module = module_for(tok)
+    r = grouped_rollout(module.policy.config.vocab_size)
+    r.pack = c
+    assert packing.pack(r.input_ids, r.attention_mask, T, c) is not None
+    with torch.no_grad():
+        logits, values = policy_logits(module.policy, r), critic_values(module.critic, r)
+        want_logits = per_row(policy_logits, module.policy, r)
+        want_values = per_row(critic_values, module.critic, r)
+    assert logits.shape == (G * N, T, module.policy.config.vocab_size) and values.shape == (G * N, T)
+    for i in range(G * N):
+        n = len(want_values[i])
+        torch.testing.assert_close(logits[i, :n], want_logits[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[i, :n], want_values[i], atol=1e-5, rtol=1e-5)
+
+
+def test_a_response_does_not_see_the_other_responses_of_its_pack(tok):
+    module = module_for(tok)
+    r = grouped_rollout(module.policy.config.vocab_size)
+    r.pack = N
+    changed = Rollout(**{**r.__dict__, "input_ids": r.input_ids.clone()})
+    changed.input_ids[1, P:] = (changed.input_ids[1, P:] + 1) % module.policy.config.vocab_size
+    with torch.no_grad():
+        a, b = policy_logits(module.policy, r), policy_logits(module.policy, changed)
+    others = [0, 2, 3]
+    torch.testing.assert_close(a[others], b[others], atol=1e-6, rtol=1e-6)
+    assert (a[1] - b[1]).abs().max() > 1e-3
+
+
+def test_rows_that_answer_different_prompts_are_not_packed(tok):
+    module = module_for(tok)
+    r = grouped_rollout(module.policy.config.vocab_size, same_prompt=False)
+    assert packing.pack(r.input_ids, r.attention_mask, T, N) is None  # rows 0-3 differ
+    assert packing.pack(r.input_ids[N:], r.attention_mask[N:], T, N) is not None
+    r.pack = N  # the forward falls back to one row at a time: still each row's logits
+    with torch.no_grad():
+        logits = policy_logits(module.policy, r)
+        want = per_row(policy_logits, module.policy, r)
+    torch.testing.assert_close(logits[1, : len(want[1])], want[1], atol=1e-5, rtol=1e-5)
+
+
+def update_gradients(tok, pack: int) -> tuple[dict[str, torch.Tensor], Rollout]:
+    """Both models' gradients of a two-pass update (one mini-batch, micro-batches of 2)."""
+    module = module_for(tok, micro=2)
+    r = grouped_rollout(module.policy.config.vocab_size)
+    r.pack, a = pack, module.algo
+    r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, a.micro_batch_size, 1.0)
+    r.values = compute_values(module.critic, r, a.micro_batch_size)
+    steps, batches = [], mini_batches(len(r), a.mini_batch_size, a.ppo_epochs, pack)
+    targets = lambda micro: critic_targets(micro, a, False)  # noqa: E731
+    update_critic(module.critic, Recorder("critic", module.critic, steps), r, batches, targets, a,
+                  NO_CLIP, DataParallel())  # fmt: skip
+    compute_advantages(r, a, False, DataParallel().global_sum)
+    update_actor(module.policy, Recorder("actor", module.policy, steps), r, batches, a, 1.0, NO_CLIP,
+                 DataParallel())  # fmt: skip
+    return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r
+
+
+def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok):
+    packed, r_packed = update_gradients(tok, pack=2)
+    rows, r_rows = update_gradients(tok, pack=1)
+    assert packed.keys() == rows.keys() and any(g.abs().sum() > 0 for g in rows.values())
+    for k in rows:
+        torch.testing.assert_close(packed[k], rows[k], atol=1e-6, rtol=1e-4)
+    mask = r_rows.response_mask
+    for field in ["old_logprobs", "entropy", "values", "advantages"]:
+        torch.testing.assert_close(getattr(r_packed, field)[mask], getattr(r_rows, field)[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_batches_keep_a_pack_together():
+    for rows in mini_batches(24, 8, 2, pack=4):
+        assert len(rows) == 8 and all(rows.view(-1, 4).diff(dim=-1).eq(1).all(-1))
+        assert bool((rows.view(-1, 4)[:, 0] % 4 == 0).all())
+
+
+def test_micro_batches_hold_whole_packs_grouped_by_length(tok):
+    module = module_for(tok)
+    r = grouped_rollout(module.policy.config.vocab_size)
+    r.pack = 2
+    parts = list(micro_batches(r, 4))
+    assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == list(range(G * N))
+    for rows, micro in parts:
+        assert len(rows) == 4 and bool((rows.view(-1, 2)[:, 0] % 2 == 0).all()) and micro.pack == 2
+    longest = [int(r.attention_mask[rows].sum(-1).max()) for rows, _ in parts]
+    assert longest == sorted(longest)
+
+
+@pytest.mark.parametrize(
+    ("groups", "micro", "mini", "share", "want"),
+    [
+        ([0, 0, 0, 0, 1, 1, 1, 1], 4, 8, True, 4),  # whole groups per micro-batch
+        ([0, 0, 0, 0, 1, 1, 1, 1], 8, 8, True, 4),
+        ([0, 0, 0, 0, 1, 1, 1, 1], 2, 8, True, 2),  # a group split over micro-batches
+        ([0, 0, 0, 0, 1, 1, 1, 1], 4, 8, False, 1),  # switched off
+        ([0, 0, 0, 1, 1, 1], 2, 6, True, 1),  # n 3, micro 2: not multiples
+        ([0, 1, 0, 1], 2, 4, True, 1),  # a prompt's responses not consecutive
+        ([0, 0, 0, 1, 1, 1, 1, 1], 4, 8, True, 1),  # unequal groups
+        ([0, 1, 2, 3], 4, 4, True, 1),  # n 1: nothing to share
+    ],
+)
+def test_pack_size(groups, micro, mini, share, want):
+    algo = Algorithm(mini_batch_size=mini, micro_batch_size=micro, share_prompts=share)
+    assert packing.pack_size(torch.tensor(groups), algo) == want
+
+
+def test_a_setup_where_responses_cannot_share_prompts_says_so():
+    with pytest.warns(UserWarning, match="share_prompts"):
+        Algorithm(mini_batch_size=12, micro_batch_size=4).check_batch(2, 6)
