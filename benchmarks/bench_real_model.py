@@ -109,6 +109,26 @@ def config_prompts(tok, n_prompts: int) -> list[list[int]]:
             for c in chats]  # fmt: skip
 
 
+def step_passes(r, pol, cri, opts, batches, algo, dp) -> dict:
+    """The passes of one rollout step over rollout `r`, in order, as callables."""
+    from vapo_lightning.advantages import compute_advantages, critic_targets
+    from vapo_lightning.updates import (
+        compute_log_probs,
+        compute_values,
+        update_actor,
+        update_critic,
+    )
+
+    return {
+        "old_log_prob": lambda: setattr(r, "old_logprobs", compute_log_probs(pol, r, 16, 0.4)[0]),
+        "values": lambda: setattr(r, "values", compute_values(cri, r, 16)),
+        "update_critic": lambda: update_critic(cri, opts[1], r, batches, lambda m: critic_targets(m, algo, False),
+                                               algo, 1.0, dp),
+        "adv": lambda: compute_advantages(r, algo, False, dp.global_sum),
+        "update_actor": lambda: update_actor(pol, opts[0], r, batches, algo, 0.4, 1.0, dp),
+    }  # fmt: skip
+
+
 def update_phases(reps: int) -> dict[str, dict[str, float]]:
     """The model passes of one rollout step (configs/smollm2.yaml's shape: 16 prompts × 4
     responses of <= 192 tokens sampled at T 0.4, micro- and mini-batches of 16, bf16
@@ -116,12 +136,10 @@ def update_phases(reps: int) -> dict[str, dict[str, float]]:
     own: median seconds per phase over `reps` repeats, fresh copies of the models each time."""
     import copy
 
-    from vapo_lightning.advantages import compute_advantages, critic_targets
     from vapo_lightning.config import Algorithm
     from vapo_lightning.models import build_critic
     from vapo_lightning.rollout import assemble
-    from vapo_lightning.updates import (DataParallel, compute_log_probs, compute_values, mini_batches,
-                                        update_actor, update_critic)  # fmt: skip
+    from vapo_lightning.updates import DataParallel, mini_batches
 
     tok = load_tokenizer(str(MODEL))
     policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok)
@@ -145,14 +163,7 @@ def update_phases(reps: int) -> dict[str, dict[str, float]]:
             r.pack = pack
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (pol, cri)]
             batches = mini_batches(len(r), 16, 1, pack)
-            phases = {
-                "old_log_prob": lambda: setattr(r, "old_logprobs", compute_log_probs(pol, r, 16, 0.4)[0]),
-                "values": lambda: setattr(r, "values", compute_values(cri, r, 16)),
-                "update_critic": lambda: update_critic(cri, opts[1], r, batches, lambda m: critic_targets(m, algo, False),
-                                                       algo, 1.0, dp),
-                "adv": lambda: compute_advantages(r, algo, False, dp.global_sum),
-                "update_actor": lambda: update_actor(pol, opts[0], r, batches, algo, 0.4, 1.0, dp),
-            }  # fmt: skip
+            phases = step_passes(r, pol, cri, opts, batches, algo, dp)
             with torch.autocast("cpu", torch.bfloat16):
                 for phase, run in phases.items():
                     start = time.perf_counter()
