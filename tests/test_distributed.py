@@ -143,6 +143,40 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp_path, strategy):
+    """LoRA on policy and critic under ddp / fsdp: the run trains and resumes from its
+    checkpoint, and the exported policy is the checkpoint's base + (alpha / r) B A."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    lora = ['--model.policy.lora={"r": 4, "alpha": 8}', "--model.algorithm.kl_coef=0.05"]
+    vapo_fit(tmp_path, strategy, "--trainer.max_steps=3", *lora)  # 2 warm-up steps, then the actor
+    logged = scalars(tmp_path / "lightning_logs" / "version_0")
+    assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
+    export = tmp_path / "export"
+    vapo_fit(tmp_path, strategy, "--trainer.max_steps=4", "--ckpt_path=last", f"--model.hf_export_dir={export}", *lora)
+    assert scalars(tmp_path / "lightning_logs" / "version_1")["rollout_step"] == [4.0]
+
+    dcp_to_torch_save(tmp_path / "checkpoints" / "last.ckpt", tmp_path / "full.pt")  # step 4
+    state = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
+    inner = "policy.base_model.model."
+    exported = AutoModelForCausalLM.from_pretrained(export / "policy").state_dict()
+    merged = 0
+    for name, value in exported.items():
+        layer = name.removesuffix(".weight")
+        if f"{inner}{layer}.lora_A.default.weight" in state:
+            a, b = state[f"{inner}{layer}.lora_A.default.weight"], state[f"{inner}{layer}.lora_B.default.weight"]
+            expected = state[f"{inner}{layer}.base_layer.weight"] + 2.0 * b @ a
+            assert b.abs().max() > 0, name  # the adapter learned
+            merged += 1
+        else:
+            expected = state[inner + name]
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    assert merged == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+
+
+@pytest.mark.slow
 def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weights(tmp_path):
     """A saved tiny Llama (tied embeddings) loaded under fsdp on 2 ranks: rank 0 calls
     `from_pretrained`, rank 1 builds on the meta device and receives rank 0's weights into its

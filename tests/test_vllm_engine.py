@@ -174,6 +174,32 @@ def test_seeded_sampling_is_reproducible(engine, policy, prompts, tok):
     assert responses(a) == responses(b) and responses(a) != responses(c)
 
 
+def test_a_lora_policy_syncs_its_merged_weights(engine, policy, prompts, tok):
+    """The engine receives base + (alpha / r) B A: its greedy tokens are the LoRA model's, which
+    differ from the base's here, so a sync that forgot to merge would be caught."""
+    pytest.importorskip("peft")
+    from vapo_lightning.lora import LoRA, with_adapters
+
+    lora = with_adapters(copy.deepcopy(policy), LoRA(r=4, alpha=8), "policy").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    real_update(lora, prompts, tok)  # a real step moves the adapters only
+    greedy = Generation(n=1, max_new_tokens=40, temperature=0.0)
+    adapted = native(lora, prompts, tok, greedy)
+    with lora.disable_adapter():
+        assert responses(native(lora, prompts, tok, greedy)) != responses(adapted)
+    try:
+        engine.load_weights(lora)
+        assert responses(engine.generate(prompts, greedy)) == responses(adapted)
+        assert max_logprob_gap(engine, lora, prompts, tok) < 1e-4
+        assert lora.peft_config["default"].r == 4 and not lora.get_base_model().model.layers[0].self_attn.q_proj.merged
+    finally:
+        engine.load_weights(policy)
+
+
 def test_bad_setup_gets_one_clear_line(policy, tok, monkeypatch):
     with pytest.raises(ValueError, match="does not support the policy's architecture"):
         check_architecture(["NoSuchModelForCausalLM"])

@@ -35,6 +35,8 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
+from vapo_lightning.lora import is_lora, merged_weights
+
 __all__ = [
     "VAPOStrategy",
     "builds_on_meta",
@@ -127,12 +129,13 @@ def parallelize(module: Any) -> None:
     if strategy is None or getattr(module, "_parallelized", False):
         return
     trainable = [m for m in (module.policy, module.critic) if m is not None]
+    ref = module.ref_policy if isinstance(module.ref_policy, nn.Module) else None  # (LoRA: the policy)
     if strategy.activation_checkpointing:
         for m in trainable:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if strategy.mode == "fsdp":
         mp = _mixed_precision(str(module.trainer.precision))
-        for m in [*trainable, module.ref_policy]:
+        for m in [*trainable, ref]:
             if m is not None:
                 shard_from_rank0(
                     m, strategy.dp_mesh, mp, strategy.reshard_after_forward, strategy.root_device
@@ -143,9 +146,9 @@ def parallelize(module: Any) -> None:
         device = strategy.root_device
         for m in trainable:
             replicate(m, **({"device_id": device} if device.type == "cuda" else {}))
-        if module.ref_policy is not None:  # frozen: no gradients to reduce, same weights
-            module.ref_policy.to(device)
-            for t in [*module.ref_policy.parameters(), *module.ref_policy.buffers()]:
+        if ref is not None:  # frozen: no gradients to reduce, same weights
+            ref.to(device)
+            for t in [*ref.parameters(), *ref.buffers()]:
                 dist.broadcast(t.data, src=0)
     module._parallelized = True
 
@@ -235,12 +238,26 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
+def merged_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """A LoRA model's weights with the adapters merged in, full tensors on CPU where `keep`
+    (rank 0), an empty dict elsewhere. Collective under fsdp: every rank must call it."""
+    state = {}
+    for name, tensor in merged_weights(model):
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if keep:
+            state[name] = tensor.detach().cpu()
+    return state
+
+
 def save_pretrained(
     model: Any, tokenizer: Any, directory: str | Path, is_global_zero: bool
 ) -> None:
     """`save_pretrained` of a possibly sharded / replicated model, written by rank 0.
     Every rank must call it (the weights are gathered collectively)."""
-    state = full_state_dict(model)
+    if is_lora(model):  # the adapters merged in, saved as the base's own architecture
+        state, model = merged_state_dict(model, keep=is_global_zero), model.get_base_model()
+    else:
+        state = full_state_dict(model)
     if not is_global_zero:
         return
     directory = Path(directory)

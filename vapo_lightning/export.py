@@ -1,6 +1,8 @@
 """`vapo export --ckpt_path runs/x/checkpoints/last.ckpt --out DIR`: a checkpoint's policy
 (with its tokenizer) and critic in Hugging Face format, after the run, as `model.hf_export_dir`
-writes them at the end of fit (`DIR/policy`, `DIR/critic`)."""
+writes them at the end of fit (`DIR/policy`, `DIR/critic`). A LoRA run's models are saved with
+their adapters merged in (plain transformers loads them); `--adapters` also writes the adapters
+alone (`DIR/policy_adapter`, `DIR/critic_adapter`, peft's format)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ from pathlib import Path
 
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
 from vapo_lightning.distributed import save_pretrained
+from vapo_lightning.lora import is_lora, restore_frozen
 
 __all__ = ["export_checkpoint", "main"]
 
 
-def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> list[Path]:
+def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapters: bool = False) -> list[Path]:
     """Rebuilds the module from the checkpoint's hyper-parameters, loads its weights and
-    saves each model with `save_pretrained`; returns the folders written."""
+    saves each model with `save_pretrained` (LoRA: merged; `adapters`: also the adapters
+    alone); returns the folders written."""
     from vapo_lightning.module import VAPOModule
 
     if Path(ckpt_path).is_dir():
@@ -30,12 +34,21 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> list[Path]:
         raise CheckpointError(f"checkpoint {ckpt_path} was not written by a VAPO run")
     module = VAPOModule(**hparams)
     module.configure_model()
+    models = {"policy": module.policy, "critic": module.critic}
+    restore_frozen(ckpt, models, str(ckpt_path))  # LoRA: the base weights from their source
     module.load_state_dict(ckpt["state_dict"])
-    written = [Path(out) / "policy"]
-    save_pretrained(module.policy, module.tokenizer, written[0], True)
-    if module.critic is not None:
-        written.append(Path(out) / "critic")
-        save_pretrained(module.critic, module.tokenizer, written[1], True)
+    if adapters and not any(is_lora(m) for m in models.values()):
+        raise CheckpointError(f"--adapters: {ckpt_path} is a full fine-tuning run, it has no adapters")
+    written = []
+    for name, model in models.items():
+        if model is None:
+            continue
+        written.append(Path(out) / name)
+        save_pretrained(model, module.tokenizer, written[-1], True)
+        if adapters and is_lora(model):
+            written.append(Path(out) / f"{name}_adapter")
+            model.save_pretrained(written[-1])  # peft: adapter_config.json + the adapter weights
+            module.tokenizer.save_pretrained(written[-1])
     return written
 
 
@@ -46,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--ckpt_path", required=True, help="a .ckpt file written by vapo fit")
     ap.add_argument("--out", required=True, help="folder for policy/ and critic/")
+    ap.add_argument("--adapters", action="store_true",
+                    help="LoRA runs: also write the adapters alone (policy_adapter/, critic_adapter/; peft)")
     args = ap.parse_args(argv)
-    for folder in export_checkpoint(args.ckpt_path, args.out):
+    for folder in export_checkpoint(args.ckpt_path, args.out, args.adapters):
         print(f"wrote {folder}")

@@ -33,20 +33,25 @@ from transformers import (
 )
 
 from vapo_lightning.attention import SDPA, STANDARD_SDPA
+from vapo_lightning.lora import LoRA, with_adapters
 
 __all__ = [
     "ModelSpec",
+    "add_adapters",
     "build_critic",
     "build_policy",
     "check_critic_tokenizer",
     "load_tokenizer",
     "looks_like_a_model_source",
+    "weights_from_source",
 ]
 
 
 @dataclass
 class ModelSpec:
-    """Where a model comes from: a path / hub id, or a config to initialise randomly."""
+    """Where a model comes from: a path / hub id, or a config to initialise randomly; and how
+    it trains (in full, or LoRA adapters on its frozen weights). A critic spec with neither
+    source is the policy's backbone, as no critic spec is."""
 
     name_or_path: str | None = None
     """Local directory or hub id loaded with `from_pretrained`."""
@@ -56,10 +61,15 @@ class ModelSpec:
     """Tokenizer path or hub id; defaults to `name_or_path`."""
     gradient_checkpointing: bool = False
     """Trade compute for activation memory during the updates."""
+    lora: LoRA | None = None
+    """Train LoRA adapters (peft) instead of every weight (`vapo_lightning.lora`); None: full
+    fine-tuning. A critic built from the policy takes the policy's unless its spec says."""
 
     def __post_init__(self) -> None:
-        if (self.name_or_path is None) == (self.config is None):
-            raise ValueError("ModelSpec: give exactly one of name_or_path or config")
+        if isinstance(self.lora, dict):  # (a checkpoint's hyper-parameters)
+            self.lora = LoRA(**self.lora)
+        if self.name_or_path is not None and self.config is not None:
+            raise ValueError("ModelSpec: give one of name_or_path or config, not both")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("ModelSpec.config needs a 'model_type' (e.g. 'llama')")
 
@@ -112,6 +122,8 @@ def build_policy(
     meta: the architecture only, on the meta device (config and generation config as
     `from_pretrained` would set them, no weights read); its weights come from rank 0.
     """
+    if spec.name_or_path is None and spec.config is None:
+        raise ValueError("model.policy: give name_or_path (a folder or hub id) or config")
     if spec.config is not None:
         cfg = spec.hf_config()
         if "vocab_size" not in spec.config:  # a config's default (e.g. Llama's 32000) is not ours
@@ -167,8 +179,9 @@ def build_critic(
 ) -> PreTrainedModel:
     """The critic: a transformer backbone + scalar value head, output (B, L, 1).
 
-    spec None: the policy's architecture and backbone weights with a fresh head. Otherwise
-    loaded from `spec.name_or_path` (a critic or reward model with the same tokenizer).
+    spec None (or without a source): the policy's architecture and backbone weights with a
+    fresh head. Otherwise loaded from `spec.name_or_path` (a critic or reward model with the
+    same tokenizer) or built from `spec.config`. Call it before the policy gets adapters.
     meta: the architecture only, on the meta device (policy may be a meta model too).
     """
     if spec is not None and spec.name_or_path is not None:
@@ -188,14 +201,15 @@ def build_critic(
             head = ("score", "classifier")
             fresh_head = any(k.split(".")[0] in head for k in info["missing_keys"])
     else:
-        cfg = copy.deepcopy(spec.hf_config() if spec is not None else policy.config)
+        from_policy = spec is None or spec.config is None
+        cfg = copy.deepcopy(policy.config if from_policy else spec.hf_config())
         cfg.num_labels = 1  # transformers v5: set on the config, not as a from_config kwarg
         cfg.classifier_dropout = 0.0  # HF's head defaults to 0.1: noise in every value update
         cfg.architectures = None
         _align_special_tokens(cfg, tok)
         with _meta_device(meta):
             model = AutoModelForTokenClassification.from_config(cfg)
-        if spec is None and not meta:  # the backbone from the policy (VAPO §4.1's open choice)
+        if from_policy and not meta:  # the backbone from the policy (VAPO §4.1's open choice)
             backbone = policy.get_decoder() if hasattr(policy, "get_decoder") else policy.base_model
             missing = getattr(model, model.base_model_prefix).load_state_dict(backbone.state_dict())
             assert not missing.missing_keys, missing
@@ -209,6 +223,28 @@ def build_critic(
     # Without a spec of its own the critic checkpoints activations as the policy it copies does.
     checkpointing = spec.gradient_checkpointing if spec is not None else policy.is_gradient_checkpointing
     return _finish(model, checkpointing)
+
+
+def add_adapters(
+    policy: PreTrainedModel, critic: PreTrainedModel | None, policy_spec: ModelSpec, critic_spec: ModelSpec | None
+) -> tuple[nn.Module, nn.Module | None]:  # fmt: skip
+    """Policy and critic with LoRA adapters where their specs ask (`vapo_lightning.lora`); a
+    critic without a spec of its own takes the policy's. The value head trains in full."""
+    critic_lora = critic_spec.lora if critic_spec is not None else policy_spec.lora
+    if policy_spec.lora is not None:
+        policy = with_adapters(policy, policy_spec.lora, "policy")
+    if critic is not None and critic_lora is not None:
+        head = "score" if isinstance(getattr(critic, "score", None), nn.Linear) else "classifier"
+        critic = with_adapters(critic, critic_lora, "critic", value_head=head)
+    return policy, critic
+
+
+def weights_from_source(policy_spec: ModelSpec, critic_spec: ModelSpec | None) -> dict[str, bool]:
+    """Whether each model's weights as built come from a source (a folder or hub id), not a
+    random initialisation: a LoRA checkpoint leaves those out (`lora.drop_frozen`)."""
+    policy = policy_spec.name_or_path is not None
+    own = critic_spec is not None and (critic_spec.name_or_path or critic_spec.config) is not None
+    return {"policy": policy, "critic": critic_spec.name_or_path is not None if own else policy}
 
 
 def _value_head(model: PreTrainedModel) -> nn.Linear:

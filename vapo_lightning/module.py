@@ -26,14 +26,17 @@ from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_r
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
+from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
 from vapo_lightning.metrics import PhaseTimer, defined, reduce_over_ranks, step_metrics
 from vapo_lightning.models import (
     ModelSpec,
+    add_adapters,
     build_critic,
     build_policy,
     check_torch_compile,
     compile_in_place,
     load_tokenizer,
+    weights_from_source,
 )
 from vapo_lightning.packing import pack_size
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, combine_rewards
@@ -141,8 +144,10 @@ class VAPOModule(L.LightningModule):
             self.policy = build_policy(self.policy_spec, self.tokenizer, meta=meta)
             if self.algo.uses_critic:
                 self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer, meta=meta)
-            if self.algo.kl_coef > 0:
-                self.ref_policy = copy.deepcopy(self.policy).requires_grad_(False).eval()
+            self.policy, self.critic = add_adapters(self.policy, self.critic, self.policy_spec, self.critic_spec)
+            if self.algo.kl_coef > 0:  # LoRA: the base itself, adapters off (no second copy)
+                lora = is_lora(self.policy)
+                self.ref_policy = AdaptersOff(self.policy) if lora else copy.deepcopy(self.policy).requires_grad_(False).eval()
         parallelize(self)  # --trainer.strategy=ddp|fsdp: replicate / shard each model
         if self.torch_compile:  # in place: same parameters and state_dict keys, hooks included
             compile_in_place(self.policy, self.critic)
@@ -150,10 +155,11 @@ class VAPOModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         o = self.optim
         models = [(self.policy, o.actor_lr)] + ([(self.critic, o.critic_lr)] if self.critic else [])
-        optimizers = [
-            torch.optim.AdamW(m.parameters(), lr=lr, betas=o.betas, weight_decay=o.weight_decay)
+        optimizers = [  # LoRA: the adapters (and value head) only
+            torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, betas=o.betas,
+                              weight_decay=o.weight_decay)
             for m, lr in models
-        ]
+        ]  # fmt: skip
         warmup = lambda step: min(1.0, (step + 1) / (o.warmup_steps + 1))  # noqa: E731
         schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in optimizers]
         return optimizers, schedulers
@@ -168,6 +174,10 @@ class VAPOModule(L.LightningModule):
         check_callbacks(self.trainer.callbacks)
         for tool in self.tools:
             tool.setup()  # (a sandbox pool per process)
+
+    @property
+    def trained_models(self) -> dict[str, Any]:  # by state-dict prefix
+        return {"policy": self.policy, "critic": self.critic}
 
     @property
     def reward_callbacks(self) -> list[RewardCallback]:
@@ -357,8 +367,12 @@ class VAPOModule(L.LightningModule):
         the uninterrupted run would have (data order: `ResumableDataLoader`)."""
         states = rank_rng_states(self.trainer.world_size)  # (every rank dumps the checkpoint)
         checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates}
+        sources = weights_from_source(self.policy_spec, self.critic_spec)
+        drop_frozen(checkpoint, self.trained_models, sources)  # LoRA: adapters, not the base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        source = str(getattr(self._trainer, "ckpt_path", None) or "the checkpoint")
+        restore_frozen(checkpoint, self.trained_models, source)
         state = checkpoint.get("vapo")
         if state is not None:
             states = state["rng"]

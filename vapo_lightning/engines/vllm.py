@@ -45,6 +45,7 @@ from vapo_lightning.engines.vllm_setup import (
     import_vllm,
     write_model_dir,
 )
+from vapo_lightning.lora import merged_weights
 from vapo_lightning.rollout import Rollout, assemble, left_padded, sample_turns
 from vapo_lightning.tools.base import Tool
 from vapo_lightning.tools.turns import Segment
@@ -56,8 +57,9 @@ def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, full tensor) of each weight of a possibly sharded model, one at a
     time: an FSDP2 shard (DTensor) is all-gathered when its turn comes and dropped after the
     consumer has copied it. Collective under FSDP: every rank iterates to the end. (`replicate`,
-    `fully_shard` and the in-place `model.compile()` keep the Hugging Face names.)"""
-    for name, tensor in model.state_dict().items():
+    `fully_shard` and the in-place `model.compile()` keep the Hugging Face names.) A LoRA
+    policy sends its weights with the adapters merged in; its own copy stays unmerged."""
+    for name, tensor in merged_weights(model):
         if hasattr(tensor, "full_tensor"):  # DTensor: gather this one tensor
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
