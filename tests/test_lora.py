@@ -227,3 +227,18 @@ def test_lora_settings_are_checked():
         LoRA(r=0)
     with pytest.raises(SetupError, match=r"lora\.dropout must be in \[0, 1\)"):
         LoRA(dropout=1.0)
+
+
+def test_tools_value_pretraining_and_extra_critic_steps_run_with_lora(tok, policy_dir, tmp_path):
+    from tests.tool_helpers import EverySpace
+
+    L.seed_everything(0)
+    algo = Algorithm(mini_batch_size=8, micro_batch_size=4, critic_updates_per_step=2)
+    module = lora_module(policy_dir, tools=[EverySpace(fail_over=2)], algorithm=algo)
+    module.configure_model()
+    frozen = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
+    tiny_trainer(tmp_path, max_steps=3, callbacks=[ValuePretraining(steps=1)]).fit(module, datamodule=tiny_data(tmp_path))
+    logged = scalars(tmp_path)
+    assert min(v for _, v in logged["tools/calls/mean"]) > 0  # the policy called the tool
+    assert len(logged["critic/grad_norm"]) == 3 and len(logged["actor/grad_norm"]) == 2  # (means per step)
+    assert all(torch.equal(p, frozen[n]) for n, p in module.policy.named_parameters() if n in frozen)

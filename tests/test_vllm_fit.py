@@ -80,3 +80,16 @@ def test_two_processes_with_the_vllm_engine(tmp_path, strategy, tp):
              f"--model.generation.vllm.tensor_parallel_size={tp}")  # fmt: skip
     s = scalars(tmp_path, 0)
     check_engine_in_sync(s, actor_steps=2)
+
+
+@pytest.mark.slow
+def test_a_lora_run_keeps_the_vllm_engine_in_sync(tmp_path, monkeypatch):
+    """LoRA on policy and critic: every sync sends the merged weights (the engine-level test,
+    tests/test_vllm_engine.py, shows a sync without the merge is caught)."""
+    pytest.importorskip("peft")
+    monkeypatch.chdir(ROOT)
+    main(["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}", *SHORT, *SFT_POLICY,
+          *VLLM, '--model.policy.lora={"r": 8, "alpha": 16}', "--model.optim.actor_lr=1e-2",
+          "--trainer.max_steps=4"])  # fmt: skip
+    s = scalars(tmp_path, 0)
+    check_engine_in_sync(s, actor_steps=2)

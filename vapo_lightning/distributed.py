@@ -26,13 +26,14 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from torch import nn
 
 from vapo_lightning.lora import is_lora, merged_weights
@@ -60,8 +61,10 @@ class VAPOStrategy(ModelParallelStrategy):
             backward pass (policy and critic), for long responses on GPUs.
         reshard_after_forward: fsdp: free the gathered parameters after each layer's
             forward (less memory; gathered again in backward and in every decoding step).
-        save_distributed_checkpoint: each rank writes its shard into a DCP folder (resume
-            with `--ckpt_path last`); False: one full file assembled on rank 0.
+        save_distributed_checkpoint: fsdp: each rank writes its shard into a DCP folder
+            (resume with `--ckpt_path last`); False: one full file assembled on rank 0. ddp
+            always writes one file from rank 0, as Lightning's DDP does: every rank holds the
+            whole models, and Lightning's model-parallel loading reads only sharded ones.
     """
 
     def __init__(
@@ -94,6 +97,44 @@ class VAPOStrategy(ModelParallelStrategy):
     @property
     def dp_mesh(self) -> Any:
         return self.device_mesh["data_parallel"]
+
+    # ddp: checkpoints as Lightning's base strategy writes and reads them (one file, rank 0).
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:  # (fsdp: restored in load_checkpoint)
+        return self.mode == "ddp"
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        ddp = self.mode == "ddp"
+        return Strategy.lightning_module_state_dict(self) if ddp else super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        ddp = self.mode == "ddp"
+        return Strategy.optimizer_state(self, optimizer) if ddp else super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.mode != "ddp":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        if self.is_global_zero and path.is_dir():  # an fsdp run's sharded folder of that name
+            shutil.rmtree(path)
+        Strategy.save_checkpoint(self, checkpoint, path, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.mode != "ddp":
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if Path(checkpoint_path).is_dir():
+            raise ValueError(f"{checkpoint_path} is a sharded (fsdp) checkpoint folder: resume it with "
+                             "--trainer.strategy=fsdp")  # fmt: skip
+        return Strategy.load_checkpoint(self, checkpoint_path, weights_only)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self.mode == "ddp":
+            Strategy.load_model_state_dict(self, checkpoint, strict)  # (fsdp: done in load_checkpoint)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self.mode == "ddp":
+            Strategy.load_optimizer_state_dict(self, checkpoint)
 
 
 StrategyRegistry.register("vapo_ddp", VAPOStrategy, "VAPO: replicate each model", mode="ddp")
