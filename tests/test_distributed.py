@@ -168,12 +168,15 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp_path, strategy):
-    """LoRA on policy and critic under ddp / fsdp: the run trains and resumes from its
-    checkpoint, and the exported policy is the checkpoint's base + (alpha / r) B A."""
+    """LoRA on policy and critic under ddp / fsdp, on a base from a folder: the run trains and
+    resumes from its checkpoint (ddp's leaves the base out, fsdp's keeps it), and the exported
+    policy is the base + (alpha / r) B A of the checkpoint's adapters."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    lora = ['--model.policy.lora={"r": 4, "alpha": 8}', "--model.algorithm.kl_coef=0.05"]
+    sft = ["--model.policy.config=null", "--model.policy.name_or_path=vapo_lightning/assets/quickstart_sft",
+           "--model.policy.tokenizer=null"]  # a base from a folder: ddp checkpoints leave it out  # fmt: skip
+    lora = ['--model.policy.lora={"r": 4, "alpha": 8}', "--model.algorithm.kl_coef=0.05", *sft]
     vapo_fit(tmp_path, strategy, "--trainer.max_steps=3", *lora)  # 2 warm-up steps, then the actor
     logged = scalars(tmp_path / "lightning_logs" / "version_0")
     assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
@@ -189,19 +192,22 @@ def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp
         dcp_to_torch_save(last, tmp_path / "full.pt")
     state = torch.load(tmp_path / "full.pt" if last.is_dir() else last, weights_only=False)["state_dict"]
     inner = "policy.base_model.model."
+    assert (f"{inner}model.embed_tokens.weight" in state) == (strategy == "fsdp")
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "vapo_lightning/assets/quickstart_sft").state_dict()
     exported = AutoModelForCausalLM.from_pretrained(export / "policy").state_dict()
     merged = 0
     for name, value in exported.items():
         layer = name.removesuffix(".weight")
         if f"{inner}{layer}.lora_A.default.weight" in state:
             a, b = state[f"{inner}{layer}.lora_A.default.weight"], state[f"{inner}{layer}.lora_B.default.weight"]
-            expected = state[f"{inner}{layer}.base_layer.weight"] + 2.0 * b @ a
+            expected = base[name] + 2.0 * b @ a
             assert b.abs().max() > 0, name  # the adapter learned
             merged += 1
         else:
-            expected = state[inner + name]
+            expected = base[name]
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
-    assert merged == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+    layers = json.loads((ROOT / "vapo_lightning/assets/quickstart_sft/config.json").read_text())["num_hidden_layers"]
+    assert merged == layers * 7  # every layer's q, k, v, o, gate, up, down
 
 
 @pytest.mark.slow

@@ -128,8 +128,9 @@ def test_only_adapters_and_the_value_head_change_and_the_base_stays_bit_identica
 
 
 def test_a_critic_of_its_own_takes_its_own_lora_or_none(tok, policy_dir):
-    module = lora_module(policy_dir, critic=ModelSpec(lora=None, gradient_checkpointing=False))
-    module.configure_model()
+    module = lora_module(policy_dir, critic=ModelSpec(gradient_checkpointing=True))
+    with pytest.warns(UserWarning, match="the critic trains in full beside the LoRA policy"):
+        module.configure_model()
     assert hasattr(module.policy, "disable_adapter") and not hasattr(module.critic, "disable_adapter")
     assert all(p.requires_grad for p in module.critic.parameters())  # full fine-tuning
     module = lora_module(policy_dir, critic=ModelSpec(lora=LoRA(r=2, alpha=2)))
@@ -220,6 +221,11 @@ def test_bad_lora_setup_fails_in_one_line_before_any_step(tok, policy_dir, tmp_p
         tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
     assert "\n" not in str(error.value)
     assert not scalars(tmp_path)  # no step, no validation ran
+
+
+def test_a_policy_without_a_source_fails_in_one_line(tok):
+    with pytest.raises(SetupError, match=r"model\.policy: give name_or_path"):
+        tiny_module(tok, policy=ModelSpec(lora=LORA))
 
 
 def test_lora_settings_are_checked():

@@ -253,6 +253,7 @@ COMMANDS = {
     "fit": "train with VAPO (or PPO / GRPO / DAPO by switches)",
     "validate": "score a checkpoint on the validation data (val/accuracy, mean@k)",
     "sft": "supervised fine-tuning of a warm start for RL",
+    "inspect": "validate a checkpoint and draw its critic's values, TD errors and advantages per token",
     "export": "save a checkpoint's policy and critic in Hugging Face format",
     "convert-gguf": "turn a GGUF model file into a Hugging Face folder",
 }
@@ -287,6 +288,11 @@ def main(args: list[str] | None = None) -> None:
             if args is None:  # Lightning warns when given both sys.argv and args
                 sys.argv, sft_args = [sys.argv[0], *sft_args], None
             cli(SFTModule, SFTDataModule, args=sft_args, save_config_kwargs={"overwrite": True})
+        elif command == "inspect":  # `vapo validate` with the critic's view (critic_view.py)
+            inspect_args = ["validate", *argv[1:], "--trainer.callbacks+=vapo_lightning.critic_view.CriticView"]
+            if args is None:  # Lightning warns when given both sys.argv and args
+                sys.argv, inspect_args = [sys.argv[0], *inspect_args], None
+            run_cli(inspect_args)
         elif command == "export":
             from vapo_lightning.export import main as export_main
 

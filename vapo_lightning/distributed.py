@@ -46,6 +46,7 @@ __all__ = [
     "resolve_strategy",
     "save_pretrained",
     "shard_from_rank0",
+    "shards_checkpoints",
 ]
 
 MODES = ("ddp", "fsdp")
@@ -158,6 +159,13 @@ def builds_on_meta(module: Any) -> bool:
     on every rank but global rank 0, whose weights `parallelize` broadcasts into the shards."""
     strategy = _strategy(module)
     return strategy is not None and strategy.mode == "fsdp" and strategy.global_rank > 0
+
+
+def shards_checkpoints(module: Any) -> bool:
+    """Whether checkpoints hold every key of the models (fsdp: Lightning loads each key of the
+    sharded model from the checkpoint, strictly), so a LoRA run keeps its base in them."""
+    strategy = _strategy(module)
+    return strategy is not None and strategy.mode == "fsdp"
 
 
 def parallelize(module: Any) -> None:

@@ -150,13 +150,20 @@ def frozen_names(model: nn.Module, prefix: str) -> list[str]:
 
 @torch.no_grad()
 def base_fingerprint(model: nn.Module) -> list[float]:
-    """Two numbers that change when any frozen weight of `model` changes (float64 sums of the
-    weights and of their squares): a LoRA checkpoint keeps them to refuse a resume onto other
-    base weights. A trained head's frozen original (a fresh head's random start) is left out."""
+    """Two numbers that change when any frozen weight of `model` changes (the float64 sum of
+    the weights and of their squares): a LoRA checkpoint keeps them to refuse a resume onto
+    other base weights. A trained head's frozen original (a fresh head's random start) is
+    left out. Computed once per model (the base never changes), without a float64 copy."""
+    cached = getattr(model, "_vapo_base_fingerprint", None)
+    if cached is not None:
+        return cached
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     frozen = [t for n, t in model.state_dict().items()
               if n not in trainable and t.is_floating_point() and ".original_module." not in n]  # fmt: skip
-    return [float(sum(t.double().sum() for t in frozen)), float(sum(t.double().square().sum() for t in frozen))]
+    total = sum(float(torch.sum(t, dtype=torch.float64)) for t in frozen)
+    squares = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in frozen)
+    model._vapo_base_fingerprint = [total, squares]
+    return model._vapo_base_fingerprint
 
 
 # --------------------------------------------------------------------------- checkpoints

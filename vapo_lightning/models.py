@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -63,7 +64,8 @@ class ModelSpec:
     """Trade compute for activation memory during the updates."""
     lora: LoRA | None = None
     """Train LoRA adapters (peft) instead of every weight (`vapo_lightning.lora`); None: full
-    fine-tuning. A critic built from the policy takes the policy's unless its spec says."""
+    fine-tuning. Without a `model.critic` the critic takes the policy's; a critic spec of its
+    own sets its own (unset: the critic trains in full)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # (a checkpoint's hyper-parameters)
@@ -231,6 +233,9 @@ def add_adapters(
     """Policy and critic with LoRA adapters where their specs ask (`vapo_lightning.lora`); a
     critic without a spec of its own takes the policy's. The value head trains in full."""
     critic_lora = critic_spec.lora if critic_spec is not None else policy_spec.lora
+    if policy_spec.lora is not None and critic is not None and critic_lora is None:
+        rank_zero_warn("model.critic has no lora of its own: the critic trains in full beside the "
+                       "LoRA policy (set model.critic.lora to give it adapters)")  # fmt: skip
     if policy_spec.lora is not None:
         policy = with_adapters(policy, policy_spec.lora, "policy")
     if critic is not None and critic_lora is not None:

@@ -23,8 +23,13 @@ from vapo_lightning import core
 from vapo_lightning.advantages import actor_signal, compute_advantages, critic_targets
 from vapo_lightning.callbacks import ValidationSamples, watches_the_policy
 from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_rng_state
-from vapo_lightning.config import Algorithm, Generation, Optim
-from vapo_lightning.distributed import builds_on_meta, parallelize, save_pretrained
+from vapo_lightning.config import Algorithm, Generation, Optim, SetupError
+from vapo_lightning.distributed import (
+    builds_on_meta,
+    parallelize,
+    save_pretrained,
+    shards_checkpoints,
+)
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
 from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
 from vapo_lightning.metrics import PhaseTimer, defined, reduce_over_ranks, step_metrics
@@ -124,6 +129,8 @@ class VAPOModule(L.LightningModule):
             {k: asdict(v) if is_dataclass(v) else v for k, v in hparams.items()}
         )
         self.automatic_optimization = False
+        if not (policy.tokenizer or policy.name_or_path):
+            raise SetupError("model.policy: give name_or_path (a folder or hub id), or a config and a tokenizer")
         self.tokenizer = load_tokenizer(policy.tokenizer or policy.name_or_path)
         self.policy = self.critic = self.ref_policy = None
         self.actor_frozen = False  # set by ValuePretraining: only the critic learns
@@ -368,6 +375,8 @@ class VAPOModule(L.LightningModule):
         states = rank_rng_states(self.trainer.world_size)  # (every rank dumps the checkpoint)
         checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates}
         sources = weights_from_source(self.policy_spec, self.critic_spec)
+        if shards_checkpoints(self):  # (fsdp loads every key of the model from its shards)
+            sources = dict.fromkeys(sources, False)
         drop_frozen(checkpoint, self.trained_models, sources)  # LoRA: adapters, not the base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

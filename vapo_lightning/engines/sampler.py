@@ -333,8 +333,9 @@ def _growing_cache(capacity: int) -> Cache:
 
 def _cache_argument(model: PreTrainedModel) -> str:
     """transformers >= 5.2x names the forward's cache argument `cache`; earlier 5.x
-    `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    `past_key_values`. (A LoRA model's forward passes it on: its base's forward says.)"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _every_rank_done(done_here: bool, synced: bool, device: torch.device) -> bool:

@@ -45,7 +45,7 @@ from vapo_lightning.engines.vllm_setup import (
     import_vllm,
     write_model_dir,
 )
-from vapo_lightning.lora import merged_weights
+from vapo_lightning.lora import is_lora, merged_weights
 from vapo_lightning.rollout import Rollout, assemble, left_padded, sample_turns
 from vapo_lightning.tools.base import Tool
 from vapo_lightning.tools.turns import Segment
@@ -99,8 +99,9 @@ class VLLMEngine(RolloutEngine):
         super().__init__(policy, tokenizer, tools)
         vllm = import_vllm()
         config = policy.config
-        # `replicate` / `fully_shard` rename the class DDP<Name> / FSDP<Name>
-        names = config.architectures or [type(policy).__name__]
+        # `replicate` / `fully_shard` rename the class DDP<Name> / FSDP<Name>; LoRA: the base's
+        base = policy.get_base_model() if is_lora(policy) else policy
+        names = config.architectures or [type(base).__name__]
         architectures = [a.removeprefix("DDP").removeprefix("FSDP") for a in names]
         check_setup(config, max_model_len, architectures)
         self.options = options

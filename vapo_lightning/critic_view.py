@@ -1,0 +1,183 @@
+"""A per-token view of the critic: what a value-based method's advantages are made of.
+
+For each response token t: the critic's value V(s_t), the TD error
+delta_t = r_t + gamma V(s_{t+1}) - V(s_t) (GAE with lambda 0) and the advantage A_t (GAE with
+the actor's lambda, length-adaptive or fixed, VAPO §4.2), all from `core.gae` over the same
+sparse rewards and response mask as `advantages.compute_advantages`: tool observations are
+context, not actions, and get no numbers. The view leaves out one thing the update does:
+whitening, a shift and scale of the whole batch's advantages (`whiten_advantages`).
+
+For a wrong answer the token where V falls the most marks where the critic saw it go wrong.
+
+`CriticView` draws it at each validation for a few responses of the first batch (TensorBoard
+image `critic_view/image` and text `critic_view/text`, and `critic_view.md` plus one PNG per
+response in its folder); `vapo inspect` runs a validation with it on any checkpoint and any
+prompt file.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from vapo_lightning import core
+from vapo_lightning.advantages import actor_lambda
+from vapo_lightning.config import Algorithm
+from vapo_lightning.rollout import Rollout
+from vapo_lightning.updates import compute_values
+
+__all__ = ["CriticView", "TokenView", "pick_rows", "token_views"]
+
+
+@dataclass
+class TokenView:
+    """One response, token by token. `value`, `td_error` and `advantage` are NaN on context
+    tokens (a tool's observation); `drop` is the action token where V fell the most (None for
+    a right answer)."""
+
+    prompt: str
+    response: str
+    reward: float
+    correct: bool
+    tokens: list[str]
+    action: list[bool]
+    value: list[float]
+    td_error: list[float]
+    advantage: list[float]
+    drop: int | None
+
+    def markdown(self) -> str:
+        verdict = "right" if self.correct else "wrong"
+        head = f"**reward {self.reward:+.2f} ({verdict})**, prompt: {self.prompt[-200:]!r}\n\n"
+        rows = ["| t | token | V | TD error | advantage |", "|---|---|---|---|---|"]
+        for t, tok in enumerate(self.tokens):
+            mark = " ← largest drop of V" if t == self.drop else ""
+            cells = [f"{x:+.3f}" for x in (self.value[t], self.td_error[t], self.advantage[t])]
+            if not self.action[t]:
+                cells = ["(context)", "", ""]
+            rows.append(f"| {t} | {tok!r} | " + " | ".join(cells) + f" |{mark}")
+        return head + "\n".join(rows) + "\n"
+
+
+@torch.no_grad()
+def token_views(r: Rollout, algo: Algorithm, tokenizer: Any) -> list[TokenView]:
+    """The view of each response of `r`, whose `values` (V_old) and `scores` are set."""
+    mask = r.response_mask
+    rewards = core.sparse_rewards(r.scores.float(), mask)
+    values = r.values.float()
+    td_error = core.gae(rewards, values, mask, algo.gamma, 0.0)[0]  # (B, T)
+    advantage = core.gae(rewards, values, mask, algo.gamma, actor_lambda(r, algo))[0]  # (B, T)
+    shown = [torch.where(mask, x, float("nan")) for x in (values, td_error, advantage)]  # (B, T) each
+    views = []
+    for b in range(len(r)):
+        length = int((r.attention_mask[b, r.prompt_length :] > 0).sum())  # its tokens, observations too
+        value, delta, adv = (x[b, :length].tolist() for x in shown)
+        steps = [t for t in range(length) if mask[b, t]]
+        falls = [(value[s] - value[t], t) for s, t in itertools.pairwise(steps)]
+        drop = max(falls)[1] if falls and not bool(r.correct[b]) else None
+        sample = r.samples[b] if r.samples else None
+        views.append(TokenView(
+            prompt=sample.prompt if sample else "", response=sample.response if sample else "",
+            reward=float(r.scores[b]), correct=bool(r.correct[b]),
+            tokens=[tokenizer.decode([i]) for i in r.responses[b, :length].tolist()],
+            action=mask[b, :length].tolist(), value=value, td_error=delta, advantage=adv, drop=drop,
+        ))  # fmt: skip
+    return views
+
+
+def pick_rows(correct: Tensor, k: int) -> list[int]:
+    """The first k rows, with the first wrong answer among them when there is one."""
+    rows = list(range(min(k, len(correct))))
+    wrong = (~correct.bool()).nonzero().flatten().tolist()
+    if wrong and not any(w in rows for w in wrong) and rows:
+        rows[-1] = wrong[0]
+    return rows
+
+
+def figure(view: TokenView, max_tokens: int = 96) -> Any:
+    """V, TD error and advantage over the response's tokens (the first `max_tokens`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = min(len(view.tokens), max_tokens)
+    fig, axes = plt.subplots(3, 1, figsize=(max(6.0, 0.16 * n + 2), 6), sharex=True)
+    series = [("V(s_t)", view.value, "tab:blue"), ("TD error", view.td_error, "tab:orange"),
+              ("advantage", view.advantage, "tab:green")]  # fmt: skip
+    for ax, (name, ys, color) in zip(axes, series):
+        ax.plot(range(n), ys[:n], marker=".", color=color, lw=1)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_ylabel(name)
+        if view.drop is not None and view.drop < n:
+            ax.axvline(view.drop, color="red", lw=0.8, ls="--")
+    axes[-1].set_xticks(range(n))
+    axes[-1].set_xticklabels([t.replace("\n", "\\n") for t in view.tokens[:n]], rotation=90, fontsize=6)
+    verdict = "right" if view.correct else "wrong (dashed: largest drop of V)"
+    axes[0].set_title(f"reward {view.reward:+.2f}, {verdict}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def png(view: TokenView) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig = figure(view)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+class CriticView(L.Callback):
+    """At each validation: the critic's per-token view of `k` responses of the first batch
+    (one of them wrong when the batch has a wrong one), in TensorBoard (`critic_view/image`,
+    `critic_view/text`) and in `folder` (default `<default_root_dir>/critic_view/`):
+    `critic_view.md` (appended) and `step<N>_<i>.png`. Rank 0's responses only.
+
+    Args:
+        k: responses shown per validation.
+        folder: where the files go.
+    """
+
+    def __init__(self, k: int = 4, folder: str | None = None) -> None:
+        self.k, self.folder = k, folder
+        self.last_views: list[TokenView] = []  # the last drawn, and their responses
+        self.last_rollout: Rollout | None = None
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+        r = getattr(pl_module, "last_val_rollout", None)
+        if batch_idx != 0 or r is None or pl_module.critic is None or not trainer.is_global_zero:
+            return
+        r = self.last_rollout = r.select(pick_rows(r.correct, self.k))
+        r.values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size)  # V(s_t)
+        self.last_views = token_views(r, pl_module.algo, pl_module.tokenizer)
+        self.write(trainer, self.last_views)
+
+    def write(self, trainer: L.Trainer, views: list[TokenView]) -> None:
+        step = trainer.global_step
+        folder = Path(self.folder or Path(trainer.default_root_dir) / "critic_view")
+        folder.mkdir(parents=True, exist_ok=True)
+        text = "".join(f"### step {step}, response {i}\n\n{v.markdown()}\n" for i, v in enumerate(views))
+        with (folder / "critic_view.md").open("a", encoding="utf-8") as f:
+            f.write(text)
+        images = [png(v) for v in views]
+        for i, image in enumerate(images):
+            (folder / f"step{step}_{i}.png").write_bytes(image)
+        writer = getattr(getattr(trainer, "logger", None), "experiment", None)
+        if writer is not None and hasattr(writer, "add_image"):
+            import numpy as np
+            from PIL import Image
+
+            for i, image in enumerate(images):
+                array = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"))
+                writer.add_image(f"critic_view/image/{i}", array, step, dataformats="HWC")
+            writer.add_text("critic_view/text", text, step)
