@@ -34,7 +34,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapters: bool = F
         raise CheckpointError(f"checkpoint {ckpt_path} was not written by a VAPO run")
     module = VAPOModule(**hparams)
     module.configure_model()
-    models = {"policy": module.policy, "critic": module.critic}
+    models = module.trained_models
     restore_frozen(ckpt, models, str(ckpt_path))  # LoRA: the base weights from their source
     module.load_state_dict(ckpt["state_dict"])
     if adapters and not any(is_lora(m) for m in models.values()):

@@ -157,9 +157,8 @@ def base_fingerprint(model: nn.Module) -> list[float]:
     cached = getattr(model, "_vapo_base_fingerprint", None)
     if cached is not None:
         return cached
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    frozen = [t for n, t in model.state_dict().items()
-              if n not in trainable and t.is_floating_point() and ".original_module." not in n]  # fmt: skip
+    state = model.state_dict()
+    frozen = [state[n] for n in frozen_names(model, "") if state[n].is_floating_point() and ".original_module." not in n]
     total = sum(float(torch.sum(t, dtype=torch.float64)) for t in frozen)
     squares = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in frozen)
     model._vapo_base_fingerprint = [total, squares]

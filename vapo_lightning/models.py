@@ -239,8 +239,7 @@ def add_adapters(
     if policy_spec.lora is not None:
         policy = with_adapters(policy, policy_spec.lora, "policy")
     if critic is not None and critic_lora is not None:
-        head = "score" if isinstance(getattr(critic, "score", None), nn.Linear) else "classifier"
-        critic = with_adapters(critic, critic_lora, "critic", value_head=head)
+        critic = with_adapters(critic, critic_lora, "critic", value_head=_value_head_name(critic))
     return policy, critic
 
 
@@ -252,13 +251,15 @@ def weights_from_source(policy_spec: ModelSpec, critic_spec: ModelSpec | None) -
     return {"policy": policy, "critic": critic_spec.name_or_path is not None if own else policy}
 
 
+def _value_head_name(model: PreTrainedModel) -> str:
+    for name in ("score", "classifier"):
+        if isinstance(getattr(model, name, None), nn.Linear):
+            return name
+    raise TypeError(f"{type(model).__name__} has no linear score/classifier head to use as value head")
+
+
 def _value_head(model: PreTrainedModel) -> nn.Linear:
-    head = getattr(model, "score", None) or getattr(model, "classifier", None)
-    if not isinstance(head, nn.Linear):
-        raise TypeError(
-            f"{type(model).__name__} has no linear score/classifier head to use as value head"
-        )
-    return head
+    return getattr(model, _value_head_name(model))
 
 
 def _meta_device(meta: bool) -> contextlib.AbstractContextManager:
