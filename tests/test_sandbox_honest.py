@@ -93,7 +93,39 @@ def test_timings_split_set_up_from_run(pool):
     code = "import time\ntime.sleep(0.3)\ndef add(a, b):\n    return a + b\n"
     r = pool.evaluate(code, ADD, "add")
     assert r.passed == 3
-    assert r.run_ms >= 280 and r.setup_ms < 200, (r.setup_ms, r.run_ms)
+    assert r.run_ms >= 300 and r.setup_ms < 200, (r.setup_ms, r.run_ms)
+
+
+SLOW_SERVER = """
+import json, sys, time
+from vapo_lightning.sandbox import client, server, zygote
+
+premake = zygote.Spares.premake_cgroups
+def slow_premake(self):  # what a busy host does between the request and the sandbox's reply
+    time.sleep(0.25)
+    premake(self)
+zygote.Spares.premake_cgroups = slow_premake
+s = server.Server({"cgroup_root": client.DEFAULT_CGROUP_ROOT})
+code = "import time\\ntime.sleep(0.3)\\ndef add(a, b):\\n    return a + b\\n"
+req = {"code": code, "inputs": ["[1, 2]"], "fn_name": "add", "timeout_s": 10.0,
+       "limits": client.Limits().__dict__}
+header, raw = s.handle(req)
+s.close()
+print(json.dumps(header))
+"""
+
+
+def test_the_run_is_timed_from_the_sandbox_not_from_when_the_server_reads_it():
+    """A server busy when the sandbox reports ready (here 0.25 s making the next spare's
+    cgroups) still counts the whole program in run_ms: the sandbox stamps its start."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SLOW_SERVER], capture_output=True, text=True, timeout=60)
+    header = json.loads(out.stdout.strip().splitlines()[-1])
+    assert header["status"] == "ok", header
+    assert header["run_ms"] >= 300 and header["setup_ms"] < 200, header
 
 
 def test_deep_recursion_with_raised_limit(pool):

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 if __package__:
     from . import cgroups as CG
@@ -332,8 +333,10 @@ class Isolation:
         # Stdin and execute mode run the program as our child, confined the same way.
         per_child = mode != "function" and not own_pidns
         confine = self._enforce_landlock(ruleset, per_child, ctl_w, active)
-        # Also our check that the server is alive (else EPIPE): see PDEATHSIG above.
-        os.write(ctl_w, ("L " + json.dumps(active) + "\n").encode())
+        # Also our check that the server is alive (else EPIPE): see PDEATHSIG above. `T`: the
+        # moment the program starts (CLOCK_MONOTONIC, one clock for every process of the host),
+        # so that the server splits setup from run however late it reads this line.
+        os.write(ctl_w, f"L {json.dumps(active)}\nT {time.monotonic()!r}\n".encode())
         os.close(ctl_w)
         if mode == "stdin":
             runner.run_stdin_mode(

@@ -121,13 +121,17 @@ def write_error(fd: int, what: str) -> None:
 
 
 def parse_ctl(ctl: bytes) -> dict:
-    layers, errors = [], []
+    """The sandbox's control lines: ``L`` its layers, ``T`` when its program started
+    (`time.monotonic`; None if it never did), ``X`` set-up errors."""
+    layers, errors, started = [], [], None
     for line in ctl.decode("utf-8", "replace").splitlines():
         if line.startswith("L "):
             layers = json.loads(line[2:])
+        elif line.startswith("T "):
+            started = float(line[2:])
         elif line.startswith("X "):
             errors.append(line[2:])
-    return {"layers": layers, "setup_errors": errors}
+    return {"layers": layers, "setup_errors": errors, "started": started}
 
 
 def pid_line(ctl: bytes) -> bytes | None:

@@ -112,7 +112,7 @@ class Server:
 
     def handle(self, req: dict, blob: bytes | None = None) -> tuple[dict, bytes]:
         """Runs one request (`blob`: its JSON as received, passed on to the sandbox as is)."""
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         P.request_mode(req)  # an unknown mode fails here, before a spare is used
         deadline = t0 + float(req["timeout_s"])
         cap = int(req["limits"]["output_bytes"])
@@ -120,6 +120,7 @@ class Server:
         if sp.p2_fd is None and self.iso.subreaper:  # C failed (its error is in sp.ctl)
             self.spares.discard(sp)
             header = P.parse_ctl(sp.ctl)
+            del header["started"]
             header.update(status="setup_error", exit_code=70, raw_len=0)
             header["spare_sids"] = self.spares.refill(sp.tmp_mb)
             return header, b""
@@ -133,9 +134,11 @@ class Server:
         wait_status = self._end(sp, watch_pid, watch_fd)
         self.spares.collect()  # (answered by now) all spares known before any leftover is killed
         header = P.parse_ctl(ctl)
-        layers = header["layers"]
+        layers, started = header["layers"], header.pop("started")
+        # (the sandbox's own stamp: `t_ready` is when this loop read it, later when busy)
+        started = t_ready and min(max(started or t_ready, t0), t_ready)
         status, raw = self._clean_up(sp, layers, status, raw)
-        t_end = time.perf_counter()
+        t_end = time.monotonic()
         code = os.waitstatus_to_exitcode(wait_status)
         if status is None:  # P2 ended before its `L` line only if the sandbox failed to set up
             status = "ok" if code == 0 else "crashed" if t_ready is not None else "setup_error"
@@ -144,8 +147,8 @@ class Server:
             status=status,
             exit_code=code,
             raw_len=min(len(raw), cap),
-            setup_ms=((t_ready or t_end) - t0) * 1e3,
-            run_ms=(t_end - (t_ready or t_end)) * 1e3,
+            setup_ms=((started or t_end) - t0) * 1e3,
+            run_ms=(t_end - (started or t_end)) * 1e3,
             spare_sids=self.spares.sids(),
         )
         return header, bytes(raw[:cap])
@@ -181,7 +184,7 @@ class Server:
             poller.register(sp.req_w, select.POLLOUT)
         done = False
         while not done:
-            remaining = deadline - time.perf_counter()
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 status = "timeout"
                 _drain(sp.res_r, raw, cap)  # what the run wrote until now (execute mode's)
@@ -206,7 +209,7 @@ class Server:
                     elif fd == sp.ctl_r:
                         ctl += chunk[:4096]
                         if t_ready is None and (ctl.startswith(b"L ") or b"\nL " in ctl):
-                            t_ready = time.perf_counter()
+                            t_ready = time.monotonic()
                     else:
                         raw += chunk
             if len(raw) > cap:
@@ -218,7 +221,7 @@ class Server:
                 _drain(sp.ctl_r, rest, 4096)
                 ctl += bytes(rest[:4096])
                 if t_ready is None and (ctl.startswith(b"L ") or b"\nL " in ctl):
-                    t_ready = time.perf_counter()
+                    t_ready = time.monotonic()
         return ctl, raw, status, t_ready
 
     def _end(self, sp: Spare, watch_pid: int, watch_fd: int) -> int:
