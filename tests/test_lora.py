@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -15,9 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from tests.helpers import TINY_LLAMA, scalars, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning.callbacks import ValuePretraining
-from vapo_lightning.config import Algorithm, Optim, SetupError
+from vapo_lightning.config import Algorithm, Generation, Optim, SetupError
+from vapo_lightning.engines.native import NativeEngine, generate
 from vapo_lightning.export import export_checkpoint
-from vapo_lightning.lora import AdaptersOff, LoRA, merged_weights, with_adapters
+from vapo_lightning.lora import AdaptersOff, LoRA, is_lora, merged_weights, with_adapters
 from vapo_lightning.models import ModelSpec, load_tokenizer
 
 peft = pytest.importorskip("peft")
@@ -90,6 +92,33 @@ def test_the_merged_model_gives_the_peft_models_logits_and_leaves_it_unmerged():
             base = model(input_ids=ids).logits
         assert (adapted - base).abs().max() > 0.1  # the adapters matter in this test
         assert torch.equal(model(input_ids=ids).logits, adapted)  # the trainer's copy: unmerged
+
+
+def test_the_native_engine_samples_a_merged_copy_refreshed_after_each_change():
+    """Greedy tokens from the engine equal the peft model's own before and after its adapters
+    change (told by `policy_changed`); the trainer's copy stays unmerged."""
+    torch.manual_seed(0)
+    model = with_adapters(tiny_llama(), LORA, "policy").eval()
+    random_adapters(model)
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    engine = NativeEngine(model, tokenizer, [])
+    greedy = Generation(n=1, max_new_tokens=12, temperature=0.0)
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11]]
+
+    def own_greedy():  # the slow, obvious way: the peft model sampled directly
+        return generate(model, prompts, greedy, 0, 1).responses
+
+    engine.sync()
+    before = engine.generate(prompts, greedy).responses
+    assert torch.equal(before, own_greedy())
+    assert engine.merged.model is not model and not is_lora(engine.merged.model)
+    random_adapters(model, seed=1)  # an update
+    assert not torch.equal(own_greedy(), before)  # (the change shows in greedy tokens)
+    assert not engine.sync() and torch.equal(engine.generate(prompts, greedy).responses, before)
+    engine.policy_changed()
+    assert engine.sync() and torch.equal(engine.generate(prompts, greedy).responses, own_greedy())
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert not layer.merged and any(n.endswith("base_layer.weight") for n, _ in model.named_parameters())
 
 
 def test_the_reference_policy_is_the_base_with_adapters_off():

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from vapo_lightning.config import SetupError
 
-__all__ = ["AdaptersOff", "LoRA", "drop_frozen", "is_lora", "merged_weights", "restore_frozen", "with_adapters"]
+__all__ = ["AdaptersOff", "LoRA", "MergedCopy", "drop_frozen", "is_lora", "merged_weights", "restore_frozen",
+           "with_adapters"]  # fmt: skip
 
 
 @dataclass
@@ -139,6 +140,35 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield f"{owner}.weight", (tensor + delta).to(tensor.dtype)
         else:
             yield name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), tensor
+
+
+class MergedCopy:
+    """A plain model of a LoRA model's base architecture holding its merged weights, for
+    sampling: each decoding step then makes one matmul per layer, not the base layer's plus
+    the adapter's two small ones (benchmarks/results/lora.md). `stale` after each change of
+    the adapters; `refresh` copies them in, in place, one tensor at a time. Memory: one more
+    copy of the base's weights, in the model's dtype."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.source, self.model, self.stale = model, None, True
+
+    @torch.no_grad()
+    def refresh(self) -> bool:
+        """Merges the adapters into the copy (made on first use) if they changed since;
+        returns whether it did."""
+        if not self.stale:
+            return False
+        if self.model is None:
+            base = self.source.get_base_model()
+            weight = next(base.parameters())
+            with torch.random.fork_rng(devices=[]):  # (its random start must not move the run's stream)
+                model = type(base)(base.config)
+            self.model = model.to(weight.device, weight.dtype).eval().requires_grad_(False)
+        state = self.model.state_dict()
+        for name, tensor in merged_weights(self.source):
+            state[name].copy_(tensor)
+        self.stale = False
+        return True
 
 
 def frozen_names(model: nn.Module, prefix: str) -> list[str]:

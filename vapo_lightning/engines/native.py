@@ -7,6 +7,8 @@ leave the batch); `generate_turns` the multi-turn one, calling tools mid-respons
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -20,6 +22,7 @@ from vapo_lightning.engines.sampler import (
     sample_responses,
     token_texts,
 )
+from vapo_lightning.lora import MergedCopy, is_lora
 from vapo_lightning.rollout import Rollout, assemble, left_padded, sample_turns
 from vapo_lightning.tools.base import Tool
 from vapo_lightning.tools.turns import Segment
@@ -28,14 +31,28 @@ __all__ = ["NativeEngine", "generate", "generate_turns"]
 
 
 class NativeEngine(RolloutEngine):
-    """Samples the trainer's policy in place (CPU runs, tests, small models)."""
+    """Samples the trainer's policy in place (CPU runs, tests, small models). A LoRA policy
+    (not sharded) is sampled from a copy with its adapters merged in (`lora.MergedCopy`),
+    refreshed after each change of the policy: decoding through peft's unmerged layers ran
+    at half the speed."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool]) -> None:
+        super().__init__(policy, tokenizer, tools)
+        sharded = any(hasattr(p, "full_tensor") for p in policy.parameters())
+        self.merged = MergedCopy(policy) if is_lora(policy) and not sharded else None
+
+    def policy_changed(self) -> None:
+        if self.merged is not None:
+            self.merged.stale = True
+
+    def sync(self) -> bool:
+        return self.merged is not None and self.merged.refresh()
 
     def generate(self, prompt_ids: list[list[int]], gen: Generation, reproducible: bool = False) -> Rollout:
         self.policy.eval()
-        tok = self.tokenizer
+        model, tok = self.policy if self.merged is None else self.merged.model, self.tokenizer
         return generate(
-            self.policy, prompt_ids, gen, tok.pad_token_id, tok.eos_token_id,
-            tools=self.tools, tokenizer=tok,
+            model, prompt_ids, gen, tok.pad_token_id, tok.eos_token_id, tools=self.tools, tokenizer=tok
         )  # fmt: skip
 
 
