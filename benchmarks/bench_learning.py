@@ -53,6 +53,26 @@ SUMMARIES = ROOT / "benchmarks/results/learning_runs"
 CURVES = ("rollout/accuracy", "response_length/mean", "critic/vf_explained_var")
 
 
+# (name, layer over the task's config or None, the paper's Table 1 AIME24 score)
+RUNS = [
+    ("VAPO", None, 60),
+    ("vanilla PPO", "configs/baselines/ppo.yaml", 5),
+    ("GRPO", "configs/baselines/grpo.yaml", None),
+    ("DAPO", "configs/baselines/dapo.yaml", 50),
+    ("w/o value-pretraining", "configs/ablations/vapo_wo_value_pretraining.yaml", 11),
+    ("w/o decoupled GAE", "configs/ablations/vapo_wo_decoupled_gae.yaml", 33),
+    ("w/o length-adaptive GAE", "configs/ablations/vapo_wo_length_adaptive_gae.yaml", 45),
+    ("w/o clip-higher", "configs/ablations/vapo_wo_clip_higher.yaml", 46),
+    ("w/o token-level loss", "configs/ablations/vapo_wo_token_level_loss.yaml", 53),
+    ("w/o positive-example LM loss", "configs/ablations/vapo_wo_positive_example_nll.yaml", 54),
+    ("w/o group-sampling", "configs/ablations/vapo_wo_group_sampling.yaml", 55),
+    ("SAO-style (n=1, 2 critic steps)", "configs/baselines/sao.yaml", None),
+    # the mechanism test of the pretrained-critic study: a task-specific layer
+    ("VAPO, critic at random init", None, None),
+]
+TABLE_1 = tuple(name for name, _, _ in RUNS[:-1])  # the rows of the miniature Table 1
+
+
 @dataclass(frozen=True)
 class Task:
     config: str
@@ -64,6 +84,7 @@ class Task:
     settings: tuple[tuple[str, str, str], ...] = ()  # (setting, the paper, here and why)
     reading: str = ""  # the RESULTS.md section that reads the report
     overrides: tuple[str, ...] = ()  # for every row's fit, after the task's config
+    rows: tuple[str, ...] = TABLE_1  # the rows of RUNS it runs
 
 
 TASKS = {
@@ -108,6 +129,35 @@ TASKS = {
           "125 validation problems × 2 samples, T = 1.0")),
         reading="learning-on-the-credit-assignment-task",
     ),
+    "smollm2": Task(
+        "configs/smollm2.yaml", "vapo_lightning/assets/word_problems/val.jsonl", 22,
+        ((1, 1), (2, 2)), "benchmarks/results/learning_real.md",
+        {"vanilla PPO": "configs/smollm2/ppo.yaml", "GRPO": "configs/smollm2/grpo.yaml",
+         "DAPO": "configs/smollm2/dapo.yaml",
+         "w/o value-pretraining": "configs/smollm2/vapo_wo_value_pretraining.yaml",
+         "VAPO, critic at random init": "configs/smollm2/random_critic.yaml"},
+        (("model", "Qwen2.5-32B (policy and critic)",
+          "SmolLM2-135M-Instruct from its GGUF (4-bit weights dequantised); the critic from its "
+          "backbone with a fresh value head, or at random init (its own row)"),
+         ("α of length-adaptive GAE", "0.05",
+          "0.05: λ_actor 0.64 at 56 tokens to 0.74 at 78 (the mean answer lengths of the "
+          "config's run)"),
+         ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
+         ("actor / critic learning rate", "1e-6 / 2e-6",
+          "1e-5 / 1e-4: a 135 M pretrained model that must move in 22 updates"),
+         ("value pretraining", "50 steps",
+          "8 steps, before the 22 policy updates; every run its own (the rows that start from "
+          "the pretrained backbone's value pretraining: VAPO alone), a fixed count, not the "
+          "explained-variance threshold, so that every row gets the same policy updates"),
+         ("prompts × samples per rollout step", "512 × 16", "16 × 4: a run ≤ 60 min on 2 cores"),
+         ("mini-batch", "512 responses (16 optimiser steps per rollout)",
+          "16 responses (4 optimiser steps per rollout)"),
+         ("learning-rate warm-up", "length not given", "3 steps"),
+         ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
+          "128 validation problems × 2 samples, T = 0.4 (this model babbles at 1.0)")),
+        rows=("VAPO", "VAPO, critic at random init", "w/o value-pretraining", "vanilla PPO",
+              "GRPO", "DAPO"),
+    ),
 }  # fmt: skip
 # The credit-assignment study's first configuration, kept with its 27 runs: the whole step's
 # 64 responses in one mini-batch, so every update is on-policy and no clip binds.
@@ -121,21 +171,11 @@ TASKS["digitwise_one_minibatch"] = replace(
     ),
 )
 
-# (name, layer over the task's config or None, the paper's Table 1 AIME24 score)
-RUNS = [
-    ("VAPO", None, 60),
-    ("vanilla PPO", "configs/baselines/ppo.yaml", 5),
-    ("GRPO", "configs/baselines/grpo.yaml", None),
-    ("DAPO", "configs/baselines/dapo.yaml", 50),
-    ("w/o value-pretraining", "configs/ablations/vapo_wo_value_pretraining.yaml", 11),
-    ("w/o decoupled GAE", "configs/ablations/vapo_wo_decoupled_gae.yaml", 33),
-    ("w/o length-adaptive GAE", "configs/ablations/vapo_wo_length_adaptive_gae.yaml", 45),
-    ("w/o clip-higher", "configs/ablations/vapo_wo_clip_higher.yaml", 46),
-    ("w/o token-level loss", "configs/ablations/vapo_wo_token_level_loss.yaml", 53),
-    ("w/o positive-example LM loss", "configs/ablations/vapo_wo_positive_example_nll.yaml", 54),
-    ("w/o group-sampling", "configs/ablations/vapo_wo_group_sampling.yaml", 55),
-    ("SAO-style (n=1, 2 critic steps)", "configs/baselines/sao.yaml", None),
-]
+
+
+def task_runs(task: Task) -> list[tuple[str, str | None, int | None]]:
+    """(name, layer, Table 1 score) of each row the task runs, its own layers in place."""
+    return [(n, task.layers.get(n, layer), paper) for n, layer, paper in RUNS if n in task.rows]
 
 
 def slug(name: str) -> str:
@@ -485,6 +525,11 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
     return [*out, ""]
 
 
+def val_temperature(task: Task) -> float:
+    """The validation's sampling temperature in the task's config (the default: 1.0)."""
+    return float((load(task.config)["model"].get("val_generation") or {}).get("temperature", 1.0))
+
+
 def late_explained_variance(row: dict, updates: int = 10) -> str:
     """The critic's explained variance over the last `updates` steps, mean over seeds; "-"
     for rows without a critic (or summaries without the curve)."""
@@ -517,7 +562,7 @@ def report(
         "in every run (`data.seed` 0), so the rows of one seed whose value pretraining samples "
         "a group per prompt (all but w/o group-sampling and SAO-style) start their policy "
         "updates from the same critic. "
-        "val/accuracy: mean@k at temperature 1.0 on the validation set "
+        f"val/accuracy: mean@k at temperature {val_temperature(task):g} on the validation set "
         f"(`{task.val}`). Final = after the last policy update (equal updates); "
         "equal samples = at the same number of rollout steps as the rows without value "
         "pretraining. ± is the 95 % confidence interval of the mean over seeds; p is Welch's "
@@ -623,8 +668,7 @@ def main() -> None:
     out = args.out or ROOT / task.out
     if args.jobs > 1:
         os.environ["OMP_NUM_THREADS"] = str(max(1, 2 // args.jobs))
-    runs = [(n, task.layers.get(n, layer), paper) for n, layer, paper in RUNS
-            if args.only is None or n in args.only]  # fmt: skip
+    runs = [run for run in task_runs(task) if args.only is None or run[0] in args.only]
     jobs = [(name, layer, seed) for seed in args.seeds for name, layer, _ in runs]
     folder = args.summaries or args.task
     if args.partial:

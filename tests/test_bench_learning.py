@@ -21,8 +21,7 @@ def test_every_row_gets_the_same_policy_updates_and_responses(task):
     t = B.TASKS[task]
     base = B.load(t.config)
     responses = base["data"]["prompts_per_step"] * base["model"]["generation"]["n"]
-    for name, layer, _ in B.RUNS:
-        layer = t.layers.get(name, layer)
+    for name, layer, _ in B.task_runs(t):
         p, args = B.row_overrides(t, layer)
         merged = {a.split("=")[0]: a.split("=")[1] for a in args}
         assert int(merged["--trainer.max_steps"]) - p == t.updates, name
@@ -31,7 +30,33 @@ def test_every_row_gets_the_same_policy_updates_and_responses(task):
         per_step = int(merged.get("--data.prompts_per_step", base["data"]["prompts_per_step"]))
         assert per_step * (n or base["model"]["generation"]["n"]) == responses, name
         without = name in ("vanilla PPO", "GRPO", "DAPO", "w/o value-pretraining")
-        assert p == (0 if without else 5 if task == "arithmetic" else 50), name
+        assert p == (0 if without else {"arithmetic": 5, "smollm2": 8}.get(task, 50)), name
+
+
+def test_each_task_runs_its_rows_with_their_layers():
+    """Table 1's rows by default; a row without a shared layer (the random-init critic) only
+    where the task gives it one, as that layer is the model's own architecture."""
+    for name, t in B.TASKS.items():
+        runs = B.task_runs(t)
+        assert [n for n, _, _ in runs] == [n for n, _, _ in B.RUNS if n in t.rows], name
+        assert all(layer is not None for n, layer, _ in runs if n != "VAPO"), name
+    assert "VAPO, critic at random init" not in B.TASKS["digitwise"].rows
+
+
+def test_the_random_critic_layer_is_the_real_models_architecture():
+    """configs/smollm2/random_critic.yaml builds the converted model's architecture (its
+    config.json) with random weights; a missing model folder skips."""
+    folder = B.ROOT / "models/smollm2-135m-instruct"
+    if not (folder / "config.json").exists():
+        pytest.skip("the real model is not converted here (docs/own_model.md)")
+    real = json.loads((folder / "config.json").read_text())
+    layer = B.load(B.TASKS["smollm2"].layers["VAPO, critic at random init"])
+    config = layer["model"]["critic"]["config"]
+    for key, value in config.items():
+        if key == "rms_norm_eps":
+            assert math.isclose(value, real[key], rel_tol=1e-6)
+        else:
+            assert real[key] == value, key
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "digitwise"])
