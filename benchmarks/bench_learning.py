@@ -5,7 +5,10 @@ task; `--task digitwise_one_minibatch`: its first configuration, kept) it runs
 `vapo fit -c <task config> [-c <layer>]` for VAPO, vanilla PPO, GRPO, DAPO, VAPO
 without each of its seven techniques and an SAO-style row, for several seeds, and writes a
 table in the shape of Table 1 with a 95 % confidence interval per row, Welch's test of each
-row against VAPO (Holm-corrected), accuracy per length bucket and the early-step curves.
+row against VAPO (Holm-corrected), accuracy per difficulty bucket and the early-step curves.
+`--task smollm2`, the pretrained-critic study on the real model, runs VAPO, VAPO with a critic
+of the same architecture at random init, VAPO without value pretraining, vanilla PPO, GRPO
+and DAPO, and also reports accuracy by answer length.
 
 Fair budgets: every row gets `--updates` policy-update steps. A row with value pretraining
 runs P more rollout steps first (its own column); it is validated at rollout step `updates`
@@ -22,6 +25,7 @@ writes the report over the seeds finished so far, saying how many each row has.
 
     python benchmarks/bench_learning.py --task digitwise --seeds 0 1 2 3 4 --jobs 2
     python benchmarks/bench_learning.py --task arithmetic --seeds 0 1 2 3 4 --jobs 2
+    python benchmarks/bench_learning.py --task smollm2 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class Task:
     reading: str = ""  # the RESULTS.md section that reads the report
     overrides: tuple[str, ...] = ()  # for every row's fit, after the task's config
     rows: tuple[str, ...] = TABLE_1  # the rows of RUNS it runs
+    lengths: tuple[tuple[int, int], ...] = ()  # answer-length buckets (tokens) also reported
 
 
 TASKS = {
@@ -157,6 +162,7 @@ TASKS = {
           "128 validation problems × 2 samples, T = 0.4 (this model babbles at 1.0)")),
         rows=("VAPO", "VAPO, critic at random init", "w/o value-pretraining", "vanilla PPO",
               "GRPO", "DAPO"),
+        lengths=((0, 63), (64, 127), (128, 192)),
     ),
 }  # fmt: skip
 # The credit-assignment study's first configuration, kept with its 27 runs: the whole step's
@@ -295,6 +301,7 @@ def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict
         "val": val_points(run_dir),
         "buckets": bucket_accuracy(run_dir, difficulty, task.buckets),
         "start_buckets": bucket_accuracy(run_dir, difficulty, task.buckets, first=True),
+        **({"lengths": length_accuracy(run_dir, task.lengths)} if task.lengths else {}),
         "curves": {tag: scalar_curve(run_dir, tag) for tag in CURVES},
         "minutes": round(minutes, 2),
         "date": time.strftime("%Y-%m-%d"),
@@ -360,20 +367,35 @@ def val_points(run_dir: Path) -> list[float]:
 def bucket_accuracy(
     run_dir: Path, difficulty: dict[str, int], buckets, first: bool = False
 ) -> list[float]:
-    """Accuracy of the last validation's samples (the last run of consecutive lines with one
-    step; `first`: the first, the start), per difficulty bucket. By position, not by step:
-    `vapo validate` appends its samples at step 0, after the fit's own step-0 validation."""
-    with (run_dir / "val_samples.jsonl").open() as f:
-        samples = [json.loads(line) for line in f]
-    order = samples if first else samples[::-1]
-    last = list(itertools.takewhile(lambda s: s["step"] == order[0]["step"], order))
+    """Accuracy of the last validation's samples (`first`: the start's), per difficulty
+    bucket."""
     hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
-    for s in last:
+    for s in validation_samples(run_dir, first):
         # the sample's prompt is the chat-formatted one: the longest task prompt it holds
         k = difficulty[max((p for p in difficulty if p in s["prompt"]), key=len)]
         i = next(i for i, (lo, hi) in enumerate(buckets) if lo <= k <= hi)
         hits[i].append(bool(s["correct"]))
     return [statistics.mean(h) if h else math.nan for h in hits.values()]
+
+
+def validation_samples(run_dir: Path, first: bool = False) -> list[dict]:
+    """The last validation's samples (the last run of consecutive lines with one step;
+    `first`: the first, the start). By position, not by step: `vapo validate` appends its
+    samples at step 0, after the fit's own step-0 validation."""
+    with (run_dir / "val_samples.jsonl").open() as f:
+        samples = [json.loads(line) for line in f]
+    order = samples if first else samples[::-1]
+    return list(itertools.takewhile(lambda s: s["step"] == order[0]["step"], order))
+
+
+def length_accuracy(run_dir: Path, buckets) -> list[tuple[float, int]]:
+    """(accuracy, number of answers) of the last validation's answers per length bucket, in
+    tokens (`response_tokens`); the counts say where the policy's answers went."""
+    hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
+    for s in validation_samples(run_dir):
+        n = s["response_tokens"]
+        hits[next(i for i, (lo, hi) in enumerate(buckets) if lo <= n <= hi)].append(bool(s["correct"]))
+    return [(statistics.mean(h) if h else math.nan, len(h)) for h in hits.values()]
 
 
 def ci95(xs: list[float]) -> str:
@@ -593,6 +615,7 @@ def report(
         out += ["", f"By difficulty, {', '.join(stale)}: the average of the start and the final "
                     "validation (summaries made before the two were told apart); the overall "
                     "final % is right."]  # fmt: skip
+    out += by_length(task, rows)
     starts = [b for r in rows for b in r["start_buckets"]]
     if starts:
         out += ["", "At the start, by difficulty (every row's start is the same model): "
@@ -613,10 +636,29 @@ def report(
     return "\n".join(out)
 
 
+def by_length(task: Task, rows: list[dict]) -> list[str]:
+    """The final validation's accuracy and share of answers per answer-length bucket, mean
+    over seeds (answers, not problems: a row whose answers grow moves between buckets)."""
+    rows = [r for r in rows if r["lengths"]]
+    if not task.lengths or not rows:
+        return []
+    heads = " | ".join(f"{lo}-{hi} tokens: % right (share of answers)" for lo, hi in task.lengths)
+    out = ["", "Final validation by answer length, mean over seeds:", "",
+           f"| run | {heads} |", "|---|" + "---|" * len(task.lengths)]  # fmt: skip
+    for r in rows:
+        cells = []
+        for bucket in zip(*r["lengths"]):  # (accuracy, count) per seed
+            accs = [a for a, n in bucket if n]
+            share = statistics.mean(n / sum(m for _, m in seed) for (_, n), seed in zip(bucket, r["lengths"]))
+            cells.append(f"{100 * statistics.mean(accs):.1f} ({100 * share:.0f} %)" if accs else f"- ({100 * share:.0f} %)")
+        out.append(f"| {r['name']} | {' | '.join(cells)} |")
+    return out
+
+
 def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dict]) -> dict:
     p, _ = row_overrides(task, layer)
     out = {"name": name, "paper": paper, "p": p, "seeds": len(summaries), "start": [],
-           "final": [], "equal_samples": [], "buckets": [], "start_buckets": [],
+           "final": [], "equal_samples": [], "buckets": [], "start_buckets": [], "lengths": [],
            "minutes": [s["minutes"] for s in summaries], "curves": {},
            "machines": {s["machine"] for s in summaries}, "dates": {s["date"] for s in summaries},
            "commits": {s["commit"] for s in summaries}}  # fmt: skip
@@ -630,6 +672,8 @@ def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dic
         out["buckets"].append(s["buckets"])
         if "start_buckets" in s:
             out["start_buckets"].append(s["start_buckets"])
+        if "lengths" in s:
+            out["lengths"].append(s["lengths"])
     for tag in CURVES:
         out["curves"][tag] = [[tuple(point) for point in s["curves"].get(tag, [])]
                               for s in summaries]  # fmt: skip

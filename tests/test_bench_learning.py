@@ -192,6 +192,20 @@ def test_bucket_accuracy_tells_the_final_validate_from_the_start_at_the_same_ste
     assert B.bucket_accuracy(tmp_path, difficulty, ((2, 9),), first=True) == [0.0]
 
 
+def test_accuracy_by_answer_length_counts_the_last_validations_answers(tmp_path):
+    with (tmp_path / "val_samples.jsonl").open("w") as f:
+        for step, n, ok in ((0, 10, True), (22, 10, True), (22, 70, False), (22, 80, True),
+                            (22, 200, False)):
+            f.write(json.dumps({"step": step, "prompt": "p", "response_tokens": n, "correct": ok}) + "\n")
+    got = B.length_accuracy(tmp_path, ((0, 63), (64, 127), (128, 192), (193, 300)))
+    assert got == [(1.0, 1), (0.5, 2), (pytest.approx(math.nan, nan_ok=True), 0), (0.0, 1)]
+    task = B.TASKS["smollm2"]
+    row = {"name": "VAPO", "lengths": [[(1.0, 1), (0.5, 2), (0.0, 1)], [(0.0, 3), (math.nan, 0), (1.0, 1)]]}
+    table = B.by_length(task, [row])
+    # per bucket: accuracy over the seeds that have answers there, share averaged over seeds
+    assert table[-1] == "| VAPO | 50.0 (50 %) | 50.0 (25 %) | 50.0 (25 %) |"
+
+
 def _fake_run(task, seed_acc):
     """Stands in for `run`: writes what a finished digitwise run leaves (two TensorBoard
     folders, the fit's and vapo validate's, and the validation samples)."""

@@ -68,11 +68,14 @@ def test_validation_generations_go_to_a_jsonl_file(tmp_path):
         "data_source",
         "prompt",
         "response",
+        "response_tokens",
         "reward",
         "correct",
         "ground_truth",
     } <= rows[0].keys()
     assert all(r["reward"] in (1.0, -1.0) and r["correct"] == (r["reward"] > 0) for r in rows)
+    r = trainer.lightning_module.last_val_rollout  # the last batch's: its rows end the file
+    assert [row["response_tokens"] for row in rows[-len(r):]] == r.response_extent.tolist()
     assert {r["prompt"] for r in rows} == {f"What is {a} + {b}?" for a, b in
                                             (((i % 7) + 1, (3 * i) % 5 + 1) for i in range(100, 106))}  # fmt: skip
 

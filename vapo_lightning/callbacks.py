@@ -248,7 +248,9 @@ def watches_the_policy(r: Any, callbacks: Sequence[L.Callback]) -> bool:
 
 class ValidationSamples(L.Callback):
     """Writes every validation generation to a JSONL file, one object per response:
-    ``step, data_source, prompt, response, reward, correct, ground_truth``, and the row's
+    ``step, data_source, prompt, response, response_tokens, reward, correct, ground_truth``
+    (``response_tokens``: the response's length in tokens, its last one and any tool
+    observations included), and the row's
     ``difficulty`` where the data has one, ``tool_calls`` in runs with tools.
 
     Args:
@@ -279,7 +281,8 @@ class ValidationSamples(L.Callback):
             r.samples, r.scores.tolist(), r.correct.tolist(), calls
         ):
             row = {"step": trainer.global_step, "data_source": sample.data_source,
-                   "prompt": sample.prompt, "response": sample.response, "reward": reward,
+                   "prompt": sample.prompt, "response": sample.response,
+                   "response_tokens": len(sample.response_ids), "reward": reward,
                    "correct": bool(correct), "ground_truth": sample.ground_truth}  # fmt: skip
             if "difficulty" in sample.extra_info:
                 row["difficulty"] = sample.extra_info["difficulty"]
