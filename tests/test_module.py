@@ -380,17 +380,17 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
 
 
 def poison_actor_logits(monkeypatch, steps):
-    """Makes the actor update's logits NaN on the given rollout steps (0-based)."""
+    """Makes the actor update's log-probs NaN on the given rollout steps (0-based)."""
     import vapo_lightning.updates as updates
 
-    real = updates.policy_logits
+    real = updates.token_logprobs
 
-    def logits(policy, r):
-        out = real(policy, r)
-        return out * float("nan") if poison_actor_logits.step in steps else out
+    def logprobs(policy, r, *args, **kwargs):
+        lp, h = real(policy, r, *args, **kwargs)
+        return (lp * float("nan"), h) if poison_actor_logits.step in steps else (lp, h)
 
     poison_actor_logits.step = 0
-    monkeypatch.setattr(updates, "policy_logits", logits)
+    monkeypatch.setattr(updates, "token_logprobs", logprobs)
 
 
 class StepCounter(L.Callback):

@@ -9,10 +9,10 @@ import torch
 
 from tests.helpers import tiny_module
 from tests.test_updates import NO_CLIP, Recorder
-from vapo_lightning import packing
+from vapo_lightning import core, packing
 from vapo_lightning.advantages import compute_advantages, critic_targets
 from vapo_lightning.config import Algorithm
-from vapo_lightning.rollout import Rollout, critic_values, policy_logits
+from vapo_lightning.rollout import Rollout, critic_values, policy_logits, token_logprobs
 from vapo_lightning.updates import (
     DataParallel,
     compute_log_probs,
@@ -82,6 +82,39 @@ def test_packed_logits_and_values_equal_each_row_alone(tok, c):
         n = len(want_values[i])
         torch.testing.assert_close(logits[i, :n], want_logits[i], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(values[i, :n], want_values[i], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c):
+    """Computed on the packs' positions (each predicting its pack's next token, a prompt's
+    last position every response's first), they are each row's own, and so are their
+    gradients."""
+    module = module_for(tok)
+    r = grouped_rollout(module.policy.config.vocab_size)
+    r.pack, tau = c, 0.7
+
+    def row_by_row(model, row):  # the slow, obvious way: each row's logits, then the kernels
+        logits = policy_logits(model, row)
+        return torch.stack([core.logprobs_from_logits(logits, row.responses, tau),
+                            core.entropy_from_logits(logits, tau)])  # fmt: skip
+
+    logprobs, entropy = token_logprobs(module.policy, r, tau, entropy_grad=True)
+    mask = r.response_mask
+    ((logprobs * mask).sum() + (entropy * mask).sum() / 3).backward()
+    packed_grads = {n: p.grad.clone() for n, p in module.policy.named_parameters()}
+    module.policy.zero_grad()
+    total = 0
+    for i in range(G * N):
+        row = r.select([i]).trimmed()
+        want = row_by_row(module.policy, row)[:, 0, : int(row.response_mask.sum())]
+        n = want.shape[1]
+        torch.testing.assert_close(logprobs[i, :n], want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(entropy[i, :n], want[1], atol=1e-5, rtol=1e-5)
+        total = total + want[0].sum() + want[1].sum() / 3
+    total.backward()
+    for n, p in module.policy.named_parameters():
+        torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    assert token_logprobs(module.policy, r, tau, entropy=False)[1] is None
 
 
 def test_a_response_does_not_see_the_other_responses_of_its_pack(tok):

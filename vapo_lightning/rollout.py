@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from vapo_lightning import packing
+from vapo_lightning import core, packing
 from vapo_lightning.config import Generation
 from vapo_lightning.rewards.base import Sample
 from vapo_lightning.tools.base import Tool
@@ -31,6 +31,7 @@ __all__ = [
     "left_padded",
     "policy_logits",
     "sample_turns",
+    "token_logprobs",
     "with_round_counts",
 ]
 
@@ -236,6 +237,46 @@ def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
         use_cache=False,
     )
     return out.logits
+
+
+def token_logprobs(
+    policy: PreTrainedModel, r: Rollout, temperature: float, entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """log pi(a_t | s_t) of each response token and (with `entropy`) the entropy of pi at its
+    position, (B, T) each, in fp32, under the sampling `temperature` (`core.
+    logprobs_from_logits`, `core.entropy_from_logits`). `entropy_grad`: the entropy keeps
+    its graph (an entropy bonus); otherwise only its value.
+
+    With shared-prompt forwards they are computed on the packs' positions (G, K), where each
+    position predicts the next token of its pack, and only then laid out per row: never a
+    (B, T, V) copy of the logits, whose rows past each response's end (most of T when
+    lengths vary) would go through the log-softmax too. A prompt's last position predicts
+    every response's first token: those c log-probs are taken one by one.
+    """
+    packed = _packed(policy, r)
+    if packed is None:
+        logits = policy_logits(policy, r)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            h = core.entropy_from_logits(logits, temperature) if entropy else None
+        return core.logprobs_from_logits(logits, r.responses, temperature), h
+    logits = policy(
+        input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False,
+    ).logits  # fmt: skip  (G, K, V), K = L - P: positions P-1 .. L-2
+    B, G = len(r), logits.shape[0]
+    P = packed.input_ids.shape[1] - logits.shape[1]
+    next_tokens = packed.input_ids[:, P:]  # (G, K) what each kept position predicts in its pack
+    logprobs = packed.rows(core.logprobs_from_logits(logits, next_tokens, temperature))
+    first = core.logprobs_from_logits(
+        logits[:, 0].repeat_interleave(B // G, 0), r.responses[:, 0], temperature
+    )  # (B,): each response's first token, from the prompt's last position
+    logprobs = torch.cat([first[:, None], logprobs[:, 1:]], 1)
+    h = None
+    if entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            h = packed.rows(core.entropy_from_logits(logits, temperature))
+    return logprobs, h
 
 
 def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from vapo_lightning import core, correction
 from vapo_lightning.config import Algorithm
-from vapo_lightning.rollout import Rollout, critic_values, policy_logits
+from vapo_lightning.rollout import Rollout, critic_values, token_logprobs
 
 __all__ = [
     "DataParallel",
@@ -95,13 +95,11 @@ def compute_log_probs(
     logprobs, entropy = per_token(r), per_token(r)
     ref_logprobs = per_token(r) if ref_policy is not None else None
     for idx, micro in micro_batches(r, micro_size):
-        logits = policy_logits(policy, micro)
-        T = logits.shape[1]
-        logprobs[idx, :T] = core.logprobs_from_logits(logits, micro.responses, temperature)
-        entropy[idx, :T] = core.entropy_from_logits(logits, temperature)
+        lp, h = token_logprobs(policy, micro, temperature)
+        T = lp.shape[1]
+        logprobs[idx, :T], entropy[idx, :T] = lp, h
         if ref_policy is not None:
-            ref_logits = policy_logits(ref_policy, micro)
-            ref_logprobs[idx, :T] = core.logprobs_from_logits(ref_logits, micro.responses, temperature)
+            ref_logprobs[idx, :T] = token_logprobs(ref_policy, micro, temperature, entropy=False)[0]
     return logprobs, entropy, ref_logprobs
 
 
@@ -208,11 +206,8 @@ def actor_step(
     for i, (rows, micro) in enumerate(micros):
         sync_gradients(policy, last=i == len(micros) - 1)
         m = micro.response_mask
-        logits = policy_logits(policy, micro)
-        logprobs = core.logprobs_from_logits(logits, micro.responses, temperature)
-        # With an entropy bonus the entropy needs its graph; otherwise only its value.
-        with torch.set_grad_enabled(a.entropy_coef > 0):
-            entropy = core.entropy_from_logits(logits, temperature)  # (B, T)
+        # (B, T) each; with an entropy bonus the entropy needs its graph, otherwise its value
+        logprobs, entropy = token_logprobs(policy, micro, temperature, entropy_grad=a.entropy_coef > 0)
         micro.old_logprobs = pi_old(rows, logprobs)
         entropy_old(rows, entropy)  # recorded for the metrics (on-policy)
         is_weights = (  # truncated importance sampling against the engine that sampled
