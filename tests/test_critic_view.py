@@ -164,4 +164,5 @@ def test_vapo_inspect_draws_the_view_of_a_checkpoint_on_a_prompt_file(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     text = (out / "critic_view" / "critic_view.md").read_text()
     assert text.count(", response ") == 2 and "| t | token | V | TD error | advantage |" in text
-    assert "2 + 3 * 4" in text and len(list((out / "critic_view").glob("step*_*.png"))) == 2
+    assert "2 + 3 * 4" in text and len(list((out / "critic_view").glob("step1_*.png"))) == 2
+    assert text.startswith("### step 1, response 0")  # the checkpoint's step, not validate's 0

@@ -160,10 +160,11 @@ class CriticView(L.Callback):
         r = self.last_rollout = r.select(pick_rows(r.correct, self.k))
         r.values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size)  # V(s_t)
         self.last_views = token_views(r, pl_module.algo, pl_module.tokenizer)
-        self.write(trainer, self.last_views)
+        # (`vapo validate` / `inspect` of a checkpoint leave the trainer's step at 0)
+        self.write(trainer, self.last_views, max(trainer.global_step, pl_module.checkpoint_step))
 
-    def write(self, trainer: L.Trainer, views: list[TokenView]) -> None:
-        step = trainer.global_step
+    def write(self, trainer: L.Trainer, views: list[TokenView], step: int) -> None:
+        """The views of rollout step `step` to files and TensorBoard."""
         folder = Path(self.folder or Path(trainer.default_root_dir) / "critic_view")
         folder.mkdir(parents=True, exist_ok=True)
         text = "".join(f"### step {step}, response {i}\n\n{v.markdown()}\n" for i, v in enumerate(views))

@@ -139,6 +139,7 @@ class VAPOModule(L.LightningModule):
         self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
         self.last_val_rollout: Rollout | None = None  # for callbacks (ValidationSamples)
         self.bad_updates = {"actor": 0, "critic": 0}  # consecutive non-finite updates
+        self.checkpoint_step = 0  # the rollout step of a loaded checkpoint
         self._tool_errors_shown: set[tuple[str, str]] = set()
         self.val_metrics = ValidationMetrics()
 
@@ -380,6 +381,7 @@ class VAPOModule(L.LightningModule):
         drop_frozen(checkpoint, self.trained_models, sources)  # LoRA: adapters, not the base
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.checkpoint_step = int(checkpoint.get("global_step", 0))  # (validate keeps its own at 0)
         source = str(getattr(self._trainer, "ckpt_path", None) or "the checkpoint")
         restore_frozen(checkpoint, self.trained_models, source)
         state = checkpoint.get("vapo")
