@@ -1,10 +1,11 @@
 """Runs the README's first command (`vapo fit -c configs/quickstart.yaml`) and reports what it
 did: wall time, val/accuracy before training and at each validation, reward and entropy.
 
-    .venv/bin/python benchmarks/bench_quickstart.py [CONFIG] > quickstart.md
+    .venv/bin/python benchmarks/bench_quickstart.py [CONFIG [OVERRIDE ...]] > quickstart.md
 
-CONFIG defaults to `configs/quickstart.yaml`. The report (Markdown) goes to standard output;
-redirect it to the file you want. The run's logs go to a fresh temporary directory.
+CONFIG defaults to `configs/quickstart.yaml`; OVERRIDEs go to `vapo fit` after it (e.g.
+`--trainer.precision=bf16-mixed`). The report (Markdown) goes to standard output; redirect it
+to the file you want. The run's logs go to a fresh temporary directory.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,14 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_real_model import machine  # noqa: E402
+
+
+def commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
 
 
 def scalars(root: str) -> dict[str, list[tuple[int, float]]]:
@@ -36,11 +45,12 @@ def scalars(root: str) -> dict[str, list[tuple[int, float]]]:
 
 def main() -> None:
     config = sys.argv[1] if len(sys.argv) > 1 else "configs/quickstart.yaml"
+    overrides = sys.argv[2:]
     root = tempfile.mkdtemp(prefix="quickstart-")
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     start = time.time()
     cmd = [str(ROOT / ".venv/bin/vapo"), "fit", "-c", config, f"--trainer.default_root_dir={root}",
-           "--trainer.enable_progress_bar=false"]  # fmt: skip
+           "--trainer.enable_progress_bar=false", *overrides]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True
     )
@@ -49,14 +59,19 @@ def main() -> None:
         sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
     m = scalars(root)
     val = m["val/accuracy"]
-    print(f"# Quickstart: `vapo fit -c {config}`\n")
-    print(f"Command: `.venv/bin/python benchmarks/bench_quickstart.py {config}`  ")
-    print(
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, no GPU; load average before: {load_before}  "
-    )
+    print(f"# Quickstart: `vapo fit -c {' '.join([config, *overrides])}`\n")
+    print(f"Command: `.venv/bin/python benchmarks/bench_quickstart.py {' '.join([config, *overrides])}`  ")
+    print(f"Date {time.strftime('%Y-%m-%d')}, code at {commit()}  ")
+    print(f"Machine: {machine()}; load average before: {load_before}  ")
     print(
         f"Wall time of the whole command (start-up, validation, training, export): **{minutes:.1f} min**\n"
     )
+    phases = sorted(tag for tag in m if tag.startswith("timing_s/"))
+    print("| phase | median s per rollout step | total s |\n|---|---|---|")
+    for tag in phases:
+        values = [v for _, v in m[tag]]
+        print(f"| {tag} | {statistics.median(values):.2f} | {sum(values):.0f} |")
+    print()
     print("| rollout step | val/accuracy |\n|---|---|")
     for step, value in val:
         print(f"| {step} | {100 * value:.1f}% |")
