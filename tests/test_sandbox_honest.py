@@ -98,18 +98,18 @@ def test_timings_split_set_up_from_run(pool):
 
 SLOW_SERVER = """
 import json, sys, time
-from vapo_lightning.sandbox import client, server, zygote
-
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["dir"])  # as the server script imports its modules
+import zygote
 premake = zygote.Spares.premake_cgroups
 def slow_premake(self):  # what a busy host does between the request and the sandbox's reply
     time.sleep(0.25)
     premake(self)
 zygote.Spares.premake_cgroups = slow_premake
-s = server.Server({"cgroup_root": client.DEFAULT_CGROUP_ROOT})
-code = "import time\\ntime.sleep(0.3)\\ndef add(a, b):\\n    return a + b\\n"
-req = {"code": code, "inputs": ["[1, 2]"], "fn_name": "add", "timeout_s": 10.0,
-       "limits": client.Limits().__dict__}
-header, raw = s.handle(req)
+import server
+del sys.path[0]
+s = server.Server({"cgroup_root": args["cgroup_root"]})
+header, raw = s.handle(args["request"])
 s.close()
 print(json.dumps(header))
 """
@@ -117,12 +117,25 @@ print(json.dumps(header))
 
 def test_the_run_is_timed_from_the_sandbox_not_from_when_the_server_reads_it():
     """A server busy when the sandbox reports ready (here 0.25 s making the next spare's
-    cgroups) still counts the whole program in run_ms: the sandbox stamps its start."""
+    cgroups) still counts the whole program in run_ms: the sandbox stamps its start. The
+    server runs as `WarmServer` starts it (isolated Python, from /), its spares slowed."""
     import json
+    import os
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", SLOW_SERVER], capture_output=True, text=True, timeout=60)
+    from vapo_lightning.sandbox import client
+
+    code = "import time\ntime.sleep(0.3)\ndef add(a, b):\n    return a + b\n"
+    args = {
+        "dir": os.path.dirname(client.SERVER_SCRIPT),
+        "cgroup_root": client.DEFAULT_CGROUP_ROOT,
+        "request": {"code": code, "inputs": ["[1, 2]"], "fn_name": "add", "timeout_s": 10.0,
+                    "limits": client.Limits().__dict__},
+    }  # fmt: skip
+    out = subprocess.run([sys.executable, "-I", "-S", "-B", "-c", SLOW_SERVER, json.dumps(args)], cwd="/",
+                         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
     header = json.loads(out.stdout.strip().splitlines()[-1])
     assert header["status"] == "ok", header
     assert header["run_ms"] >= 300 and header["setup_ms"] < 200, header
