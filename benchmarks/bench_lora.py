@@ -16,7 +16,6 @@ import datetime
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,9 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_real_model import MODEL, PHASES, ROOT, fit_steps, machine, rollout_prompts
+from bench_real_model import MODEL, PHASES, ROOT, fit_steps, forced_rollout, machine
 
-from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.lora import LoRA, MergedCopy, with_adapters
 from vapo_lightning.models import (
     ModelSpec,
@@ -35,7 +33,6 @@ from vapo_lightning.models import (
     build_policy,
     load_tokenizer,
 )
-from vapo_lightning.rollout import left_padded
 
 RANKS = {"full": None, "LoRA r 8": 8, "LoRA r 32": 32}  # alpha = 2 r (peft's usual ratio)
 PRECISIONS = {"bf16-mixed": [], "fp32": ["--trainer.precision=32-true"]}
@@ -71,19 +68,12 @@ def sampling_tokens_per_s(reps: int, r: int = 16, n: int = 4, new: int = 128) ->
     merged = MergedCopy(lora)
     merged.refresh()
     models = {"full": policy, f"LoRA r {r}, peft's layers": lora, f"LoRA r {r}, merged copy": merged.model}
-    prompts = [p for p in rollout_prompts(tok, 16) for _ in range(n)]
-    ids, mask = left_padded(prompts, 1, tok.pad_token_id, torch.device("cpu"))
     speeds: dict[str, list[float]] = {name: [] for name in models}
-    for rep in range(reps + 1):
+    for rep in range(reps + 1):  # the first round is a warm-up
         for name, model in models.items():
-            with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-                start = time.perf_counter()
-                out = sample_responses(model, ids, mask, max_new_tokens=new, min_new_tokens=new,
-                                       stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-                                       temperature=0.4)  # fmt: skip
-                seconds = time.perf_counter() - start
+            tokens_per_s = forced_rollout(model, tok, n, new)
             if rep:
-                speeds[name].append(out.numel() / seconds)
+                speeds[name].append(tokens_per_s)
     return speeds
 
 

@@ -25,12 +25,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_learning import commit  # noqa: E402
 from benchmarks.bench_real_model import machine  # noqa: E402
-
-
-def commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
 
 
 def scalars(root: str) -> dict[str, list[tuple[int, float]]]:

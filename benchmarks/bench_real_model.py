@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vapo_lightning.engines.sampler import sample_responses, weights_cast_once
 from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
+from vapo_lightning.rollout import left_padded
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
@@ -76,25 +77,24 @@ def rollout_prompts(tok, n_prompts: int) -> list[list[int]]:
                                     tokenize=True, return_dict=False) for r in rows]  # fmt: skip
 
 
-def rollout_tokens_per_s(precision: str, reps: int, n: int = 4, new: int = 128) -> list[float]:
+def forced_rollout(model, tok, n: int = 4, new: int = 128, bf16: bool = True) -> float:
+    """Tokens/s of one rollout of 16 validation prompts × `n` responses × `new` forced tokens
+    of the native sampler, T 0.4, under bf16 autocast or in fp32."""
+    prompts = [p for p in rollout_prompts(tok, 16) for _ in range(n)]
+    ids, mask = left_padded(prompts, 1, tok.pad_token_id, torch.device("cpu"))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        start = time.perf_counter()
+        out = sample_responses(model, ids, mask, max_new_tokens=new, min_new_tokens=new,
+                               stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                               temperature=0.4)  # fmt: skip
+        return out.numel() / (time.perf_counter() - start)
+
+
+def rollout_tokens_per_s(precision: str, reps: int) -> list[float]:
     tok = load_tokenizer(str(MODEL))
     model = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
-    prompts = [p for p in rollout_prompts(tok, 16) for _ in range(n)]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    autocast = torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16")
-    speeds = []
-    for rep in range(reps + 1):  # the first is a warm-up
-        with torch.no_grad(), autocast, weights_cast_once():
-            start = time.perf_counter()
-            out = sample_responses(model, ids, mask, max_new_tokens=new, min_new_tokens=new,
-                                   stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-                                   temperature=0.4)  # fmt: skip
-            seconds = time.perf_counter() - start
-        if rep:
-            speeds.append(out.numel() / seconds)
-    return speeds
+    speeds = [forced_rollout(model, tok, bf16=precision == "bf16") for _ in range(reps + 1)]
+    return speeds[1:]  # the first is a warm-up
 
 
 def config_prompts(tok, n_prompts: int) -> list[list[int]]:

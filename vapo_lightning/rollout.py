@@ -224,11 +224,7 @@ def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
     L, T = r.input_ids.shape[1], r.response_mask.shape[1]
     packed = _packed(policy, r)
     if packed is not None:
-        out = policy(
-            input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-            position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False,
-        )  # fmt: skip
-        return packed.rows(out.logits)
+        return packed.rows(_pack_logits(policy, packed))
     out = policy(
         input_ids=r.input_ids,
         attention_mask=r.attention_mask,
@@ -256,27 +252,23 @@ def token_logprobs(
     """
     packed = _packed(policy, r)
     if packed is None:
-        logits = policy_logits(policy, r)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            h = core.entropy_from_logits(logits, temperature) if entropy else None
-        return core.logprobs_from_logits(logits, r.responses, temperature), h
-    logits = policy(
-        input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False,
-    ).logits  # fmt: skip  (G, K, V), K = L - P: positions P-1 .. L-2
-    B, G = len(r), logits.shape[0]
-    P = packed.input_ids.shape[1] - logits.shape[1]
-    next_tokens = packed.input_ids[:, P:]  # (G, K) what each kept position predicts in its pack
-    logprobs = packed.rows(core.logprobs_from_logits(logits, next_tokens, temperature))
-    first = core.logprobs_from_logits(
-        logits[:, 0].repeat_interleave(B // G, 0), r.responses[:, 0], temperature
-    )  # (B,): each response's first token, from the prompt's last position
-    logprobs = torch.cat([first[:, None], logprobs[:, 1:]], 1)
-    h = None
-    if entropy:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            h = packed.rows(core.entropy_from_logits(logits, temperature))
-    return logprobs, h
+        logits = policy_logits(policy, r)  # (B, T, V)
+        logprobs, per_row = core.logprobs_from_logits(logits, r.responses, temperature), None
+    else:
+        logits = _pack_logits(policy, packed)  # (G, K, V), K = L - P: positions P-1 .. L-2
+        B, G = len(r), logits.shape[0]
+        P = packed.input_ids.shape[1] - logits.shape[1]
+        next_tokens = packed.input_ids[:, P:]  # (G, K) what each kept position predicts in its pack
+        logprobs = packed.rows(core.logprobs_from_logits(logits, next_tokens, temperature))
+        first = core.logprobs_from_logits(
+            logits[:, 0].repeat_interleave(B // G, 0), r.responses[:, 0], temperature
+        )  # (B,): each response's first token, from the prompt's last position
+        logprobs, per_row = torch.cat([first[:, None], logprobs[:, 1:]], 1), packed.rows
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        h = core.entropy_from_logits(logits, temperature)
+    return logprobs, h if per_row is None else per_row(h)
 
 
 def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
@@ -294,6 +286,14 @@ def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
         input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids
     )
     return out.logits[:, -T - 1 : -1, 0].float()
+
+
+def _pack_logits(policy: PreTrainedModel, packed: packing.Pack) -> Tensor:
+    """The logits at the pack's kept positions, (G, K, V), each predicting the next token."""
+    return policy(
+        input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+        position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False,
+    ).logits  # fmt: skip
 
 
 def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:

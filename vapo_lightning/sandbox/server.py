@@ -134,9 +134,9 @@ class Server:
         wait_status = self._end(sp, watch_pid, watch_fd)
         self.spares.collect()  # (answered by now) all spares known before any leftover is killed
         header = P.parse_ctl(ctl)
+        # The program's start: the sandbox's own stamp (`t_ready`, when this loop read its
+        # ready line, comes later when the server was busy), None if it never started.
         layers, started = header["layers"], header.pop("started")
-        # (the sandbox's own stamp: `t_ready` is when this loop read it, later when busy)
-        started = t_ready and min(max(started or t_ready, t0), t_ready)
         status, raw = self._clean_up(sp, layers, status, raw)
         t_end = time.monotonic()
         code = os.waitstatus_to_exitcode(wait_status)
