@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import tiny_module
 from tests.test_updates import NO_CLIP, Recorder
-from vapo_lightning import core, packing
+from vapo_lightning import attention, core, packing
 from vapo_lightning.advantages import compute_advantages, critic_targets
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits, token_logprobs
@@ -51,10 +51,20 @@ def grouped_rollout(vocab: int, same_prompt: bool = True) -> Rollout:
     )
 
 
-def module_for(tok, micro: int = 4, **algorithm):
+LAYOUTS = ["end to end", "one pack per row"]
+
+
+def module_for(tok, micro: int = 4, layout: str = "end to end", **algorithm):
+    """A tiny module whose models attend by spans (`packing.reads_spans`: packs end to end)
+    or, `layout` "one pack per row", through torch's sdpa with the packs' block masks."""
     L.seed_everything(0)
     module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=G * N, micro_batch_size=micro, **algorithm))
     module.configure_model()
+    if layout == "one pack per row":
+        for model in (module.policy, module.critic):
+            model.set_attn_implementation("sdpa")
+    for model in (module.policy, module.critic):
+        assert packing.reads_spans(model, torch.device("cpu")) == (layout == "end to end")
     return module
 
 
@@ -67,9 +77,10 @@ def per_row(fn, model, r: Rollout) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("c", [2, 4])
-def test_packed_logits_and_values_equal_each_row_alone(tok, c):
-    module = module_for(tok)
+def test_packed_logits_and_values_equal_each_row_alone(tok, c, layout):
+    module = module_for(tok, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
     r.pack = c
     assert packing.pack(r.input_ids, r.attention_mask, T, c) is not None
@@ -84,12 +95,13 @@ def test_packed_logits_and_values_equal_each_row_alone(tok, c):
         torch.testing.assert_close(values[i, :n], want_values[i], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("c", [2, 4])
-def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c):
+def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c, layout):
     """Computed on the packs' positions (each predicting its pack's next token, a prompt's
     last position every response's first), they are each row's own, and so are their
     gradients."""
-    module = module_for(tok)
+    module = module_for(tok, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
     r.pack, tau = c, 0.7
 
@@ -117,8 +129,9 @@ def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c):
     assert token_logprobs(module.policy, r, tau, entropy=False)[1] is None
 
 
-def test_a_response_does_not_see_the_other_responses_of_its_pack(tok):
-    module = module_for(tok)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_response_does_not_see_the_other_responses_of_its_pack(tok, layout):
+    module = module_for(tok, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
     r.pack = N
     changed = Rollout(**{**r.__dict__, "input_ids": r.input_ids.clone()})
@@ -142,9 +155,9 @@ def test_rows_that_answer_different_prompts_are_not_packed(tok):
     torch.testing.assert_close(logits[1, : len(want[1])], want[1], atol=1e-5, rtol=1e-5)
 
 
-def update_gradients(tok, pack: int) -> tuple[dict[str, torch.Tensor], Rollout]:
+def update_gradients(tok, pack: int, layout: str = "end to end") -> tuple[dict[str, torch.Tensor], Rollout]:
     """Both models' gradients of a two-pass update (one mini-batch, micro-batches of 2)."""
-    module = module_for(tok, micro=2)
+    module = module_for(tok, micro=2, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
     r.pack, a = pack, module.algo
     r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, a.micro_batch_size, 1.0)
@@ -159,8 +172,9 @@ def update_gradients(tok, pack: int) -> tuple[dict[str, torch.Tensor], Rollout]:
     return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r
 
 
-def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok):
-    packed, r_packed = update_gradients(tok, pack=2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok, layout):
+    packed, r_packed = update_gradients(tok, pack=2, layout=layout)
     rows, r_rows = update_gradients(tok, pack=1)
     assert packed.keys() == rows.keys() and any(g.abs().sum() > 0 for g in rows.values())
     for k in rows:
@@ -168,6 +182,64 @@ def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok):
     mask = r_rows.response_mask
     for field in ["old_logprobs", "entropy", "values", "advantages"]:
         torch.testing.assert_close(getattr(r_packed, field)[mask], getattr(r_rows, field)[mask], atol=1e-5, rtol=1e-5)
+
+
+def span_mask(spans: tuple, L: int) -> torch.Tensor:
+    """(R, L, L) True where query i may see key j, by the definition: same pack, j <= i, and
+    j in the prompt or in i's own response."""
+    out = torch.zeros(len(spans), L, L, dtype=torch.bool)
+    for row, packs in enumerate(spans):
+        for span in packs:
+            parts = [(span.first, span.P)] + [(s, s + n) for s, n in span.responses]
+            for a, b in parts:
+                out[row, a:b, span.first : span.P] = True  # the prompt
+                out[row, a:b, a:b] = True  # itself
+        out[row] &= torch.ones(L, L, dtype=torch.bool).tril()
+    return out
+
+
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("end_to_end", [False, True])
+def test_packed_attention_equals_one_masked_call(gqa, end_to_end):
+    """Span by span against torch's sdpa over each whole row with the packs' mask (the slow,
+    obvious way): outputs and gradients, packs one per row (padded) and end to end."""
+    r = grouped_rollout(64)
+    packed = packing.pack(r.input_ids, r.attention_mask, T, N, end_to_end)
+    R, L = packed.input_ids.shape
+    mask = span_mask(packed.spans, L)
+    seen = mask.any(-1)  # (R, L) queries inside a pack
+    if not end_to_end:  # the block mask says the same (padding queries: never read)
+        assert torch.equal(mask[seen], packed.attention_mask[:, 0][seen])
+    g = torch.Generator().manual_seed(0)
+    H, D = 6, 8
+    q = torch.randn(R, H, L, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(R, H // gqa, L, D, generator=g, requires_grad=True) for _ in "kv")
+    got = attention.packed_attention(q, k, v, packed.spans, scaling=0.3)  # (R, L, H, D)
+    assert bool((got[~seen] == 0).all())
+    weights = torch.randn(got.shape, generator=g)
+    (got[seen] * weights[seen]).sum().backward()
+    got_grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1), attn_mask=mask[:, None], scale=0.3
+    ).transpose(1, 2)
+    (want[seen] * weights[seen]).sum().backward()
+    torch.testing.assert_close(got[seen], want[seen], atol=1e-5, rtol=1e-5)
+    for a, x in zip(got_grads, (q, k, v), strict=True):
+        torch.testing.assert_close(a, x.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_packs_end_to_end_leave_out_padding(tok):
+    """In one row, without a mask: the prompt once per pack, each response only as long as
+    it is; the kept columns are exactly those that predict a response token."""
+    r = grouped_rollout(64)
+    packed = packing.pack(r.input_ids, r.attention_mask, T, N, end_to_end=True)
+    prompts = int(r.attention_mask[::N, :P].sum())
+    responses = int(r.response_mask.sum())
+    assert packed.attention_mask is None and packed.input_ids.shape == (1, prompts + responses)
+    assert len(packed.keep) == responses and bool((packed.input_ids[0, :P] != 0).any())
+    assert packing.pack(r.input_ids, r.attention_mask, T, N).input_ids.shape[0] == G
 
 
 def test_batches_keep_a_pack_together():

@@ -15,6 +15,9 @@ autocast, it is transformers' own function.
 `models._finish` selects it for the model types listed in `STANDARD_SDPA` (their modeling code
 calls attention only through transformers' interface; some others test the name "sdpa"
 themselves). The choice is not saved with the model (`save_pretrained` writes none).
+
+Shared-prompt forwards (`packing`) pass the layout of their packs as `pack_spans`; on the CPU
+`packed_attention` then attends span by span instead of over each pack's whole square.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "decodes_in_autocast_dtype",
     "decoding",
     "grouped_decode_attention",
+    "packed_attention",
     "sdpa_fp32_on_cpu",
 ]
 
@@ -76,17 +80,23 @@ def sdpa_fp32_on_cpu(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    pack_spans: tuple | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """(B, H, L, D) query, key and value -> (B, L, H, D) attention output, as transformers'
     `sdpa_attention_forward`; in fp32 on the CPU under autocast, except while decoding on a
-    CPU with AMX."""
+    CPU with AMX. With `pack_spans` (`packing.Pack.spans`) on the CPU, `packed_attention`."""
     # Compiled forwards never decode (the sampler runs eager), and dynamo cannot trace a
     # ContextVar: reading it would split a compiled graph at every attention layer.
     sampling = not torch.compiler.is_compiling() and _decoding.get()
     if sampling and query.device.type == "cpu" and query.shape[2] == 1:
         return grouped_decode_attention(query, key, value, attention_mask, kwargs.get("scaling"))
     decode = sampling and cpu_has_amx()
+    if pack_spans is not None and query.device.type == "cpu":
+        fp32 = torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", enabled=False):
+            q, k, v = (x.float() for x in (query, key, value)) if fp32 else (query, key, value)
+            return packed_attention(q, k, v, pack_spans, kwargs.get("scaling")), None
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not decode:
         with torch.autocast("cpu", enabled=False):
             return sdpa_attention_forward(
@@ -123,6 +133,47 @@ def grouped_decode_attention(
             scores = scores + attention_mask.to(dtype)
         out = scores.softmax(-1) @ value  # (B, H_kv, H / H_kv, D)
     return out.reshape(B, 1, H, D), None
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: tuple,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention over packs (`packing`), span by span: (R, H, L, D) query, (R, H_kv, L, D)
+    keys and values, `spans` (R,) the `packing.Spans` of the packs in each row ->
+    (R, L, H, D) output, zero outside the packs.
+
+    Each prompt [first, P) attends causally over itself, each response [s, s + n) over its
+    prompt and causally over itself: the pairs a pack's block mask keeps, and no others.
+    One masked call computes all L^2 pairs of a row: on configs/smollm2.yaml's rollouts
+    (prompts of ~115 tokens, four answers of ~77 in a pack) about ten times those, which took
+    attention to 28 % of the critic's update (`benchmarks/results/real_model_passes.md`).
+    """
+    H, L, D = query.shape[1:]
+
+    def attend(q, k, v, **how):  # torch's CPU flash kernel takes 4-D (1, H, n, D) inputs only
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True, **how)
+
+    rows = []
+    for r, packs in enumerate(spans):
+        q, k, v = query[r : r + 1], key[r : r + 1], value[r : r + 1]
+        parts, done = [], 0
+        for span in packs:
+            f, P = span.first, span.P
+            pk, pv = k[:, :, f:P], v[:, :, f:P]
+            parts += [q.new_zeros(1, H, f - done, D), attend(q[:, :, f:P], pk, pv, is_causal=True)]
+            for s, n in span.responses:
+                sees = torch.ones(n, P - f + n, dtype=torch.bool, device=q.device).tril(P - f)
+                keys = torch.cat([pk, k[:, :, s : s + n]], 2)
+                values = torch.cat([pv, v[:, :, s : s + n]], 2)
+                parts.append(attend(q[:, :, s : s + n], keys, values, attn_mask=sees))
+            done = span.end
+        parts.append(q.new_zeros(1, H, L - done, D))
+        rows.append(torch.cat(parts, 2))
+    return torch.cat(rows).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(SDPA, sdpa_fp32_on_cpu)

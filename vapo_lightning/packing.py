@@ -15,8 +15,14 @@ do across c rows). The work saved grows with the prompt's share of a row: the mo
 passes of a rollout step of configs/smollm2.yaml (prompts of ~115 tokens, answers of ~77)
 take a third less time (`benchmarks/results/real_model_passes.md`).
 
-It needs an attention that takes a custom 4-D mask (sdpa, eager; not flash-attention's
-varlen kernels, where `algorithm.share_prompts: false` keeps rows apart).
+Packs sit one per row, padded to the longest, for an attention that takes a custom 4-D mask
+(sdpa, eager; not flash-attention's varlen kernels, where `algorithm.share_prompts: false`
+keeps rows apart). One masked call over a row computes every (query, key) pair of its
+L x L square, most of which the mask then drops, and the linear layers run over its
+padding. On the CPU the project's attention (`attention.SDPA`) reads the packs' `spans`
+instead: the packs of a micro-batch lie end to end in one row, without padding or a mask,
+and it attends span by span, each prompt over itself and each response over its prompt and
+itself (`attention.packed_attention`).
 """
 
 from __future__ import annotations
@@ -26,29 +32,67 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vapo_lightning.attention import SDPA
 from vapo_lightning.config import Algorithm
 
-__all__ = ["Pack", "pack", "pack_size", "takes_masks"]
+__all__ = ["Pack", "Spans", "pack", "pack_size", "reads_spans", "takes_masks"]
 
-MASKED_ATTENTION = frozenset({"sdpa", "eager", "vapo_sdpa"})  # attentions that read a 4-D mask
+MASKED_ATTENTION = frozenset({"sdpa", "eager", SDPA})  # attentions that read a 4-D mask
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Where one pack lies in its row, in columns: its prompt `[first, P)` and its responses
+    `[start, start + length)`, back to back after it."""
+
+    first: int
+    P: int
+    responses: tuple[tuple[int, int], ...]  # (start, length) of each response
+
+    @property
+    def end(self) -> int:  # the column after the pack
+        start, length = self.responses[-1]
+        return start + length
 
 
 @dataclass
 class Pack:
-    """c responses to each of G prompts as G sequences of L tokens: the prompt's P columns,
-    then the c responses back to back (each only as long as it is), then padding."""
+    """c responses to each of G prompts as R rows of L tokens, each pack its prompt then its
+    responses back to back: one pack per row, prompts right-aligned at column P and a block
+    mask (R = G), or all packs end to end in one row for an attention that reads `spans`
+    (R = 1, no mask, no padding)."""
 
-    input_ids: Tensor  # (G, L)
-    attention_mask: Tensor  # (G, 1, L, L) bool, True: attend
-    position_ids: Tensor  # (G, L)
-    keep: Tensor  # (L - P,) positions P-1 .. L-2: every output that can predict a response token
-    index: Tensor  # (B, T) where row b's token t is predicted, among `keep` (0 past its end)
+    input_ids: Tensor  # (R, L)
+    attention_mask: Tensor | None  # (R, 1, L, L) bool, True: attend; None: `spans` say it
+    position_ids: Tensor  # (R, L)
+    keep: Tensor  # (K,) columns whose outputs can predict a response token
+    index: Tensor  # (B, T) where row b's token t is predicted, among the R·K kept outputs
+    first: Tensor  # (G,) each prompt's last token (it predicts every first token), among them
+    spans: tuple[tuple[Spans, ...], ...]  # (R,) the packs in each row
+
+    @property
+    def forward_kwargs(self) -> dict:
+        """The model's inputs for this pack."""
+        if self.attention_mask is None:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids, "pack_spans": self.spans}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                "position_ids": self.position_ids}  # fmt: skip
+
+    @property
+    def next_tokens(self) -> Tensor:  # (R, K) the token after each kept column
+        return self.input_ids[:, self.keep + 1]
 
     def rows(self, out: Tensor) -> Tensor:
-        """The (G, L - P, ...) outputs at `keep` in the per-row layout (B, T, ...)."""
-        B = self.index.shape[0]
-        group = torch.arange(B, device=out.device) // (B // out.shape[0])
-        return out[group[:, None], self.index]
+        """The (R, K, ...) outputs at `keep` in the per-row layout (B, T, ...)."""
+        return out.flatten(0, 1)[self.index]
+
+
+def reads_spans(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `model` attends by `Pack.spans` on `device`: the project's attention, on the
+    CPU, not compiled (spans are Python ints, which would specialise a graph to each pack)."""
+    config = getattr(model, "config", None)
+    compiled = getattr(model, "_compiled_call_impl", None) is not None
+    return getattr(config, "_attn_implementation", None) == SDPA and device.type == "cpu" and not compiled
 
 
 def takes_masks(model: torch.nn.Module) -> bool:
@@ -77,10 +121,12 @@ def pack_size(group_ids: Tensor, algo: Algorithm) -> int:
     )
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, response_length: int, c: int) -> Pack | None:
+def pack(
+    input_ids: Tensor, attention_mask: Tensor, response_length: int, c: int, end_to_end: bool = False
+) -> Pack | None:
     """The packed form of B = G·c rows (B, P + T), left-padded prompts and right-padded
     responses, whose consecutive runs of c rows share one prompt (the first P columns); None
-    when they do not (or c < 2)."""
+    when they do not (or c < 2). `end_to_end`: all packs in one row (`Pack`)."""
     B, width = input_ids.shape
     T = response_length
     P = width - T
@@ -91,27 +137,50 @@ def pack(input_ids: Tensor, attention_mask: Tensor, response_length: int, c: int
     if not (bool((prompts == prompts[:, :1]).all()) and bool((prompt_mask == prompt_mask[:, :1]).all())):
         return None
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # as `Rollout.position_ids`
+    real_prompt = prompt_mask[:, 0].bool()  # (G, P)
+    prompt_len = real_prompt.sum(-1)  # (G,)
     extent = attention_mask[:, P:].sum(-1).view(G, c)  # each response's tokens (right-padded)
-    start = P + extent.cumsum(-1) - extent  # (G, c) where each response begins in its pack
-    L = P + int(extent.sum(-1).max())
+    answers = extent.sum(-1)  # (G,) response tokens of each pack
+    if end_to_end:  # pack g at columns [col0, col0 + size) of the one row
+        size = prompt_len + answers
+        row, col0 = torch.zeros_like(size), size.cumsum(0) - size
+        R, L = 1, int(size.sum())
+        keep = torch.cat([torch.arange(a - 1, a + n - 1, device=dev) for a, n in
+                          zip((col0 + prompt_len).tolist(), answers.tolist(), strict=True)])  # fmt: skip
+        base = answers.cumsum(0) - answers  # where each pack's kept outputs begin among the K
+    else:  # pack g in row g, its prompt ending at column P
+        row, col0 = torch.arange(G, device=dev), P - prompt_len
+        R, L = G, P + int(answers.max())
+        keep = torch.arange(P - 1, L - 1, device=dev)
+        base = row * (L - P)
+    after_prompt = col0 + prompt_len  # (G,) where each pack's first response begins
+    start = after_prompt[:, None] + extent.cumsum(-1) - extent  # (G, c)
+    ids = input_ids.new_zeros(R, L)
+    pos = positions.new_zeros(R, L)
+    block = torch.full((R, L), -2, device=dev)  # -1: a prompt; k: response k; -2: padding
+    g_prompt = torch.arange(G, device=dev)[:, None].expand(G, P)[real_prompt]
+    at = (col0[:, None] + real_prompt.long().cumsum(-1) - 1)[real_prompt]
+    ids[row[g_prompt], at] = prompts[:, 0][real_prompt]
+    pos[row[g_prompt], at] = positions[::c, :P][real_prompt]
+    block[row[g_prompt], at] = -1
     t = torch.arange(T, device=dev)
     inside = t[None] < extent.view(B, 1)  # (B, T) real response tokens
-    dest = (start.view(B, 1) + t[None])[inside]  # their columns in the pack
-    group = (torch.arange(B, device=dev) // c)[:, None].expand(B, T)[inside]
-    ids = input_ids.new_zeros(G, L)
-    pos = positions.new_zeros(G, L)
-    block = torch.full((G, L), -2, device=dev)  # -1: the prompt; k: response k; -2: padding
-    ids[:, :P], pos[:, :P] = prompts[:, 0], positions[::c, :P]
-    block[:, :P] = torch.where(prompt_mask[:, 0].bool(), -1, -2)
-    ids[group, dest] = input_ids[:, P:][inside]
-    pos[group, dest] = positions[:, P:][inside]
-    block[group, dest] = (torch.arange(B, device=dev) % c)[:, None].expand(B, T)[inside]
-    i = torch.arange(L, device=dev)
-    sees = (i[:, None] >= i[None, :]) & (block[:, None, :] != -2)  # causal, real keys only
-    sees &= (block[:, None, :] == -1) | (block[:, :, None] == block[:, None, :])  # (G, L, L)
+    g_token = (torch.arange(B, device=dev) // c)[:, None].expand(B, T)[inside]
+    at = (start.view(B, 1) + t[None])[inside]
+    ids[row[g_token], at] = input_ids[:, P:][inside]
+    pos[row[g_token], at] = positions[:, P:][inside]
+    block[row[g_token], at] = (torch.arange(B, device=dev) % c)[:, None].expand(B, T)[inside]
     # Row b's token t is predicted at the token before it: the prompt's last for t = 0.
-    # (A padding query sees nothing: torch's sdpa gives it zeros, and it is never read.)
-    before = torch.where(t[None] == 0, P - 1, start.view(B, 1) + t[None] - 1)
-    index = torch.where(t[None] < extent.view(B, 1), before - (P - 1), 0)
-    keep = torch.arange(P - 1, L - 1, device=dev)
-    return Pack(ids, sees[:, None], pos, keep, index)
+    before = torch.where(t[None] == 0, 0, (start - after_prompt[:, None]).view(B, 1) + t[None])
+    index = torch.where(inside, base.repeat_interleave(c)[:, None] + before, 0)
+    spans = [[] for _ in range(R)]
+    columns = (row.tolist(), col0.tolist(), after_prompt.tolist(), start.tolist(), extent.tolist())
+    for r, a, p, s, n in zip(*columns, strict=True):
+        spans[r].append(Spans(a, p, tuple(zip(s, n, strict=True))))
+    mask = None
+    if not end_to_end:
+        i = torch.arange(L, device=dev)
+        sees = (i[:, None] >= i[None, :]) & (block[:, None, :] != -2)  # causal, real keys only
+        sees &= (block[:, None, :] == -1) | (block[:, :, None] == block[:, None, :])  # (G, L, L)
+        mask = sees[:, None]  # (a padding query sees nothing: torch's sdpa gives it zeros)
+    return Pack(ids, mask, pos, keep, index, base, tuple(map(tuple, spans)))

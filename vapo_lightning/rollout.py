@@ -244,7 +244,7 @@ def token_logprobs(
     logprobs_from_logits`, `core.entropy_from_logits`). `entropy_grad`: the entropy keeps
     its graph (an entropy bonus); otherwise only its value.
 
-    With shared-prompt forwards they are computed on the packs' positions (G, K), where each
+    With shared-prompt forwards they are computed on the packs' kept columns (R, K), where each
     position predicts the next token of its pack, and only then laid out per row: never a
     (B, T, V) copy of the logits, whose rows past each response's end (most of T when
     lengths vary) would go through the log-softmax too. A prompt's last position predicts
@@ -255,14 +255,13 @@ def token_logprobs(
         logits = policy_logits(policy, r)  # (B, T, V)
         logprobs, per_row = core.logprobs_from_logits(logits, r.responses, temperature), None
     else:
-        logits = _pack_logits(policy, packed)  # (G, K, V), K = L - P: positions P-1 .. L-2
-        B, G = len(r), logits.shape[0]
-        P = packed.input_ids.shape[1] - logits.shape[1]
-        next_tokens = packed.input_ids[:, P:]  # (G, K) what each kept position predicts in its pack
-        logprobs = packed.rows(core.logprobs_from_logits(logits, next_tokens, temperature))
+        logits = _pack_logits(policy, packed)  # (R, K, V): each kept column predicts the next
+        logprobs = packed.rows(core.logprobs_from_logits(logits, packed.next_tokens, temperature))
         first = core.logprobs_from_logits(
-            logits[:, 0].repeat_interleave(B // G, 0), r.responses[:, 0], temperature
-        )  # (B,): each response's first token, from the prompt's last position
+            logits.flatten(0, 1)[packed.first].repeat_interleave(len(r) // len(packed.first), 0),
+            r.responses[:, 0],
+            temperature,
+        )  # (B,): each response's first token, from its prompt's last position
         logprobs, per_row = torch.cat([first[:, None], logprobs[:, 1:]], 1), packed.rows
     if not entropy:
         return logprobs, None
@@ -276,11 +275,7 @@ def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
     T = r.response_mask.shape[1]
     packed = _packed(critic, r)
     if packed is not None:
-        out = critic(
-            input_ids=packed.input_ids,
-            attention_mask=packed.attention_mask,
-            position_ids=packed.position_ids,
-        )
+        out = critic(**packed.forward_kwargs)
         return packed.rows(out.logits[:, packed.keep, 0]).float()
     out = critic(
         input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids
@@ -289,17 +284,15 @@ def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
 
 
 def _pack_logits(policy: PreTrainedModel, packed: packing.Pack) -> Tensor:
-    """The logits at the pack's kept positions, (G, K, V), each predicting the next token."""
-    return policy(
-        input_ids=packed.input_ids, attention_mask=packed.attention_mask,
-        position_ids=packed.position_ids, logits_to_keep=packed.keep, use_cache=False,
-    ).logits  # fmt: skip
+    """The logits at the pack's kept columns, (R, K, V), each predicting the next token."""
+    return policy(**packed.forward_kwargs, logits_to_keep=packed.keep, use_cache=False).logits
 
 
 def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:
     if r.pack < 2 or not packing.takes_masks(model):
         return None
-    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack)
+    end_to_end = packing.reads_spans(model, r.input_ids.device)
+    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack, end_to_end)
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
