@@ -2,6 +2,8 @@
 offline: every parameter moves and the metrics are logged, bf16, resume, export, the baselines,
 start-up checks and non-finite updates."""
 
+import copy
+
 import lightning as L
 import pytest
 import torch
@@ -18,6 +20,7 @@ from tests.helpers import (
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
 from vapo_lightning.config import Algorithm, Generation, Optim
+from vapo_lightning.module import fused_adamw
 from vapo_lightning.rewards.base import RewardCallback
 
 
@@ -493,3 +496,21 @@ def test_the_actor_is_not_updated_on_a_batch_without_signal(tok, tmp_path, monke
         assert len(calls) == expected, (value, nll_coef)
         assert bool(changed(before, module.policy)) == bool(expected)
         assert (trainer.callback_metrics["timing_s/update_actor"] > 0) == bool(expected)
+
+
+def test_both_optimisers_use_the_fused_adamw_kernel_for_plain_parameters(tok):
+    """AdamW's fused kernel, not torch's per-tensor default, and the same step as that default."""
+    module = tiny_module(tok)
+    module.configure_model()
+    (actor, critic), _ = module.configure_optimizers()
+    assert actor.defaults["fused"] and critic.defaults["fused"]
+    assert len(actor.param_groups[0]["params"]) == len(list(module.policy.parameters()))
+    models = [copy.deepcopy(module.policy) for _ in range(2)]
+    for model, fused in zip(models, (True, False), strict=True):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p) * 0.1 + p.detach() * 0.01
+        opt.step()
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert not fused_adamw([])

@@ -163,11 +163,11 @@ class VAPOModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         o = self.optim
         models = [(self.policy, o.actor_lr)] + ([(self.critic, o.critic_lr)] if self.critic else [])
-        optimizers = [  # LoRA: the adapters (and value head) only
-            torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr, betas=o.betas,
-                              weight_decay=o.weight_decay)
-            for m, lr in models
-        ]  # fmt: skip
+        trained = [([p for p in m.parameters() if p.requires_grad], lr) for m, lr in models]  # LoRA: adapters
+        optimizers = [
+            torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused_adamw(params))
+            for params, lr in trained
+        ]
         warmup = lambda step: min(1.0, (step + 1) / (o.warmup_steps + 1))  # noqa: E731
         schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in optimizers]
         return optimizers, schedulers
@@ -474,3 +474,14 @@ class VAPOModule(L.LightningModule):
         save_pretrained(self.policy, self.tokenizer, directory / "policy", zero)
         if self.critic is not None:
             save_pretrained(self.critic, self.tokenizer, directory / "critic", zero)
+
+
+def fused_adamw(params: list[torch.Tensor]) -> bool:
+    """AdamW's fused kernel for plain fp32/bf16 parameters on the CPU or a GPU (torch's
+    default there is the per-tensor `foreach` loop): one step over SmolLM2-135M's
+    parameters took 0.06 s fused against 0.35 s on 2 CPU cores. Not for sharded (DTensor)
+    parameters, which keep torch's default."""
+    return bool(params) and all(
+        type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16)
+        for p in params
+    )
