@@ -81,6 +81,25 @@ def test_greedy_equals_uncached_full_forwards(model, compact_fraction):
     assert out.shape[1] == max(map(len, want))
 
 
+def test_a_prompt_asked_n_times_is_prefilled_once(model, monkeypatch):
+    """Group sampling repeats each prompt n times: the first forward sees each distinct
+    prompt once, and every row still decodes from its own copy of the cache (greedy tokens
+    equal each prompt's reference; sampled rows of one prompt differ)."""
+    group = [PROMPTS[0], PROMPTS[2]] * 2 + [PROMPTS[0], PROMPTS[1]]  # 3 distinct of 6, unsorted
+    ids, mask = left_pad(group)
+    batches = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, **kw: (batches.append(len(kw["input_ids"])), forward(self, **kw))[1])
+    out = sample_responses(model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
+                           temperature=0.0)  # fmt: skip
+    assert batches[:2] == [3, 6]
+    assert rows(out) == [greedy_reference(model, p, 12, {EOS}) for p in group]
+    torch.manual_seed(0)
+    sampled = sample_responses(model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
+                               temperature=1.0)  # fmt: skip
+    assert len({tuple(r) for r in rows(sampled)[::2]}) > 1  # rows 0, 2, 4: one prompt, three samples
+
+
 def test_long_forced_responses_equal_the_reference(model):
     """100 forced tokens (min_new_tokens): every position still matches full forwards."""
     ids, mask = left_pad(PROMPTS[:2])

@@ -7,7 +7,10 @@ pays for two of its general-purpose choices on every token:
   decoding T tokens copies O(T²) cache (61% of a decode step's CPU time at the quickstart's
   shapes); `GrowingLayer` writes in place into a buffer that doubles when full;
 - it decodes every sequence until the longest one stops; here finished sequences leave the
-  batch (`compact`), so the cost follows the sum of the response lengths, not B × max.
+  batch (`compact`), so the cost follows the sum of the response lengths, not B × max;
+- it reads a prompt asked n times (group sampling, §4.3) n times; here the prefill runs over
+  the distinct prompts and their cache is copied to each repeat (SmolLM2-135M, 16 prompts ×
+  4 of ~115 tokens, bf16 on 2 CPU cores: 6.0 s for the 64 rows, 1.6 s for the 16).
 
 Decoding never uses cuDNN's attention kernel. On an H200 (torch 2.11, bf16 autocast,
 quickstart model, 128 rows, up to 160 tokens) SDPA picked it once finished rows had left the
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from vapo_lightning.attention import decodes_in_autocast_dtype, decoding
 
@@ -338,6 +342,23 @@ def _cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def _prefill(model: PreTrainedModel, *, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+             **kwargs) -> CausalLMOutputWithPast:  # fmt: skip
+    """The model's forward over the prompts (B, P), each distinct row once: its cache (in
+    `kwargs`) is then copied to every row that repeats it, and so are its logits."""
+    distinct, repeat = torch.unique(torch.cat([input_ids, attention_mask], -1), dim=0, return_inverse=True)
+    if len(distinct) == len(input_ids):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    B = len(input_ids)
+    first = repeat.new_empty(len(distinct)).scatter_(0, repeat, torch.arange(B, device=repeat.device))  # one row of each
+    out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=position_ids[first], **kwargs)
+    for cache in kwargs.values():
+        if isinstance(cache, Cache):
+            cache.batch_select_indices(repeat)
+    out.logits = out.logits[repeat]
+    return out
+
+
 def _every_rank_done(done_here: bool, synced: bool, device: torch.device) -> bool:
     """Whether decoding may stop; a synced (sharded) rank keeps decoding, feeding pads,
     until every rank is done."""
@@ -388,8 +409,9 @@ def sample_responses(
     mask, tokens, steps = attention_mask.long(), input_ids, 0
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     for t in range(max_new_tokens):
-        logits = model(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
-                       **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
+        step = model if t else partial(_prefill, model)  # each distinct prompt read once
+        logits = step(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
+                      **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
         if t < min_new_tokens:
             logits = logits.index_fill(-1, stop, float("-inf"))
         new = next_tokens(logits, temperature, top_p, top_k)
