@@ -220,3 +220,22 @@ def test_several_critic_steps_per_actor_step(tok, one_pass):
 def test_critic_updates_per_step_must_be_positive():
     with pytest.raises(ValueError, match="critic_updates_per_step"):
         Algorithm(critic_updates_per_step=0)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.1])
+def test_the_actor_update_takes_the_entropy_only_for_a_bonus(tok, monkeypatch, coef):
+    """Without an entropy bonus the update's forwards skip the entropy (a pass over the whole
+    vocabulary) and `actor/entropy` is pi_old's, token-weighted (verl's); with one, the entropy
+    keeps its graph and enters the loss."""
+    import vapo_lightning.updates as updates
+
+    module = module_with(tok, 2, entropy_coef=coef)
+    r = rollout(module.policy.config.vocab_size)
+    old_estimates(module, r)
+    asked = []
+    real = updates.token_logprobs
+    monkeypatch.setattr(updates, "token_logprobs", lambda *a, **k: (asked.append(k), real(*a, **k))[1])
+    _, stats = run_updates(module, r)
+    assert {(k["entropy"], k["entropy_grad"]) for k in asked} == {(coef > 0, coef > 0)}
+    want = float(core.masked_mean(r.entropy, r.response_mask))
+    assert stats["actor/entropy"] == pytest.approx([want], rel=1e-5)

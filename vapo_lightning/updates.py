@@ -127,8 +127,10 @@ class OldEstimate:
         if self.recording:
             setattr(r, name, per_token(r))
 
-    def __call__(self, rows: Tensor, output: Tensor) -> Tensor:
-        store, T = getattr(self.r, self.name), output.shape[1]
+    def __call__(self, rows: Tensor, output: Tensor | None, T: int | None = None) -> Tensor:
+        """The old quantity of `rows`, (len(rows), T), T = `output`'s width; `output` may be
+        None when the pass filled it (then `T` says the width)."""
+        store, T = getattr(self.r, self.name), output.shape[1] if output is not None else T
         if self.recording:
             store[rows, :T] = output.detach()
         return store[rows, :T]
@@ -206,10 +208,13 @@ def actor_step(
     for i, (rows, micro) in enumerate(micros):
         sync_gradients(policy, last=i == len(micros) - 1)
         m = micro.response_mask
-        # (B, T) each; with an entropy bonus the entropy needs its graph, otherwise its value
-        logprobs, entropy = token_logprobs(policy, micro, temperature, entropy_grad=a.entropy_coef > 0)
+        # (B, T) each. The entropy: with a bonus, with its graph; without one, only pi_old's
+        # for the metric (as verl's actor/entropy), from the pi_old pass or, on-policy, here.
+        bonus = a.entropy_coef > 0
+        logprobs, entropy = token_logprobs(policy, micro, temperature, entropy=bonus or entropy_old.recording,
+                                           entropy_grad=bonus)  # fmt: skip
         micro.old_logprobs = pi_old(rows, logprobs)
-        entropy_old(rows, entropy)  # recorded for the metrics (on-policy)
+        old_entropy = entropy_old(rows, entropy, m.shape[1])
         is_weights = (  # truncated importance sampling against the engine that sampled
             correction.truncated_is_weights(micro.old_logprobs, micro.rollout_logprobs, m, a.rollout_is_cap)
             if a.rollout_is == "tis"
@@ -218,7 +223,7 @@ def actor_step(
         loss, st = core.actor_loss(
             logprobs, micro.old_logprobs, micro.advantages, m, micro.correct, **normalizers,
             clip_low=a.clip_low, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
-            agg=a.loss_agg, nll_coef=a.nll_coef, entropy=entropy, entropy_coef=a.entropy_coef,
+            agg=a.loss_agg, nll_coef=a.nll_coef, entropy=entropy if bonus else None, entropy_coef=a.entropy_coef,
             ref_logprobs=micro.ref_logprobs, kl_coef=a.kl_coef, is_weights=is_weights,
         )  # fmt: skip
         dp.backward(loss * dp.world_size)
@@ -227,7 +232,7 @@ def actor_step(
             for k in ("pg_loss", "nll_loss", "kl_loss"):
                 if k in st:
                     acc[f"actor/{k}"] += st[k]
-            acc["actor/entropy"] += core.masked_sum(entropy.detach(), m) / n_tokens
+            acc["actor/entropy"] += core.masked_sum(old_entropy, m) / n_tokens
             acc["actor/pg_clipfrac_high"] += st["clipfrac_high"] * share
             acc["actor/pg_clipfrac_lower"] += st["clipfrac_low"] * share
             acc["actor/ppo_kl"] += st["approx_kl"] * share
