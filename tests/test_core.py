@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vapo_lightning import core
+from vapo_lightning.token_stats import chunk_rows_for
 
 # --------------------------------------------------------------------------- references
 
@@ -534,3 +535,17 @@ def test_zero_spread_share_edges():
     assert core.zero_spread_share(torch.tensor([-1.0, -1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 1.0
     assert core.zero_spread_share(torch.tensor([-1.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1])) == 0.5
     assert core.zero_spread_share(torch.tensor([]), torch.tensor([], dtype=torch.long)) == 0.0
+
+
+def test_on_the_cpu_the_token_kernels_work_in_chunks_that_fit_a_cache():
+    """About 2^20 logits a chunk on the CPU (21 rows of a 49,152-token vocabulary), 4,096 rows
+    on other devices; by default the kernels take that size and give the one-chunk values."""
+    assert chunk_rows_for(torch.empty(0, 49152)) == 21
+    assert chunk_rows_for(torch.empty(0, 50)) == 2**20 // 50
+    assert chunk_rows_for(torch.empty(0, 49152, device="meta")) == 4096
+    logits = torch.randn(3, 7, 2**18).bfloat16()  # 4 rows a chunk by default: 21 rows in 6
+    labels = torch.randint(0, 2**18, (3, 7))
+    whole = (core.logprobs_from_logits(logits, labels, 0.7, 21), core.entropy_from_logits(logits, 0.7, 21))
+    chunked = (core.logprobs_from_logits(logits, labels, 0.7), core.entropy_from_logits(logits, 0.7))
+    for a, b in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

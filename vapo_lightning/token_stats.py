@@ -5,6 +5,11 @@ large vocabulary does not fit beside the model. These kernels take the logits as
 stays bf16), work `chunk_rows` positions at a time in fp32, and save only the logits and a
 (N,) logsumexp for the backward, which recomputes the softmax chunk by chunk. Exported by
 `vapo_lightning.core` with the rest of the math.
+
+On the CPU a chunk holds about 2^20 logits (4 MiB in fp32), so the several passes over it
+(cast, max, exp, sums) read the cache, not memory: log-probs and entropies of 1,800 positions
+of SmolLM2's 49,152-token vocabulary, bf16, took 1.04 s in chunks of 4,096 rows and ~0.2 s in
+chunks of 21-42 (its default 21) on 2 cores of an AMD EPYC. GPUs take 4,096 rows at a time.
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["entropy_from_logits", "logprobs_from_logits"]
+__all__ = ["chunk_rows_for", "entropy_from_logits", "logprobs_from_logits"]
+
+CPU_CHUNK_LOGITS = 2**20
+
+
+def chunk_rows_for(logits: Tensor) -> int:
+    """Positions per chunk for (..., V) `logits`: ~2^20 logits on the CPU, 4,096 rows elsewhere."""
+    return max(1, CPU_CHUNK_LOGITS // logits.shape[-1]) if logits.device.type == "cpu" else 4096
 
 
 def _at_least_fp32(x: Tensor, tau: float = 1.0) -> Tensor:
@@ -90,22 +102,22 @@ class _TokenEntropy(torch.autograd.Function):
 
 
 def logprobs_from_logits(
-    logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int = 4096
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk_rows: int | None = None
 ) -> Tensor:
     """log p(label) under softmax(logits / temperature): (B, T, V) logits and (B, T) labels
     -> (B, T), in fp32 (or the logits' dtype if wider).
 
-    `chunk_rows` positions at a time: never a full (B, T, V) log_softmax, at most a
-    (chunk_rows, V) fp32 temporary, in the forward and in the backward, and no fp32 copy of
-    bf16 logits is kept for the backward. PPO's ratio exp(logp - logp_old) needs fp32
+    `chunk_rows` positions at a time (None: `chunk_rows_for`): never a full (B, T, V)
+    log_softmax, at most a (chunk_rows, V) fp32 temporary, in the forward and in the
+    backward, and no fp32 copy of bf16 logits is kept for the backward. PPO's ratio exp(logp - logp_old) needs fp32
     log-probs: mixed precision hands over bf16 logits, divided by the temperature only in fp32.
     """
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _TokenLogProbs.apply(flat, labels.reshape(-1), temperature, chunk_rows).reshape(labels.shape)
+    flat, chunk = logits.reshape(-1, logits.shape[-1]), chunk_rows or chunk_rows_for(logits)
+    return _TokenLogProbs.apply(flat, labels.reshape(-1), temperature, chunk).reshape(labels.shape)
 
 
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_rows: int = 4096) -> Tensor:
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
     """Per-token entropy of softmax(logits / temperature), H = logsumexp(z) - sum softmax(z) * z,
     (..., V) -> (...), in fp32 (or wider); chunked like `logprobs_from_logits`."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return _TokenEntropy.apply(flat, temperature, chunk_rows).reshape(logits.shape[:-1])
+    flat, chunk = logits.reshape(-1, logits.shape[-1]), chunk_rows or chunk_rows_for(logits)
+    return _TokenEntropy.apply(flat, temperature, chunk).reshape(logits.shape[:-1])
