@@ -109,6 +109,33 @@ def config_prompts(tok, n_prompts: int) -> list[list[int]]:
             for c in chats]  # fmt: skip
 
 
+def prefill_seconds(reps: int) -> dict[str, float]:
+    """The sampler's prefill of configs/smollm2.yaml's prompts (16 × 4 rows, bf16): one
+    forward over every row (as before the sampler read each distinct prompt once) against
+    `sample_responses` for one token (each distinct prompt once, its cache copied); median
+    seconds of `reps`."""
+    tok = load_tokenizer(str(MODEL))
+    policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
+    ids, mask = left_padded(config_prompts(tok, 16), 4, tok.pad_token_id)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    def every_row():
+        return policy(input_ids=ids, attention_mask=mask, position_ids=position, logits_to_keep=1)
+
+    def distinct_once():
+        return sample_responses(policy, ids, mask, max_new_tokens=1, stop_token_ids=[tok.eos_token_id],
+                                pad_token_id=tok.pad_token_id)  # fmt: skip
+
+    runs = {"every row (64)": every_row, "each distinct prompt once (16), cache copied": distinct_once}
+    times: dict[str, list[float]] = {}
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
+        for _ in range(reps):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times.setdefault(name, []).append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def step_passes(r, pol, cri, opts, batches, algo, dp) -> dict:
     """The passes of one rollout step over rollout `r`, in order, as callables."""
     from vapo_lightning.advantages import compute_advantages, critic_targets
@@ -225,6 +252,10 @@ def main() -> None:
     for precision in ("fp32", "bf16"):
         s = rollout_tokens_per_s(precision, args.reps)
         print(f"| {precision} | {min(s):.0f} / **{statistics.median(s):.0f}** / {max(s):.0f} |", flush=True)
+    print("\n## The sampler's prefill: 16 prompts × 4 rows of 110-118 tokens, bf16\n")
+    print("| prefill | seconds, median |\n|---|---|")
+    for name, seconds in prefill_seconds(args.reps).items():
+        print(f"| {name} | {seconds:.2f} |", flush=True)
     if args.passes:
         print("\n## The model passes of a rollout step, shared prompts against per row\n")
         print("One fixed rollout sampled from the model at configs/smollm2.yaml's shape (16 prompts × 4 "
