@@ -149,8 +149,8 @@ def packed_attention(
     Each prompt [first, P) attends causally over itself, each response [s, s + n) over its
     prompt and causally over itself: the pairs a pack's block mask keeps, and no others.
     One masked call computes all L^2 pairs of a row: on configs/smollm2.yaml's rollouts
-    (prompts of ~115 tokens, four answers of ~77 in a pack) about ten times those, which took
-    attention to 28 % of the critic's update (`benchmarks/results/real_model_passes.md`).
+    (prompts of ~115 tokens, four answers of ~77 in a pack) about ten times those
+    (`benchmarks/results/real_model_passes.md` has the passes before and after).
     """
     H, L, D = query.shape[1:]
 

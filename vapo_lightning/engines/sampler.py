@@ -10,7 +10,8 @@ pays for two of its general-purpose choices on every token:
   batch (`compact`), so the cost follows the sum of the response lengths, not B × max;
 - it reads a prompt asked n times (group sampling, §4.3) n times; here the prefill runs over
   the distinct prompts and their cache is copied to each repeat (SmolLM2-135M, 16 prompts ×
-  4 of ~115 tokens, bf16 on 2 CPU cores: 6.0 s for the 64 rows, 1.6 s for the 16).
+  4 of ~115 tokens, bf16 on 2 CPU cores: 6.2 s for the 64 rows, 1.6 s for the 16;
+  benchmarks/results/real_model_passes.md).
 
 Decoding never uses cuDNN's attention kernel. On an H200 (torch 2.11, bf16 autocast,
 quickstart model, 128 rows, up to 160 tokens) SDPA picked it once finished rows had left the
