@@ -230,7 +230,7 @@ def test_packed_attention_equals_one_masked_call(gqa, end_to_end):
         torch.testing.assert_close(a, x.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_packs_end_to_end_leave_out_padding(tok):
+def test_packs_end_to_end_leave_out_padding():
     """In one row, without a mask: the prompt once per pack, each response only as long as
     it is; the kept columns are exactly those that predict a response token."""
     r = grouped_rollout(64)
