@@ -46,6 +46,7 @@ VARIANTS = {  # name -> command-line overrides
     "native, bf16-mixed, torch.compile": ["--model.torch_compile=true"],
     "native, bf16-mixed, gradient checkpointing": ["--model.policy.gradient_checkpointing=true"],
     "native, fp32": ["--trainer.precision=32-true"],
+    "native, bf16-mixed, pi_old from the sampler": ["--model.algorithm.old_logprobs=rollout"],
     "vLLM, bf16-mixed": ["--model.generation.engine=vllm"],
     "vLLM, fp32": ["--model.generation.engine=vllm", "--trainer.precision=32-true"],
 }

@@ -26,12 +26,12 @@ def test_validation_follows_the_training_engine_unless_told(tmp_path):
 
 def test_every_engine_has_the_common_surface():
     """Each registered engine is a `RolloutEngine` (one file and one line make a new one);
-    only an engine that reports its own log-probs can be corrected for (rollout_is)."""
+    both report their own log-probs (rollout correction, pi_old from the rollout)."""
     from vapo_lightning.engines import ENGINES, RolloutEngine, engine_class
 
     classes = {name: engine_class(name) for name in ENGINES}
     assert all(issubclass(cls, RolloutEngine) for cls in classes.values())
-    assert not classes["native"].reports_logprobs and classes["vllm"].reports_logprobs
+    assert classes["native"].reports_logprobs and classes["vllm"].reports_logprobs
 
 
 def test_native_engine_samples_the_policy_itself(tmp_path):
@@ -48,11 +48,15 @@ def test_native_engine_samples_the_policy_itself(tmp_path):
              "data_source": "sums"}]  # fmt: skip
     torch.manual_seed(0)
     r = engine.sample(rows, Generation(n=3, max_new_tokens=6))
-    assert len(r) == 3 and len(r.samples) == 3 and r.rollout_logprobs is None
+    assert len(r) == 3 and len(r.samples) == 3 and r.rollout_logprobs is None  # not asked
     assert {(s.prompt, s.ground_truth, s.data_source) for s in r.samples} == {("1 + 2 =", "3", "sums")}
     texts = tok.batch_decode(r.responses, skip_special_tokens=True)
     assert [s.response for s in r.samples] == texts
     assert [len(s.response_ids) for s in r.samples] == r.response_lengths.tolist()
+    engine.logprobs = True  # what the trainer asks when the update reads them
+    r = engine.sample(rows, Generation(n=3, max_new_tokens=6))
+    lp, mask = r.rollout_logprobs, r.response_mask
+    assert lp.shape == mask.shape and (lp[mask] < 0).all() and (lp[~mask] == 0).all()
 
 
 def test_engine_dtype_follows_the_trainer_precision():

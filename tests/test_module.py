@@ -514,3 +514,38 @@ def test_both_optimisers_use_the_fused_adamw_kernel_for_plain_parameters(tok):
     for a, b in zip(*(m.parameters() for m in models), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert not fused_adamw([])
+
+
+def test_pi_old_from_the_rollout_skips_the_policy_pass(tok, tmp_path, monkeypatch):
+    """`old_logprobs='rollout'` (verl's bypass mode), two mini-batches a step: no no-grad
+    pass of the policy, the ratio is taken against the sampler's log-probs, and in fp32 the
+    update is the recompute's (the same draws, log-probs equal to 1e-5): same parameters
+    after two rollout steps."""
+    import vapo_lightning.module as module_file
+
+    def fit(old_logprobs: str, root) -> tuple[dict, dict, int]:
+        passes = []
+        compute = module_file.compute_log_probs
+        monkeypatch.setattr(module_file, "compute_log_probs", lambda *a, **k: (passes.append(1), compute(*a, **k))[1])
+        root.mkdir()
+        L.seed_everything(0)
+        module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=8, micro_batch_size=4, old_logprobs=old_logprobs))
+        trainer = tiny_trainer(root, max_steps=2, limit_val_batches=0)
+        trainer.fit(module, datamodule=tiny_data(root))
+        assert not module.algo.on_policy(16, reference_policy=False)  # 16 responses, 2 mini-batches
+        return snapshot(module.policy), scalars(root), len(passes)
+
+    bypass, logged, bypass_passes = fit("rollout", tmp_path / "rollout")
+    recompute, _, recompute_passes = fit("recompute", tmp_path / "recompute")
+    assert (bypass_passes, recompute_passes) == (0, 2)
+    assert [v for _, v in logged["timing_s/old_log_prob"]] == [0.0, 0.0]
+    assert "training/rollout_probs_diff_mean" not in logged  # nothing to compare
+    assert all(v > 0 for _, v in logged["actor/entropy"])  # from the update's first forwards
+    for k in recompute:
+        torch.testing.assert_close(bypass[k], recompute[k], atol=1e-5, rtol=1e-4)
+    assert any(not torch.equal(bypass[k], recompute[k]) for k in recompute)  # two paths, not one
+
+
+def test_pi_old_from_the_rollout_is_a_checked_setting():
+    with pytest.raises(ValueError, match="old_logprobs='engine'"):
+        Algorithm(old_logprobs="engine")

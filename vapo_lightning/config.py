@@ -90,6 +90,12 @@ class Algorithm:
     (truncated importance sampling, verl's rollout correction); 'none': off."""
     rollout_is_cap: float = 2.0
     """C of truncated importance sampling."""
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    """Where pi_old comes from when it is not the update's own first forward (`one_pass`):
+    'recompute', a no-grad forward of the policy over the rollout (verl's default); 'rollout',
+    the engine's log-prob of each token it sampled (verl's bypass mode): one forward of the
+    policy fewer per step, and the PPO ratio is then taken against the policy that really
+    sampled, its numerics (bf16, a KV cache, another engine) included."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -107,6 +113,7 @@ class Algorithm:
             "dynamic_sampling_rounds": self.dynamic_sampling_rounds >= 0,
             "rollout_is": self.rollout_is in ("none", "tis"),
             "rollout_is_cap": self.rollout_is_cap >= 1,
+            "old_logprobs": self.old_logprobs in ("recompute", "rollout"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
@@ -129,6 +136,11 @@ class Algorithm:
         """One epoch over one mini-batch, no reference policy (and `one_pass`): pi_old and
         V_old are the models as they stand, so the no-grad passes can be skipped."""
         return self.one_pass and self.ppo_epochs == 1 and batch <= self.mini_batch_size and not reference_policy
+
+    @property
+    def reads_rollout_logprobs(self) -> bool:
+        """Whether the update reads the engine's log-probs (pi_old or rollout correction)."""
+        return self.old_logprobs == "rollout" or self.rollout_is != "none"
 
     def check_batch(self, prompts_per_step: int | None, n: int) -> None:
         """The rollout batch (prompts × n) splits into mini-batches; GRPO / DAPO have groups."""

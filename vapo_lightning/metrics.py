@@ -122,7 +122,8 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         m["tools/calls/mean"] = r.tool_calls.float().mean()
         m["tools/observation_tokens/mean"] = r.observation_tokens.float().mean()
         m["tools/share_of_responses"] = (r.tool_calls > 0).float().mean()
-    if r.rollout_logprobs is not None and r.old_logprobs is not None:  # engine vs trainer
+    # engine vs trainer (with pi_old taken from the engine there is nothing to compare)
+    if r.rollout_logprobs is not None and r.old_logprobs is not None and r.old_logprobs is not r.rollout_logprobs:
         diff = correction.probs_diff(r.old_logprobs, r.rollout_logprobs, mask)
         m["training/rollout_probs_diff_mean"] = core.masked_mean(diff, mask)
         m["training/rollout_probs_diff_max"] = diff.max()

@@ -178,7 +178,7 @@ class VAPOModule(L.LightningModule):
         rows = [*getattr(dm, "train_rows", []), *getattr(dm, "val_rows", [])]
         self.longest_prompt = max((len(row["prompt_ids"]) for row in rows), default=0)
         config = self.policy.config if self.policy is not None else self.policy_spec.hf_config()
-        check_generation(config, self.longest_prompt, self.gen, self.val_gen, self.algo.rollout_is)
+        check_generation(config, self.longest_prompt, self.gen, self.val_gen, self.algo)
         check_callbacks(self.trainer.callbacks)
         for tool in self.tools:
             tool.setup()  # (a sandbox pool per process)
@@ -201,12 +201,21 @@ class VAPOModule(L.LightningModule):
             # One epoch over one mini-batch (verl's on_policy): pi_old and V_old are the models
             # as they stand, taken from the updates' own first forwards (`updates.OldEstimate`).
             on_policy = self.algo.on_policy(len(r), reference_policy=self.ref_policy is not None)
-            # log pi_old for the ratio, or, while value pretraining, for metrics that watch it.
-            if (not on_policy and not frozen) or (frozen and watches_the_policy(r, self.trainer.callbacks)):
+            # log pi_old for the ratio, or, while value pretraining, for metrics that watch it;
+            # or pi_old as the engine sampled (verl's bypass mode): no policy pass.
+            bypass = not on_policy and not frozen and self.algo.old_logprobs == "rollout"
+            if bypass:
+                r.old_logprobs = r.rollout_logprobs
+            if (not on_policy and not frozen and not bypass) or (frozen and watches_the_policy(r, self.trainer.callbacks)):
                 with timer("old_log_prob"):  # log pi_old, entropy, log pi_ref (no grad)
                     r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(
                         self.policy, r, self.algo.micro_batch_size, self.logprob_temperature, self.ref_policy
                     )
+            elif bypass and self.ref_policy is not None:
+                with timer("old_log_prob"):  # log pi_ref alone
+                    r.ref_logprobs = compute_log_probs(
+                        self.ref_policy, r, self.algo.micro_batch_size, self.logprob_temperature
+                    )[0]
             if not on_policy and self.critic is not None:
                 with timer("values"):
                     r.values = compute_values(self.critic, r, self.algo.micro_batch_size)  # V_old
@@ -280,6 +289,7 @@ class VAPOModule(L.LightningModule):
                 gen, self.policy, self.tokenizer, self.tools, max_model_len=longest,
                 precision=str(self.trainer.precision), local_rank=self.trainer.local_rank,
             )  # fmt: skip
+            self.engines[gen.engine].logprobs = self.algo.reads_rollout_logprobs
         return self.engines[gen.engine]
 
     def sample(self, rows: list[dict], gen: Generation) -> Rollout:

@@ -57,7 +57,7 @@ class Rollout:
     returns: Tensor | None = None  # (B, T) critic targets
     lam_actor: Tensor | None = None  # (B,)
     ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
-    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), engine=vllm
+    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), when asked (`RolloutEngine.logprobs`)
     tool_calls: Tensor | None = None  # (B,) tool calls of each response, with model.tools
     observation_tokens: Tensor | None = None  # (B,) tokens of their observations
     tool_errors: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, kind, message)

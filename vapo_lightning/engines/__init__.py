@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vapo_lightning.config import Generation, SetupError
+from vapo_lightning.config import Algorithm, Generation, SetupError
 from vapo_lightning.engines.base import RolloutEngine
 from vapo_lightning.tools.base import Tool
 
@@ -52,11 +52,11 @@ def make_engine(
 
 
 def check_generation(
-    config: Any, longest_prompt: int, gen: Generation, val_gen: Generation, rollout_is: str
+    config: Any, longest_prompt: int, gen: Generation, val_gen: Generation, algo: Algorithm
 ) -> None:
     """Before any work: the longest prompt of the data plus max_new_tokens fits the policy's
-    context (`config`), each engine can run this policy, rollout correction has an engine
-    log-prob to correct for. One line each, with the numbers."""
+    context (`config`), each engine can run this policy, rollout correction and pi_old from
+    the rollout have an engine log-prob to read. One line each, with the numbers."""
     limit = getattr(config, "max_position_embeddings", None)
     max_model_len = longest_prompt + max(gen.max_new_tokens, val_gen.max_new_tokens)
     for name, g in (("generation", gen), ("val_generation", val_gen)):
@@ -68,11 +68,11 @@ def check_generation(
                 f"to at most {limit - longest_prompt}"
             )
         engine_class(g.engine).check_setup(config, max_model_len)
-    if rollout_is != "none" and not engine_class(gen.engine).reports_logprobs:
+    if algo.reads_rollout_logprobs and not engine_class(gen.engine).reports_logprobs:
+        what = f"rollout_is={algo.rollout_is!r}" if algo.rollout_is != "none" else "old_logprobs='rollout'"
         raise SetupError(
-            f"model.algorithm.rollout_is={rollout_is!r} corrects for an inference engine's "
-            f"sampling: model.generation.engine={gen.engine} reports no log-probs of its own "
-            "(vllm does)"
+            f"model.algorithm.{what} reads the engine's log-probs of its samples: "
+            f"model.generation.engine={gen.engine} reports none (native and vllm do)"
         )
 
 

@@ -35,6 +35,9 @@ class RolloutEngine(ABC):
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool]) -> None:
         self.policy, self.tokenizer, self.tools = policy, tokenizer, list(tools)
+        # Whether `generate` must fill `Rollout.rollout_logprobs` (the trainer sets it when
+        # the algorithm reads them); an engine that reports them at no cost may always do.
+        self.logprobs = False
 
     @classmethod
     def from_generation(

@@ -34,7 +34,10 @@ class NativeEngine(RolloutEngine):
     """Samples the trainer's policy in place (CPU runs, tests, small models). A LoRA policy
     (not sharded) is sampled from a copy with its adapters merged in (`lora.MergedCopy`),
     refreshed after each change of the policy: decoding through peft's unmerged layers ran
-    at three quarters of its speed (benchmarks/results/lora.md)."""
+    at three quarters of its speed (benchmarks/results/lora.md). Its log-probs of the sampled
+    tokens cost a log-softmax per step: computed only when `logprobs` asks."""
+
+    reports_logprobs = True
 
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool]) -> None:
         super().__init__(policy, tokenizer, tools)
@@ -52,7 +55,8 @@ class NativeEngine(RolloutEngine):
         self.policy.eval()
         model, tok = self.policy if self.merged is None else self.merged.model, self.tokenizer
         return generate(
-            model, prompt_ids, gen, tok.pad_token_id, tok.eos_token_id, tools=self.tools, tokenizer=tok
+            model, prompt_ids, gen, tok.pad_token_id, tok.eos_token_id, tools=self.tools, tokenizer=tok,
+            logprobs=self.logprobs,
         )  # fmt: skip
 
 
@@ -66,16 +70,18 @@ def generate(
     n: int | None = None,
     tools: list[Tool] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    logprobs: bool = False,
 ) -> Rollout:
     """Samples `n` responses for each prompt (`engines.sampler.sample_responses`: KV cache grown in
     place, finished responses leave the batch); stops at EOS (or any of
     ``cfg.stop_token_ids``), ``cfg.max_batch_size`` sequences per call.
 
     temperature 0 means greedy. Tokens after the first stop token become padding. With
-    `tools` (and their `tokenizer`), responses call them mid-way: `generate_turns`.
+    `tools` (and their `tokenizer`), responses call them mid-way: `generate_turns`. With
+    `logprobs`, each sampled token's log-prob under the sampler (`Rollout.rollout_logprobs`).
     """
     if tools:
-        return generate_turns(policy, prompt_ids, cfg, tokenizer, tools, n)
+        return generate_turns(policy, prompt_ids, cfg, tokenizer, tools, n, logprobs)
     n = cfg.n if n is None else n
     if not prompt_ids:  # (sharded, the other ranks would wait for this one forever)
         raise ValueError("generate: no prompts (every rank must sample at least one)")
@@ -84,8 +90,8 @@ def generate(
     stop = sorted({eos_token_id, *cfg.stop_token_ids})
     chunk = cfg.max_batch_size or len(ids)
 
-    def sample(rows: slice, lock_step: bool) -> Tensor:
-        return sample_responses(
+    def sample(rows: slice, lock_step: bool) -> tuple[Tensor, Tensor | None]:
+        out = sample_responses(
             policy,
             ids[rows],
             attn[rows],
@@ -97,7 +103,9 @@ def generate(
             stop_token_ids=stop,
             pad_token_id=pad_token_id,
             lock_step=lock_step,
+            logprobs=logprobs,
         )
+        return out if logprobs else (out, None)
 
     starts = range(0, len(ids), chunk)
     with gathered_weights(policy, cfg.gather_weights) as lock_step:
@@ -107,11 +115,13 @@ def generate(
         parts = [sample(slice(i, i + chunk), lock_step) for i in starts]
         for _ in range(extra):
             sample(slice(0, 1), lock_step)
-    T = max(p.shape[1] for p in parts)
-    response = torch.cat(  # (B, T); chunks stop at different lengths
-        [torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_token_id) for p in parts]
-    )
-    return assemble(ids, attn, response, stop, pad_token_id, n)
+    T = max(tokens.shape[1] for tokens, _ in parts)
+    pad = lambda x, value: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731
+    response = torch.cat([pad(tokens, pad_token_id) for tokens, _ in parts])  # (B, T); chunks stop at different lengths
+    r = assemble(ids, attn, response, stop, pad_token_id, n)
+    if logprobs:
+        r.rollout_logprobs = torch.cat([pad(lp, 0.0) for _, lp in parts]) * r.response_mask
+    return r
 
 
 @torch.no_grad()
@@ -122,6 +132,7 @@ def generate_turns(
     tokenizer: PreTrainedTokenizerBase,
     tools: list[Tool],
     n: int | None = None,
+    logprobs: bool = False,
 ) -> Rollout:
     """`generate` with tool calls (`tools.turns.run_turns`) on this package's sampler.
 
@@ -147,13 +158,13 @@ def generate_turns(
                 policy, ids, attn, max_new_tokens=max(budgets[i : i + chunk]),
                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                 stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
-                lock_step=False, stop_text=stop_text,
+                lock_step=False, stop_text=stop_text, logprobs=logprobs,
             )  # fmt: skip
+            out, lps = out if logprobs else (out, None)
             for k, row in enumerate(out.tolist()):
                 ends = [j + 1 for j, token in enumerate(row) if token in stop][:1]
-                segments.append(
-                    Segment(row[: stop_text.lengths.get(k, ends[0] if ends else len(row))])
-                )
+                end = stop_text.lengths.get(k, ends[0] if ends else len(row))
+                segments.append(Segment(row[:end], lps[k, :end].tolist() if logprobs else None))
         return segments
 
     with gathered_weights(policy, cfg.gather_weights) as lock_step:

@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from vapo_lightning.attention import decodes_in_autocast_dtype, decoding
+from vapo_lightning.token_stats import logprobs_from_logits
 
 __all__ = [
     "GrowingLayer",
@@ -390,9 +391,12 @@ def sample_responses(
     compact_fraction: float = 0.25,
     lock_step: bool | None = None,
     stop_text: StopText | None = None,
-) -> Tensor:
+    logprobs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Samples one response per left-padded prompt row: (B, T) token ids, T <= max_new_tokens,
-    each row ending at its first stop token and padded after it with `pad_token_id`.
+    each row ending at its first stop token and padded after it with `pad_token_id`. With
+    `logprobs`, also the (B, T) log-probs of the sampled tokens, in fp32 (0 after a row's
+    stop token).
 
     Finished rows keep being fed (and ignored) until they make up `compact_fraction` of the
     batch, then leave it: few cache copies, little wasted compute. A sharded (FSDP) model
@@ -404,6 +408,7 @@ def sample_responses(
     synced = is_lock_step(model) if lock_step is None else lock_step
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    out_logprobs = torch.zeros(out.shape, device=device) if logprobs else None
     cache, cache_arg = _growing_cache(input_ids.shape[1] + max_new_tokens), _cache_argument(model)
     rows = torch.arange(B, device=device)  # the output row of each batch row
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -413,11 +418,15 @@ def sample_responses(
         step = model if t else partial(_prefill, model)  # each distinct prompt read once
         logits = step(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
                       **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
-        if t < min_new_tokens:
-            logits = logits.index_fill(-1, stop, float("-inf"))
-        new = next_tokens(logits, temperature, top_p, top_k)
+        allowed = logits.index_fill(-1, stop, float("-inf")) if t < min_new_tokens else logits
+        new = next_tokens(allowed, temperature, top_p, top_k)
         new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop
         out[rows, t] = new
+        if out_logprobs is not None:
+            # under softmax(logits / T) before top-k / top-p / min_new_tokens narrow the draw,
+            # as the trainer's log-probs are taken (greedy, T 0: the plain softmax)
+            lp = logprobs_from_logits(logits[:, None], new[:, None], temperature or 1.0)[:, 0]
+            out_logprobs[rows, t] = torch.where(done, 0.0, lp)
         steps = t + 1
         hit = torch.isin(new, stop)
         if stop_text is not None:
@@ -434,4 +443,6 @@ def sample_responses(
         tokens = new[:, None]
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
         position = position[:, -1:] + 1
+    if out_logprobs is not None:
+        return out[:, :steps], out_logprobs[:, :steps]
     return out[:, :steps]
