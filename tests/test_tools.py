@@ -4,6 +4,8 @@ rollout it assembles."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -184,15 +186,15 @@ class PositionScript(torch.nn.Module):
     """A 'language model' that writes ``script[position]`` at each position (greedy), for
     any context: a scripted policy for the native sampler, KV cache and all."""
 
-    def __init__(self, script: list[int], vocab: int):
+    def __init__(self, script: list[int], vocab: int, margin: float = 1e4):
         super().__init__()
-        self.script, self.vocab = script, vocab
+        self.script, self.vocab, self.margin = script, vocab, margin
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=None, logits_to_keep=1, **kw):  # fmt: skip
         nxt = (position_ids[:, -1:] + 1).clamp(max=len(self.script) - 1)
-        logits = torch.full((*nxt.shape, self.vocab), -1e4)
+        logits = torch.full((*nxt.shape, self.vocab), -self.margin)
         logits.scatter_(-1, torch.tensor(self.script)[nxt].unsqueeze(-1), 0.0)
 
         class Out:
@@ -232,6 +234,24 @@ def test_native_sampler_pauses_at_calls_and_assembles_the_rollout(tokenizer):
     assert not r.truncated.any()
     t = r.trimmed()
     assert t.response_mask.shape[1] == T and t.responses[0].tolist() == expect
+
+
+def test_native_sampler_reports_the_log_probs_of_the_model_tokens_only(tokenizer):
+    """With `logprobs`, a multi-turn rollout carries each model token's log-prob under the
+    sampler (every other token 5 logits below the scripted one: log p = -log(1 + (V-1)e^-5))
+    and 0 on the observation the tool wrote."""
+    prompt = encode(tokenizer, "What is 1 + 2?")
+    before, after = encode(tokenizer, " <code>abc</code>"), encode(tokenizer, " 3")
+    obs, eos = encode(tokenizer, "<output>ABC</output>"), tokenizer.eos_token_id
+    policy = PositionScript(prompt + before + obs + after + [eos] * 4, len(tokenizer), margin=5.0)
+    cfg = Generation(n=2, max_new_tokens=40, temperature=0.0, max_turns=2)
+    r = generate(policy, [prompt], cfg, tokenizer.pad_token_id, eos, tools=[Upper()], tokenizer=tokenizer,
+                 logprobs=True)  # fmt: skip
+    want = -math.log1p((len(tokenizer) - 1) * math.exp(-5.0))
+    lp, mask = r.rollout_logprobs, r.response_mask
+    assert lp.shape == mask.shape and (~mask).any()
+    torch.testing.assert_close(lp[mask], torch.full_like(lp[mask], want), atol=1e-5, rtol=1e-5)
+    assert (lp[~mask] == 0).all()
 
 
 @pytest.fixture(scope="module")
