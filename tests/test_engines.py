@@ -57,6 +57,7 @@ def test_native_engine_samples_the_policy_itself(tmp_path):
     r = engine.sample(rows, Generation(n=3, max_new_tokens=6))
     lp, mask = r.rollout_logprobs, r.response_mask
     assert lp.shape == mask.shape and (lp[mask] < 0).all() and (lp[~mask] == 0).all()
+    assert (r.entropy[mask] > 0).all() and (r.entropy[~mask] == 0).all()  # pi_old's, as sampled
 
 
 def test_engine_dtype_follows_the_trainer_precision():

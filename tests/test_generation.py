@@ -112,23 +112,26 @@ def test_long_forced_responses_equal_the_reference(model):
 
 @torch.no_grad()
 def test_sampled_logprobs_equal_full_forwards(model):
-    """`logprobs=True`: each sampled token's log softmax(logits / T) equals one full forward
-    over prompt and response (the trainer's recompute), through rows leaving the batch, top-p
+    """`logprobs=True`: each sampled token's log softmax(logits / T), and the entropy of that
+    softmax, equal one full forward over prompt and response (the trainer's recompute),
+    through rows leaving the batch, top-p
     and min_new_tokens narrowing the draw (the log-prob is the untruncated distribution's, as
     the trainer's); 0 after each row's stop token."""
     ids, mask = left_pad(PROMPTS)
     torch.manual_seed(0)
-    out, logprobs = sample_responses(model, ids, mask, max_new_tokens=16, min_new_tokens=2,
-                                     stop_token_ids=[EOS, 3, 4], pad_token_id=PAD, temperature=0.7,
-                                     top_p=0.9, compact_fraction=0.01, logprobs=True)  # fmt: skip
-    assert logprobs.shape == out.shape and logprobs.dtype == torch.float32
+    out, logprobs, entropy = sample_responses(model, ids, mask, max_new_tokens=16, min_new_tokens=2,
+                                              stop_token_ids=[EOS, 3, 4], pad_token_id=PAD, temperature=0.7,
+                                              top_p=0.9, compact_fraction=0.01, logprobs=True)  # fmt: skip
+    assert logprobs.shape == entropy.shape == out.shape and logprobs.dtype == torch.float32
     lengths = [len(r) for r in rows(out)]
     assert len(set(lengths)) > 1  # rows ended at different steps
-    for prompt, response, lp, n in zip(PROMPTS, out.tolist(), logprobs, lengths):
+    for prompt, response, lp, h, n in zip(PROMPTS, out.tolist(), logprobs, entropy, lengths):
         logits = model(input_ids=torch.tensor([prompt + response[:n]])).logits[0, len(prompt) - 1 : -1]
-        want = (logits / 0.7).log_softmax(-1).gather(-1, torch.tensor(response[:n])[:, None])[:, 0]
+        log_p = (logits / 0.7).log_softmax(-1)
+        want = log_p.gather(-1, torch.tensor(response[:n])[:, None])[:, 0]
         torch.testing.assert_close(lp[:n], want, atol=1e-5, rtol=1e-5)
-        assert (lp[n:] == 0).all()
+        torch.testing.assert_close(h[:n], -(log_p.exp() * log_p).sum(-1), atol=1e-5, rtol=1e-5)
+        assert (lp[n:] == 0).all() and (h[n:] == 0).all()
     torch.manual_seed(0)
     plain = sample_responses(model, ids, mask, max_new_tokens=16, min_new_tokens=2, stop_token_ids=[EOS, 3, 4],
                              pad_token_id=PAD, temperature=0.7, top_p=0.9, compact_fraction=0.01)  # fmt: skip

@@ -540,7 +540,7 @@ def test_pi_old_from_the_rollout_skips_the_policy_pass(tok, tmp_path, monkeypatc
     assert (bypass_passes, recompute_passes) == (0, 2)
     assert [v for _, v in logged["timing_s/old_log_prob"]] == [0.0, 0.0]
     assert "training/rollout_probs_diff_mean" not in logged  # nothing to compare
-    assert all(v > 0 for _, v in logged["actor/entropy"])  # from the update's first forwards
+    assert all(v > 0 for _, v in logged["actor/entropy"])  # pi_old's, from the sampler
     for k in recompute:
         torch.testing.assert_close(bypass[k], recompute[k], atol=1e-5, rtol=1e-4)
     assert any(not torch.equal(bypass[k], recompute[k]) for k in recompute)  # two paths, not one

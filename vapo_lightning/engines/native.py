@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from vapo_lightning.config import Generation
 from vapo_lightning.engines.base import RolloutEngine
 from vapo_lightning.engines.sampler import (
+    Sampled,
     StopText,
     calls_in_lock_step,
     gathered_weights,
@@ -78,7 +78,9 @@ def generate(
 
     temperature 0 means greedy. Tokens after the first stop token become padding. With
     `tools` (and their `tokenizer`), responses call them mid-way: `generate_turns`. With
-    `logprobs`, each sampled token's log-prob under the sampler (`Rollout.rollout_logprobs`).
+    `logprobs`, each sampled token's log-prob under the sampler (`Rollout.rollout_logprobs`)
+    and the entropy where it was drawn (`Rollout.entropy`, pi_old's; multi-turn: log-probs
+    only).
     """
     if tools:
         return generate_turns(policy, prompt_ids, cfg, tokenizer, tools, n, logprobs)
@@ -90,7 +92,7 @@ def generate(
     stop = sorted({eos_token_id, *cfg.stop_token_ids})
     chunk = cfg.max_batch_size or len(ids)
 
-    def sample(rows: slice, lock_step: bool) -> tuple[Tensor, Tensor | None]:
+    def sample(rows: slice, lock_step: bool) -> Sampled:
         out = sample_responses(
             policy,
             ids[rows],
@@ -105,7 +107,7 @@ def generate(
             lock_step=lock_step,
             logprobs=logprobs,
         )
-        return out if logprobs else (out, None)
+        return out if logprobs else Sampled(out, None, None)
 
     starts = range(0, len(ids), chunk)
     with gathered_weights(policy, cfg.gather_weights) as lock_step:
@@ -115,12 +117,13 @@ def generate(
         parts = [sample(slice(i, i + chunk), lock_step) for i in starts]
         for _ in range(extra):
             sample(slice(0, 1), lock_step)
-    T = max(tokens.shape[1] for tokens, _ in parts)
+    T = max(p.tokens.shape[1] for p in parts)
     pad = lambda x, value: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731
-    response = torch.cat([pad(tokens, pad_token_id) for tokens, _ in parts])  # (B, T); chunks stop at different lengths
+    response = torch.cat([pad(p.tokens, pad_token_id) for p in parts])  # (B, T); chunks stop at different lengths
     r = assemble(ids, attn, response, stop, pad_token_id, n)
-    if logprobs:
-        r.rollout_logprobs = torch.cat([pad(lp, 0.0) for _, lp in parts]) * r.response_mask
+    if logprobs:  # pi_old as sampled: the log-prob of each token and the entropy where it was drawn
+        r.rollout_logprobs = torch.cat([pad(p.logprobs, 0.0) for p in parts]) * r.response_mask
+        r.entropy = torch.cat([pad(p.entropy, 0.0) for p in parts]) * r.response_mask
     return r
 
 
@@ -160,7 +163,7 @@ def generate_turns(
                 stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
                 lock_step=False, stop_text=stop_text, logprobs=logprobs,
             )  # fmt: skip
-            out, lps = out if logprobs else (out, None)
+            out, lps = (out.tokens, out.logprobs) if logprobs else (out, None)
             for k, row in enumerate(out.tolist()):
                 ends = [j + 1 for j, token in enumerate(row) if token in stop][:1]
                 end = stop_text.lengths.get(k, ends[0] if ends else len(row))

@@ -29,6 +29,7 @@ import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,10 +39,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from vapo_lightning.attention import decodes_in_autocast_dtype, decoding
-from vapo_lightning.token_stats import logprobs_from_logits
+from vapo_lightning.token_stats import entropy_from_logits, logprobs_from_logits
 
 __all__ = [
     "GrowingLayer",
+    "Sampled",
     "StopText",
     "eager",
     "gathered_weights",
@@ -191,6 +193,15 @@ def cache_dtype(key_states: Tensor) -> torch.dtype:
         key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
     )
     return low if wider else key_states.dtype
+
+
+class Sampled(NamedTuple):
+    """What `sample_responses` returns with `logprobs`: (B, T) each; after a row's stop
+    token, padding and 0."""
+
+    tokens: Tensor
+    logprobs: Tensor  # log softmax(logits / T) of each sampled token, fp32
+    entropy: Tensor  # the entropy of softmax(logits / T) at each position, fp32
 
 
 def next_tokens(logits: Tensor, temperature: float, top_p: float, top_k: int = 0) -> Tensor:
@@ -392,11 +403,10 @@ def sample_responses(
     lock_step: bool | None = None,
     stop_text: StopText | None = None,
     logprobs: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | Sampled:
     """Samples one response per left-padded prompt row: (B, T) token ids, T <= max_new_tokens,
     each row ending at its first stop token and padded after it with `pad_token_id`. With
-    `logprobs`, also the (B, T) log-probs of the sampled tokens, in fp32 (0 after a row's
-    stop token).
+    `logprobs`, a `Sampled`: the tokens, their log-probs and the entropy at each position.
 
     Finished rows keep being fed (and ignored) until they make up `compact_fraction` of the
     batch, then leave it: few cache copies, little wasted compute. A sharded (FSDP) model
@@ -409,6 +419,7 @@ def sample_responses(
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     out_logprobs = torch.zeros(out.shape, device=device) if logprobs else None
+    out_entropy = torch.zeros(out.shape, device=device) if logprobs else None
     cache, cache_arg = _growing_cache(input_ids.shape[1] + max_new_tokens), _cache_argument(model)
     rows = torch.arange(B, device=device)  # the output row of each batch row
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -427,6 +438,7 @@ def sample_responses(
             # as the trainer's log-probs are taken (greedy, T 0: the plain softmax)
             lp = logprobs_from_logits(logits[:, None], new[:, None], temperature or 1.0)[:, 0]
             out_logprobs[rows, t] = torch.where(done, 0.0, lp)
+            out_entropy[rows, t] = torch.where(done, 0.0, entropy_from_logits(logits, temperature or 1.0))
         steps = t + 1
         hit = torch.isin(new, stop)
         if stop_text is not None:
@@ -444,5 +456,5 @@ def sample_responses(
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
         position = position[:, -1:] + 1
     if out_logprobs is not None:
-        return out[:, :steps], out_logprobs[:, :steps]
+        return Sampled(out[:, :steps], out_logprobs[:, :steps], out_entropy[:, :steps])
     return out[:, :steps]
