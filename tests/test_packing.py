@@ -242,6 +242,24 @@ def test_packs_end_to_end_leave_out_padding():
     assert packing.pack(r.input_ids, r.attention_mask, T, N).input_ids.shape[0] == G
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("empty", [[G - 1], [0, 1, 2]])
+def test_a_pack_of_empty_responses_still_keeps_its_prompts_last_column(layout, empty):
+    """A pack whose responses have no token (the last one, or every one): each pack's `first`
+    still points at its own prompt's last token among the kept columns, never past them."""
+    r = grouped_rollout(64)
+    for g in empty:
+        r.attention_mask[g * N : (g + 1) * N, P:] = 0
+        r.response_mask[g * N : (g + 1) * N] = False
+    packed = packing.pack(r.input_ids, r.attention_mask, T, N, end_to_end=layout == "end to end")
+    R, K = packed.input_ids.shape[0], len(packed.keep)
+    assert int(packed.first.max()) < R * K  # `first` indexes the R·K kept outputs
+    for g, spans in enumerate(s for row in packed.spans for s in row):
+        row, k = divmod(int(packed.first[g]), K)
+        column = int(packed.keep[k])
+        assert column == spans.P - 1 and packed.input_ids[row, column] == r.input_ids[g * N, P - 1]
+
+
 def test_batches_keep_a_pack_together():
     for rows in mini_batches(24, 8, 2, pack=4):
         assert len(rows) == 8 and all(rows.view(-1, 4).diff(dim=-1).eq(1).all(-1))

@@ -141,16 +141,18 @@ def pack(
     prompt_len = real_prompt.sum(-1)  # (G,)
     extent = attention_mask[:, P:].sum(-1).view(G, c)  # each response's tokens (right-padded)
     answers = extent.sum(-1)  # (G,) response tokens of each pack
+    # Each pack keeps at least its prompt's last column (`first`), even with no response token.
+    kept = answers.clamp(min=1)
     if end_to_end:  # pack g at columns [col0, col0 + size) of the one row
         size = prompt_len + answers
         row, col0 = torch.zeros_like(size), size.cumsum(0) - size
         R, L = 1, int(size.sum())
         keep = torch.cat([torch.arange(a - 1, a + n - 1, device=dev) for a, n in
-                          zip((col0 + prompt_len).tolist(), answers.tolist(), strict=True)])  # fmt: skip
-        base = answers.cumsum(0) - answers  # where each pack's kept outputs begin among the K
+                          zip((col0 + prompt_len).tolist(), kept.tolist(), strict=True)])  # fmt: skip
+        base = kept.cumsum(0) - kept  # where each pack's kept outputs begin among the K
     else:  # pack g in row g, its prompt ending at column P
         row, col0 = torch.arange(G, device=dev), P - prompt_len
-        R, L = G, P + int(answers.max())
+        R, L = G, P + int(kept.max())
         keep = torch.arange(P - 1, L - 1, device=dev)
         base = row * (L - P)
     after_prompt = col0 + prompt_len  # (G,) where each pack's first response begins
