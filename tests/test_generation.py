@@ -194,6 +194,26 @@ def test_inverse_cdf_draws_never_return_a_zero_probability_token():
     torch.testing.assert_close(freq, torch.tensor([0.2, 0.5, 0.3]), atol=0.01, rtol=0)
 
 
+@pytest.mark.parametrize("block", [256, 7])
+def test_inverse_cdf_draw_in_blocks_equals_one_cumulative_sum(block):
+    """The two-level draw picks, for the same uniform numbers, the index the one-level
+    float64 search over the whole row picks (49,152 tokens at T 0.4, some masked to 0 as
+    top-k does; draws that land within 1e-9 of a boundary excepted)."""
+    torch.manual_seed(0)
+    probs = (torch.randn(64, 49_152) * 3 / 0.4).softmax(-1)
+    probs[:, ::5] = 0.0
+    probs[1, 100:] = 0.0  # the whole mass in the first block
+    probs[2, :-1] = 0.0  # on the last token alone
+    for _ in range(20):
+        u = torch.rand(64, 1, dtype=torch.float64)
+        cdf = probs.double().cumsum(-1)
+        target = u * cdf[:, -1:]
+        want = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        got = inverse_cdf_draw(probs, u, block)
+        near = ((cdf - target).abs() < 1e-9 * cdf[:, -1:]).any(-1)
+        assert torch.equal(got[~near], want[~near]) and (probs[torch.arange(64), got] > 0).all()
+
+
 def test_top_p_keeps_the_smallest_nucleus_renormalised():
     torch.manual_seed(0)
     logits = torch.randn(V) * 2

@@ -222,16 +222,32 @@ def next_tokens(logits: Tensor, temperature: float, top_p: float, top_k: int = 0
     return inverse_cdf_draw(logits.softmax(-1))
 
 
-def inverse_cdf_draw(probs: Tensor) -> Tensor:
+def inverse_cdf_draw(probs: Tensor, u: Tensor | None = None, block: int = 256) -> Tensor:
     """One index per row of (b, V) probabilities: the first whose cumulative mass exceeds a
-    uniform draw times the row's total. Exact, and it draws b random numbers where
-    `torch.multinomial` draws b × V (its exponential race): on a CPU, 60 ms of a 64 × 49,152
-    decoding step's ~280 (SmolLM2-135M, bf16). A zero-probability index is never returned: its
-    cumulative mass equals the previous one's, which exceeded the draw first. Sums in float64,
-    so the last index's mass is not lost to rounding."""
-    cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    uniform draw (`u`, (b, 1) in [0, 1); None: drawn here) times the row's total. Exact, and
+    it draws b random numbers where `torch.multinomial` draws b × V (its exponential race): on
+    a CPU, 60 ms of a 64 × 49,152 decoding step's ~280 (SmolLM2-135M, bf16).
+
+    In two levels, so that only b × V / `block` block sums and one block per row are summed
+    up in float64, not the whole (b, V) (a float64 cumsum over it was 4 % of the sampler's
+    time): the block whose cumulative mass first exceeds the draw, then the index inside it
+    against what is left of the draw. A zero-probability index is never returned: its
+    cumulative mass equals the previous one's, which exceeded the draw first (what is left is
+    kept below the block's own sum, whatever the rounding)."""
+    b, V = probs.shape
+    n = -(-V // block)
+    p = probs.float() if V % block == 0 else torch.nn.functional.pad(probs.float(), (0, n * block - V))
+    p = p.view(b, n, block)
+    cdf = p.sum(-1, dtype=torch.float64).cumsum(-1)  # (b, n) mass up to each block's end
+    if u is None:
+        u = torch.rand(b, 1, dtype=torch.float64, device=probs.device)
+    target = u.double() * cdf[:, -1:]
+    k = torch.searchsorted(cdf, target, right=True).clamp_(max=n - 1)  # (b, 1) the block
+    inner = p.gather(1, k[:, :, None].expand(b, 1, block))[:, 0].double().cumsum(-1)  # (b, block)
+    left = target - torch.where(k > 0, cdf.gather(1, (k - 1).clamp(min=0)), 0.0)
+    left = torch.minimum(left.clamp(min=0.0), inner[:, -1:] * (1 - 1e-12))
+    j = torch.searchsorted(inner, left, right=True).clamp_(max=block - 1)
+    return (k * block + j).squeeze(-1)
 
 
 _TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
