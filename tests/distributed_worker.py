@@ -47,11 +47,11 @@ class EvenLength(RewardCallback):
 
 
 def scripted_generate(
-    policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=None, tools=None, tokenizer=None
+    policy, prompt_ids, cfg, pad_token_id, eos_token_id, n=None, tools=None, tokenizer=None, logprobs=False
 ):
-    """Stands in for `engines.native.generate` (no tools): the same layout, responses a function of
-    the prompt."""
-    assert not tools
+    """Stands in for `engines.native.generate` (no tools, no log-probs): the same layout,
+    responses a function of the prompt."""
+    assert not tools and not logprobs
     n = cfg.n if n is None else n
     P, T = max(len(p) for p in prompt_ids), cfg.max_new_tokens
     ids = torch.full((len(prompt_ids) * n, P + T), pad_token_id, dtype=torch.long)
