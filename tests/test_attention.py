@@ -171,6 +171,32 @@ def test_grouped_decode_attention_equals_the_per_head_loop(dtype):
     torch.testing.assert_close(attention.grouped_decode_attention(query, key, value, additive, 0.3)[0], got)
 
 
+def test_shared_prefix_attention_equals_each_rows_own_cache():
+    """Rows of unequal groups, unsorted, read their prompt's cache once (`SharedPrefix`): the
+    same output as attention over each row's own copy of it followed by its own tokens; also
+    once rows left the batch and a prompt lost all of its rows."""
+    torch.manual_seed(0)
+    G, kv_heads, H, P, T, D = 3, 2, 6, 5, 4, 16
+    prefix_k, prefix_v = torch.randn(G, kv_heads, P, D), torch.randn(G, kv_heads, P, D)
+    group = torch.tensor([0, 2, 0, 1, 2, 2, 0])
+    B = len(group)
+    own_k, own_v = torch.randn(B, kv_heads, T, D), torch.randn(B, kv_heads, T, D)
+    query = torch.randn(B, H, 1, D)
+    mask = torch.ones(B, 1, 1, P + T, dtype=torch.bool)
+    mask[group == 1, ..., :2] = False  # prompt 1 is left-padded
+    prefix = attention.SharedPrefix(prefix_k, prefix_v, group)
+    whole_k, whole_v = torch.cat([prefix_k[group], own_k], 2), torch.cat([prefix_v[group], own_v], 2)
+    got, _ = attention.grouped_decode_attention(query, own_k, own_v, mask, 0.3, prefix)
+    want = reference_decode_attention(query, whole_k, whole_v, mask, 0.3)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    keep = torch.tensor([1, 3, 4])  # rows of prompts 2, 1, 2: prompt 0 has none left
+    prefix.select(keep)
+    assert len(prefix.keys) == 2 and prefix.n == 2
+    got, _ = attention.grouped_decode_attention(query[keep], own_k[keep], own_v[keep], mask[keep], 0.3, prefix)
+    want = reference_decode_attention(query[keep], whole_k[keep], whole_v[keep], mask[keep], 0.3)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_with_grouped_decoding_equals_transformers_sdpa(models):
     """Greedy responses of the sampler on the model with this attention (grouped decoding
     steps) and on the same weights with transformers' SDPA: the same tokens."""

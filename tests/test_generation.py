@@ -4,11 +4,15 @@ softmax(logits / T) and the top-p nucleus, stop tokens and min_new_tokens behave
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.helpers import TINY_LLAMA
+from vapo_lightning.attention import SDPA, SharedPrefix
+from vapo_lightning.engines import sampler
 from vapo_lightning.engines.sampler import (
     GrowingLayer,
     inverse_cdf_draw,
@@ -98,6 +102,39 @@ def test_a_prompt_asked_n_times_is_prefilled_once(model, monkeypatch):
     sampled = sample_responses(model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
                                temperature=1.0)  # fmt: skip
     assert len({tuple(r) for r in rows(sampled)[::2]}) > 1  # rows 0, 2, 4: one prompt, three samples
+
+
+@torch.no_grad()
+def test_rows_of_one_prompt_share_its_cache(model, monkeypatch):
+    """With the project's attention on the CPU, the rows of a prompt asked n times read one
+    copy of its cache (`attention.SharedPrefix`): greedy tokens equal each prompt's reference
+    through rows leaving the batch one by one, and sampled tokens, log-probs and entropies
+    equal those of the rows' own copies (the same draws)."""
+    shared_model = copy.deepcopy(model)
+    shared_model.set_attn_implementation(SDPA)
+    group = [PROMPTS[0], PROMPTS[2]] * 2 + [PROMPTS[0], PROMPTS[1], PROMPTS[2]]  # unequal groups
+    ids, mask = left_pad(group)
+    read = []
+    scores = SharedPrefix.scores
+    monkeypatch.setattr(SharedPrefix, "scores", lambda self, q: (read.append(len(self.keys)), scores(self, q))[1])
+    free = sample_responses(shared_model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
+                            temperature=0.0)  # fmt: skip
+    stop = int(free[:, 1:].flatten().mode().values)
+    out = sample_responses(shared_model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS, stop], pad_token_id=PAD,
+                           temperature=0.0, compact_fraction=0.01)  # fmt: skip
+    want = [greedy_reference(model, p, 12, {EOS, stop}) for p in group]
+    assert rows(out) == want and len({len(w) for w in want}) > 2
+    assert read and max(read) == 3  # three prompts' caches, each read once per step and layer
+    kwargs = dict(max_new_tokens=12, stop_token_ids=[EOS, 3, 4], pad_token_id=PAD, temperature=0.8,
+                  compact_fraction=0.2, logprobs=True)  # fmt: skip
+    torch.manual_seed(0)
+    got = sample_responses(shared_model, ids, mask, **kwargs)
+    monkeypatch.setattr(sampler, "shares_prompt_cache", lambda *args: False)
+    torch.manual_seed(0)
+    copied = sample_responses(shared_model, ids, mask, **kwargs)
+    assert torch.equal(got.tokens, copied.tokens)
+    torch.testing.assert_close(got.logprobs, copied.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.entropy, copied.entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_long_forced_responses_equal_the_reference(model):

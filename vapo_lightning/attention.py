@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -35,10 +36,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 __all__ = [
     "SDPA",
     "STANDARD_SDPA",
+    "SharedPrefix",
     "decodes_in_autocast_dtype",
     "decoding",
     "grouped_decode_attention",
     "packed_attention",
+    "reading_shared_prefixes",
     "sdpa_fp32_on_cpu",
 ]
 
@@ -46,6 +49,9 @@ SDPA = "vapo_sdpa"
 STANDARD_SDPA = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 _decoding = contextvars.ContextVar("vapo_decoding", default=False)
+_prefixes: contextvars.ContextVar[Sequence[SharedPrefix | None] | None] = contextvars.ContextVar(
+    "vapo_shared_prefixes", default=None
+)
 
 
 @contextlib.contextmanager
@@ -57,6 +63,72 @@ def decoding() -> Iterator[None]:
         yield
     finally:
         _decoding.reset(token)
+
+
+class SharedPrefix:
+    """One layer's cached keys and values of G distinct prompts, (G, H_kv, P, D), and the
+    prompt each decoding row continues (`group`, (b,)): group sampling asks each prompt n
+    times, and the n rows read its cache once, as one matrix of their n × H / H_kv queries
+    against it, instead of each its own copy. A decoding step's attention on the CPU reads the
+    cache at a low rate (`benchmarks/results/pass_profile_cpu.md`); the prompt is most of what
+    it reads.
+
+    The rows are placed in a (G, n) grid (n: the most rows any prompt has; a row's slot: its
+    rank among its prompt's rows, holes left empty) to be multiplied by their prompt's cache.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, group: Tensor) -> None:
+        self.keys, self.values = keys, values
+        self._place(group)
+
+    def select(self, indices: Tensor) -> None:
+        """Keeps the rows at `indices` (finished rows leave the batch) and the prompts that
+        still have one."""
+        group = self.group[indices]
+        alive = torch.bincount(group, minlength=len(self.keys)) > 0
+        if not alive.all():
+            self.keys, self.values = self.keys[alive], self.values[alive]
+            group = (alive.cumsum(0) - 1)[group]
+        self._place(group)
+
+    def _place(self, group: Tensor) -> None:
+        counts = torch.bincount(group, minlength=len(self.keys))
+        order = torch.argsort(group, stable=True)
+        slot = torch.empty_like(group)
+        slot[order] = torch.arange(len(group), device=group.device) - (counts.cumsum(0) - counts)[group[order]]
+        self.group, self.n = group, int(counts.max())
+        self.index = group * self.n + slot  # (b,) each row's place in the (G, n) grid
+
+    def _by_prompt(self, x: Tensor) -> Tensor:
+        """(b, H_kv, g, k) per row -> (G, H_kv, n × g, k) per prompt (zeros in the holes)."""
+        _, kv_heads, g, k = x.shape
+        grid = x.new_zeros(len(self.keys) * self.n, kv_heads, g, k).index_copy_(0, self.index, x)
+        return grid.view(-1, self.n, kv_heads, g, k).transpose(1, 2).reshape(-1, kv_heads, self.n * g, k)
+
+    def _by_row(self, y: Tensor, g: int) -> Tensor:
+        """(G, H_kv, n × g, k) per prompt -> (b, H_kv, g, k) per row."""
+        G, kv_heads, _, k = y.shape
+        return y.view(G, kv_heads, self.n, g, k).transpose(1, 2).reshape(G * self.n, kv_heads, g, k)[self.index]
+
+    def scores(self, q: Tensor) -> Tensor:
+        """(b, H_kv, g, D) queries -> (b, H_kv, g, P): q k^T against each row's prompt."""
+        return self._by_row(self._by_prompt(q) @ self.keys.transpose(-1, -2), q.shape[2])
+
+    def mix(self, probs: Tensor) -> Tensor:
+        """(b, H_kv, g, P) attention weights on the prompt -> (b, H_kv, g, D): their sum of
+        its values."""
+        return self._by_row(self._by_prompt(probs) @ self.values, probs.shape[2])
+
+
+@contextlib.contextmanager
+def reading_shared_prefixes(prefixes: Sequence[SharedPrefix | None]) -> Iterator[None]:
+    """Decoding steps inside attend, in layer i, over `prefixes[i]` (None: none) and then the
+    keys and values the cache passes (each row's own tokens after it)."""
+    token = _prefixes.set(prefixes)
+    try:
+        yield
+    finally:
+        _prefixes.reset(token)
 
 
 @functools.cache
@@ -90,7 +162,9 @@ def sdpa_fp32_on_cpu(
     # ContextVar: reading it would split a compiled graph at every attention layer.
     sampling = not torch.compiler.is_compiling() and _decoding.get()
     if sampling and query.device.type == "cpu" and query.shape[2] == 1:
-        return grouped_decode_attention(query, key, value, attention_mask, kwargs.get("scaling"))
+        prefixes = _prefixes.get()
+        prefix = prefixes[module.layer_idx] if prefixes is not None else None
+        return grouped_decode_attention(query, key, value, attention_mask, kwargs.get("scaling"), prefix)
     decode = sampling and cpu_has_amx()
     if pack_spans is not None and query.device.type == "cpu":
         fp32 = torch.is_autocast_enabled("cpu")
@@ -111,10 +185,13 @@ def grouped_decode_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[torch.Tensor, None]:
     """One decoding step's attention on the CPU: (B, H, 1, D) query, (B, H_kv, T, D) cached
     keys and values (the cache's views), a (B, 1, 1, T) mask (boolean, True: attend; or
-    additive) or None -> ((B, 1, H, D) output, None), in the cache's dtype.
+    additive) or None -> ((B, 1, H, D) output, None), in the cache's dtype. With a `prefix`
+    (the prompts' shared cache, P positions), `key` and `value` hold the positions after it and
+    the mask covers P + T.
 
     softmax(q k^T * scaling + mask) v, with the H / H_kv query heads that share a key head as
     one matrix against it, so the cache is read once, in place. transformers' SDPA path copies
@@ -126,12 +203,20 @@ def grouped_decode_attention(
     kv_heads, dtype = key.shape[1], key.dtype
     with torch.autocast("cpu", enabled=False):
         q = query.to(dtype).view(B, kv_heads, H // kv_heads, D)
-        scores = q @ key.transpose(-1, -2) * (D**-0.5 if scaling is None else scaling)
+        scores = q @ key.transpose(-1, -2)
+        if prefix is not None:
+            scores = torch.cat([prefix.scores(q), scores], -1)
+        scores = scores * (D**-0.5 if scaling is None else scaling)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))  # (B, 1, 1, T)
         elif attention_mask is not None:  # an additive float mask
             scores = scores + attention_mask.to(dtype)
-        out = scores.softmax(-1) @ value  # (B, H_kv, H / H_kv, D)
+        probs = scores.softmax(-1)
+        if prefix is None:
+            out = probs @ value  # (B, H_kv, H / H_kv, D)
+        else:
+            P = prefix.keys.shape[2]
+            out = prefix.mix(probs[..., :P]) + probs[..., P:] @ value
     return out.reshape(B, 1, H, D), None
 
 
@@ -146,30 +231,38 @@ def packed_attention(
     keys and values, `spans` (R,) the `packing.Spans` of the packs in each row ->
     (R, L, H, D) output, zero outside the packs.
 
-    Each prompt [first, P) attends causally over itself, each response [s, s + n) over its
-    prompt and causally over itself: the pairs a pack's block mask keeps, and no others.
-    One masked call computes all L^2 pairs of a row: on configs/smollm2.yaml's rollouts
-    (prompts of ~115 tokens, four answers of ~77 in a pack) about ten times those
-    (`benchmarks/results/real_model_passes.md` has the passes before and after).
+    A row's shared start [0, S) (its packs' `shared`; S = 0: none) attends causally over
+    itself; each prompt [first, P) over the shared start and causally over itself, each
+    response [s, s + n) over the shared start, its prompt and causally over itself: the pairs
+    a pack's block mask keeps, and no others. One masked call computes all L^2 pairs of a
+    row: on configs/smollm2.yaml's rollouts (prompts of ~115 tokens, four answers of ~77 in
+    a pack) about ten times those (`benchmarks/results/real_model_passes.md` has the passes
+    before and after).
     """
     H, L, D = query.shape[1:]
 
     def attend(q, k, v, **how):  # torch's CPU flash kernel takes 4-D (1, H, n, D) inputs only
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True, **how)
 
+    def after(context: int, n: int) -> torch.Tensor:  # n queries: all `context` keys, then causal
+        return torch.ones(n, context + n, dtype=torch.bool, device=query.device).tril(context)
+
     rows = []
     for r, packs in enumerate(spans):
         q, k, v = query[r : r + 1], key[r : r + 1], value[r : r + 1]
-        parts, done = [], 0
+        S = packs[0].shared if packs else 0
+        parts, done = [], S
+        if S:
+            parts.append(attend(q[:, :, :S], k[:, :, :S], v[:, :, :S], is_causal=True))
         for span in packs:
             f, P = span.first, span.P
-            pk, pv = k[:, :, f:P], v[:, :, f:P]
-            parts += [q.new_zeros(1, H, f - done, D), attend(q[:, :, f:P], pk, pv, is_causal=True)]
+            pk, pv = torch.cat([k[:, :, :S], k[:, :, f:P]], 2), torch.cat([v[:, :, :S], v[:, :, f:P]], 2)
+            prompt = attend(q[:, :, f:P], pk, pv, attn_mask=after(S, P - f)) if S else attend(q[:, :, f:P], pk, pv, is_causal=True)
+            parts += [q.new_zeros(1, H, f - done, D), prompt]
             for s, n in span.responses:
-                sees = torch.ones(n, P - f + n, dtype=torch.bool, device=q.device).tril(P - f)
                 keys = torch.cat([pk, k[:, :, s : s + n]], 2)
                 values = torch.cat([pv, v[:, :, s : s + n]], 2)
-                parts.append(attend(q[:, :, s : s + n], keys, values, attn_mask=sees))
+                parts.append(attend(q[:, :, s : s + n], keys, values, attn_mask=after(S + P - f, n)))
             done = span.end
         parts.append(q.new_zeros(1, H, L - done, D))
         rows.append(torch.cat(parts, 2))

@@ -9,9 +9,11 @@ pays for two of its general-purpose choices on every token:
 - it decodes every sequence until the longest one stops; here finished sequences leave the
   batch (`compact`), so the cost follows the sum of the response lengths, not B × max;
 - it reads a prompt asked n times (group sampling, §4.3) n times; here the prefill runs over
-  the distinct prompts and their cache is copied to each repeat (SmolLM2-135M, 16 prompts ×
-  4 of ~115 tokens, bf16 on 2 CPU cores: 6.2 s for the 64 rows, 1.6 s for the 16;
-  benchmarks/results/real_model_passes.md).
+  the distinct prompts (SmolLM2-135M, 16 prompts × 4 of ~115 tokens, bf16 on 2 CPU cores:
+  6.2 s for the 64 rows, 1.6 s for the 16; benchmarks/results/real_model_passes.md), and
+  with this project's attention on the CPU their cache is kept once, read once per decoding
+  step by all the rows that continue it (`attention.SharedPrefix`; elsewhere it is copied to
+  each row).
 
 Decoding never uses cuDNN's attention kernel. On an H200 (torch 2.11, bf16 autocast,
 quickstart model, 128 rows, up to 160 tokens) SDPA picked it once finished rows had left the
@@ -38,7 +40,13 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from vapo_lightning.attention import decodes_in_autocast_dtype, decoding
+from vapo_lightning.attention import (
+    SDPA,
+    SharedPrefix,
+    decodes_in_autocast_dtype,
+    decoding,
+    reading_shared_prefixes,
+)
 from vapo_lightning.token_stats import entropy_from_logits, logprobs_from_logits
 
 __all__ = [
@@ -71,8 +79,9 @@ class GrowingLayer(CacheLayerMixin):
     `capacity` positions are allocated at the first update (the prompt and every new token
     when the caller knows it); past it the buffer doubles (amortised O(1) per token).
     `update` returns views of the filled part, so attention reads exactly the cached length.
-    Supports what decoding needs (update, lengths, masks, dropping rows), not beam search,
-    cropping or offloading.
+    After `share_prefix` the prompts' part is held once per distinct prompt (`prefix`) and
+    `update` returns the positions after it. Supports what decoding needs (update, lengths,
+    masks, dropping rows), not beam search, cropping or offloading.
     """
 
     is_sliding = False
@@ -81,9 +90,10 @@ class GrowingLayer(CacheLayerMixin):
     def __init__(self, capacity: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.capacity = capacity
+        self.prefix: SharedPrefix | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.device, self.length = key_states.device, 0
+        self.device, self.length, self.offset = key_states.device, 0, 0
         B, H, T, _ = key_states.shape
         size = max(self.capacity, 2 * T, 64)
         dtype = cache_dtype(key_states)
@@ -96,25 +106,39 @@ class GrowingLayer(CacheLayerMixin):
     ) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+        start, end = self.length - self.offset, self.length - self.offset + key_states.shape[-2]
         if end > self._k.shape[-2]:
             self._k, self._v = (self._grow(buf, 2 * end) for buf in (self._k, self._v))
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
-        self.length = end
+        self._k[:, :, start:end] = key_states
+        self._v[:, :, start:end] = value_states
+        self.length += key_states.shape[-2]
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
 
+    def share_prefix(self, group: Tensor) -> None:
+        """The cache holds one row per distinct prompt (the prefill's); `group` (B,) says which
+        each of the B decoding rows continues. The prompts' keys and values stay, once each,
+        as the `prefix` that decoding attention reads (`attention.SharedPrefix`); each row
+        caches its own tokens after them."""
+        P = self.length - self.offset
+        self.prefix = SharedPrefix(self._k[:, :, :P].contiguous(), self._v[:, :, :P].contiguous(), group)
+        B, (_, H, size, D) = len(group), self._k.shape
+        self._k, self._v = (buf.new_empty(B, H, max(size - P, 1), D) for buf in (self._k, self._v))
+        self.offset += P
+        self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+
     def _grow(self, buf: Tensor, size: int) -> Tensor:
         out = buf.new_empty(*buf.shape[:2], size, buf.shape[-1])
-        out[:, :, : self.length] = buf[:, :, : self.length]
+        out[:, :, : self.length - self.offset] = buf[:, :, : self.length - self.offset]
         return out
 
     def batch_select_indices(self, indices: Tensor) -> None:
         """Keeps only the rows at `indices` (finished sequences leave the batch)."""
         if self.is_initialized:
             self._k, self._v = self._k[indices], self._v[indices]
-            self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+            self.keys, self.values = self._k[:, :, : self.length - self.offset], self._v[:, :, : self.length - self.offset]
+            if self.prefix is not None:
+                self.prefix.select(indices)
 
     def get_mask_sizes(self, query: int | Tensor, *args) -> tuple[int, int]:
         """(kv length, offset) for a query of `query` tokens (older 5.x: its cache positions)."""
@@ -371,10 +395,19 @@ def _cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+def shares_prompt_cache(model: PreTrainedModel, device: torch.device) -> bool:
+    """Whether decoding can read each distinct prompt's cache once for all its rows
+    (`attention.SharedPrefix`): where its attention is this project's on the CPU
+    (`attention.grouped_decode_attention`), which reads the shared part."""
+    config = getattr(model, "config", None)  # (a test's scripted stand-in has none)
+    return device.type == "cpu" and getattr(config, "_attn_implementation", None) == SDPA
+
+
 def _prefill(model: PreTrainedModel, *, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-             **kwargs) -> CausalLMOutputWithPast:  # fmt: skip
+             share: bool, **kwargs) -> CausalLMOutputWithPast:  # fmt: skip
     """The model's forward over the prompts (B, P), each distinct row once: its cache (in
-    `kwargs`) is then copied to every row that repeats it, and so are its logits."""
+    `kwargs`) is then shared by (`share`) or copied to every row that repeats it, and its
+    logits copied."""
     distinct, repeat = torch.unique(torch.cat([input_ids, attention_mask], -1), dim=0, return_inverse=True)
     if len(distinct) == len(input_ids):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
@@ -382,7 +415,10 @@ def _prefill(model: PreTrainedModel, *, input_ids: Tensor, attention_mask: Tenso
     first = repeat.new_empty(len(distinct)).scatter_(0, repeat, torch.arange(B, device=repeat.device))  # one row of each
     out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=position_ids[first], **kwargs)
     for cache in kwargs.values():
-        if isinstance(cache, Cache):
+        if isinstance(cache, Cache) and share:
+            for layer in cache.layers:
+                layer.share_prefix(repeat)
+        elif isinstance(cache, Cache):
             cache.batch_select_indices(repeat)
     out.logits = out.logits[repeat]
     return out
@@ -441,36 +477,40 @@ def sample_responses(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     mask, tokens, steps = attention_mask.long(), input_ids, 0
     position = (mask.cumsum(-1) - 1).clamp(min=0)
-    for t in range(max_new_tokens):
-        step = model if t else partial(_prefill, model)  # each distinct prompt read once
-        logits = step(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
-                      **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
-        allowed = logits.index_fill(-1, stop, float("-inf")) if t < min_new_tokens else logits
-        new = next_tokens(allowed, temperature, top_p, top_k)
-        new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop
-        out[rows, t] = new
-        if out_logprobs is not None:
-            # under softmax(logits / T) before top-k / top-p / min_new_tokens narrow the draw,
-            # as the trainer's log-probs are taken (greedy, T 0: the plain softmax)
-            lp = logprobs_from_logits(logits[:, None], new[:, None], temperature or 1.0)[:, 0]
-            out_logprobs[rows, t] = torch.where(done, 0.0, lp)
-            out_entropy[rows, t] = torch.where(done, 0.0, entropy_from_logits(logits, temperature or 1.0))
-        steps = t + 1
-        hit = torch.isin(new, stop)
-        if stop_text is not None:
-            hit = hit | stop_text(rows, new, t, done)
-        done = done | hit
-        all_done = bool(done.all())
-        if _every_rank_done(all_done, synced, device) or steps == max_new_tokens:
-            break
-        if len(done) > 1 and done.float().mean() >= compact_fraction:
-            # finished rows leave the batch; a synced rank with none left keeps one to feed
-            keep = rows.new_zeros(1) if all_done else (~done).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            rows, done, mask, position, new = (x[keep] for x in (rows, done, mask, position, new))
-        tokens = new[:, None]
-        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
-        position = position[:, -1:] + 1
+    share = shares_prompt_cache(model, device)
+    with contextlib.ExitStack() as shared:  # reading the prompts' shared cache after the prefill
+        for t in range(max_new_tokens):
+            step = model if t else partial(_prefill, model, share=share)  # each distinct prompt read once
+            logits = step(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
+                          **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
+            allowed = logits.index_fill(-1, stop, float("-inf")) if t < min_new_tokens else logits
+            new = next_tokens(allowed, temperature, top_p, top_k)
+            new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop
+            out[rows, t] = new
+            if out_logprobs is not None:
+                # under softmax(logits / T) before top-k / top-p / min_new_tokens narrow the draw,
+                # as the trainer's log-probs are taken (greedy, T 0: the plain softmax)
+                lp = logprobs_from_logits(logits[:, None], new[:, None], temperature or 1.0)[:, 0]
+                out_logprobs[rows, t] = torch.where(done, 0.0, lp)
+                out_entropy[rows, t] = torch.where(done, 0.0, entropy_from_logits(logits, temperature or 1.0))
+            steps = t + 1
+            hit = torch.isin(new, stop)
+            if stop_text is not None:
+                hit = hit | stop_text(rows, new, t, done)
+            done = done | hit
+            all_done = bool(done.all())
+            if _every_rank_done(all_done, synced, device) or steps == max_new_tokens:
+                break
+            if len(done) > 1 and done.float().mean() >= compact_fraction:
+                # finished rows leave the batch; a synced rank with none left keeps one to feed
+                keep = rows.new_zeros(1) if all_done else (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, done, mask, position, new = (x[keep] for x in (rows, done, mask, position, new))
+            tokens = new[:, None]
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
+            position = position[:, -1:] + 1
+            if t == 0 and any(layer.prefix is not None for layer in cache.layers):
+                shared.enter_context(reading_shared_prefixes([layer.prefix for layer in cache.layers]))
     if out_logprobs is not None:
         return Sampled(out[:, :steps], out_logprobs[:, :steps], out_entropy[:, :steps])
     return out[:, :steps]
