@@ -113,7 +113,7 @@ def config_prompts(tok, n_prompts: int) -> list[list[int]]:
 def prefill_seconds(reps: int) -> dict[str, float]:
     """The sampler's prefill of configs/smollm2.yaml's prompts (16 × 4 rows, bf16): one
     forward over every row (as before the sampler read each distinct prompt once) against
-    `sample_responses` for one token (each distinct prompt once, its cache copied); median
+    `sample_responses` for one token (each distinct prompt once, its cache shared by its rows); median
     seconds of `reps`."""
     tok = load_tokenizer(str(MODEL))
     policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
@@ -126,7 +126,7 @@ def prefill_seconds(reps: int) -> dict[str, float]:
         return sample_responses(policy, ids, mask, max_new_tokens=1, stop_token_ids=[tok.eos_token_id],
                                 pad_token_id=tok.pad_token_id)  # fmt: skip
 
-    runs = {"every row (64)": every_row, "each distinct prompt once (16), cache copied": distinct_once}
+    runs = {"every row (64)": every_row, "each distinct prompt once (16), cache shared by its rows": distinct_once}
     times: dict[str, list[float]] = {}
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
         for _ in range(reps):
@@ -157,50 +157,68 @@ def step_passes(r, pol, cri, opts, batches, algo, dp) -> dict:
     }  # fmt: skip
 
 
-def update_phases(reps: int) -> dict[str, dict[str, float]]:
-    """The model passes of one rollout step (configs/smollm2.yaml's shape: 16 prompts × 4
-    responses of <= 192 tokens sampled at T 0.4, micro- and mini-batches of 16, bf16
-    autocast) on one fixed rollout, with shared-prompt forwards and with every row on its
-    own: median seconds per phase over `reps` repeats, fresh copies of the models each time."""
+def sampled_rollout(policy, tok, prompts: int, n: int):
+    """`prompts` validation prompts as configs/smollm2.yaml writes them, each answered `n`
+    times by the model (<= 192 tokens, T 0.4), with random ±1 scores."""
+    from vapo_lightning.rollout import assemble
+
+    ids, mask = left_padded(config_prompts(tok, prompts), n, tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
+        out = sample_responses(policy.eval(), ids, mask, max_new_tokens=192, stop_token_ids=[tok.eos_token_id],
+                               pad_token_id=tok.pad_token_id, temperature=0.4)  # fmt: skip
+    rollout = assemble(ids, mask, out, [tok.eos_token_id], tok.pad_token_id, n)
+    rollout.scores = torch.randint(0, 2, (len(ids),), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
+    rollout.correct = rollout.scores > 0
+    return rollout
+
+
+# forwards -> (responses per pack for n answers per prompt, rows of different prompts end to end
+# after their common start)
+FORWARDS = {
+    "shared prompts, common start once": (lambda n: n, True),
+    "shared prompts": (lambda n: n, False),
+    "prompts per row": (lambda n: 1, False),
+}
+
+
+def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
+    """The model passes of one rollout step on one fixed rollout, bf16 autocast, micro- and
+    mini-batches of 16, for configs/smollm2.yaml's shape (16 prompts × 4 responses) and
+    vanilla PPO's (64 prompts × 1: configs/smollm2/ppo.yaml), per way of laying out the
+    forwards (`FORWARDS`): median seconds per phase over `reps` repeats, fresh copies of the
+    models each time."""
     import copy
 
     from vapo_lightning.config import Algorithm
     from vapo_lightning.models import build_critic
-    from vapo_lightning.rollout import assemble
     from vapo_lightning.updates import DataParallel, mini_batches
 
     tok = load_tokenizer(str(MODEL))
     policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok)
     critic = build_critic(None, policy, tok)
-    prompts = config_prompts(tok, 16)
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts]).repeat_interleave(4, 0)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(4, 0)
-    torch.manual_seed(0)
-    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
-        out = sample_responses(policy.eval(), ids, mask, max_new_tokens=192, stop_token_ids=[tok.eos_token_id],
-                               pad_token_id=tok.pad_token_id, temperature=0.4)  # fmt: skip
-    rollout = assemble(ids, mask, out, [tok.eos_token_id], tok.pad_token_id, 4)
-    rollout.scores = torch.randint(0, 2, (64,), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
-    rollout.correct = rollout.scores > 0
     algo, dp = Algorithm(mini_batch_size=16, micro_batch_size=16), DataParallel()
-    times: dict[str, dict[str, list[float]]] = {}
-    for name, pack in (("shared prompts", 4), ("prompts per row", 1)):
-        for _ in range(reps):
-            r, pol, cri = copy.deepcopy(rollout), copy.deepcopy(policy), copy.deepcopy(critic)
-            r.pack = pack
-            opts = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (pol, cri)]
-            batches = mini_batches(len(r), 16, 1, pack)
-            phases = step_passes(r, pol, cri, opts, batches, algo, dp)
-            with torch.autocast("cpu", torch.bfloat16):
-                for phase, run in phases.items():
-                    start = time.perf_counter()
-                    run()
-                    times.setdefault(name, {}).setdefault(phase, []).append(time.perf_counter() - start)
-    lengths = rollout.response_lengths.float()
-    print(f"Rollout: 64 responses, {lengths.mean():.0f} tokens on average (max {lengths.max():.0f}), "
-          f"prompts of {int(mask[0].sum())}-{int(mask.sum(-1).max())} tokens.\n")  # fmt: skip
-    return {name: {p: statistics.median(v) for p, v in ph.items()} for name, ph in times.items()}
+    times: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for shape, (prompts, n) in {"16 prompts × 4": (16, 4), "64 prompts × 1": (64, 1)}.items():
+        rollout = sampled_rollout(policy, tok, prompts, n)
+        lengths, widths = rollout.response_lengths.float(), rollout.attention_mask[:, : rollout.prompt_length].sum(-1)
+        print(f"Rollout {shape}: {lengths.mean():.0f} answer tokens on average (max {lengths.max():.0f}), "
+              f"prompts of {int(widths.min())}-{int(widths.max())} tokens.\n")  # fmt: skip
+        for name, (pack, start) in FORWARDS.items():
+            if n == 1 and name == "shared prompts":  # one answer per prompt: nothing to share but the start
+                continue
+            for _ in range(reps):
+                r, pol, cri = copy.deepcopy(rollout), copy.deepcopy(policy), copy.deepcopy(critic)
+                r.pack, r.shared_start = pack(n), start
+                opts = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (pol, cri)]
+                batches = mini_batches(len(r), 16, 1, r.pack)
+                phases = step_passes(r, pol, cri, opts, batches, algo, dp)
+                with torch.autocast("cpu", torch.bfloat16):
+                    for phase, run in phases.items():
+                        start_time = time.perf_counter()
+                        run()
+                        times.setdefault((shape, name), {}).setdefault(phase, []).append(time.perf_counter() - start_time)
+    return {key: {p: statistics.median(v) for p, v in ph.items()} for key, ph in times.items()}
 
 
 def last_scalars(root: Path) -> dict[str, list[float]]:
@@ -258,15 +276,17 @@ def main() -> None:
     for name, seconds in prefill_seconds(args.reps).items():
         print(f"| {name} | {seconds:.2f} |", flush=True)
     if args.passes:
-        print("\n## The model passes of a rollout step, shared prompts against per row\n")
-        print("One fixed rollout sampled from the model at configs/smollm2.yaml's shape (16 prompts × 4 "
-              "responses, T 0.4), bf16 autocast, micro- and mini-batches of 16; seconds per phase, "
-              f"median of {args.reps} (`update_phases`).\n")  # fmt: skip
+        print("\n## The model passes of a rollout step, by how the forwards are laid out\n")
+        print("One fixed rollout per shape sampled from the model (configs/smollm2.yaml's prompts, T 0.4): "
+              "its shape, 16 prompts × 4 responses, and vanilla PPO's, 64 prompts × 1 "
+              "(configs/smollm2/ppo.yaml); bf16 autocast, micro- and mini-batches of 16; seconds per "
+              f"phase, median of {args.reps} (`update_phases`).\n")  # fmt: skip
         phases = update_phases(args.reps)
         names = list(next(iter(phases.values())))
-        print("| forwards | " + " | ".join(names) + " | sum |\n|---|" + "---|" * (len(names) + 1))
-        for name, ph in phases.items():
-            print(f"| {name} | " + " | ".join(f"{ph[p]:.1f}" for p in names) + f" | {sum(ph.values()):.1f} |", flush=True)
+        print("| rollout | forwards | " + " | ".join(names) + " | sum |\n|---|---|" + "---|" * (len(names) + 1))
+        for (shape, name), ph in phases.items():
+            print(f"| {shape} | {name} | " + " | ".join(f"{ph[p]:.1f}" for p in names)
+                  + f" | {sum(ph.values()):.1f} |", flush=True)  # fmt: skip
     if not args.variants:
         return
     print(f"\n## Rollout step: configs/smollm2.yaml (64 responses of ≤ 192 tokens), step {args.steps} of {args.steps}\n")

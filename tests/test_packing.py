@@ -26,13 +26,20 @@ from vapo_lightning.updates import (
 G, N, P, T = 3, 4, 6, 10  # prompts, responses per prompt, prompt and response widths
 
 
-def grouped_rollout(vocab: int, same_prompt: bool = True) -> Rollout:
-    """G prompts of 2-6 tokens (left-padded), each answered N times with 1-10 tokens."""
+def grouped_rollout(vocab: int, same_prompt: bool = True, n: int = N, common: int = 0) -> Rollout:
+    """G prompts of 2-6 tokens (left-padded; with `common`, more than it, all starting with the
+    same `common` tokens), each answered `n` times with 1-10 tokens."""
     g = torch.Generator().manual_seed(1)
-    B = G * N
-    prompt_len = torch.randint(2, P + 1, (G,), generator=g).repeat_interleave(N)
+    B = G * n
+    prompt_len = torch.randint(2, P + 1, (G,), generator=g).clamp(min=common + 1)
     resp_len = torch.randint(1, T + 1, (B,), generator=g)
-    prompts = torch.randint(3, vocab, (G, P), generator=g).repeat_interleave(N, 0)
+    prompts = torch.randint(3, vocab, (G, P), generator=g)
+    if common:
+        start = torch.randint(3, vocab, (common,), generator=g)
+        for i, length in enumerate(prompt_len.tolist()):
+            prompts[i, P - length : P - length + common] = start
+            prompts[i, P - length + common] = 3 + i  # the prompts differ right after it
+    prompts, prompt_len = prompts.repeat_interleave(n, 0), prompt_len.repeat_interleave(n)
     if not same_prompt:
         prompts[1, -1] = (prompts[0, -1] + 1) % vocab  # row 1 answers a different prompt
     prompt_mask = torch.arange(P)[None] >= P - prompt_len[:, None]
@@ -44,7 +51,7 @@ def grouped_rollout(vocab: int, same_prompt: bool = True) -> Rollout:
         input_ids=torch.where(attn, ids, torch.zeros_like(ids)),
         attention_mask=attn.long(),
         response_mask=response_mask,
-        group_ids=torch.arange(B) // N,
+        group_ids=torch.arange(B) // n,
         truncated=torch.zeros(B, dtype=torch.bool),
         scores=scores,
         correct=scores > 0,
@@ -155,11 +162,15 @@ def test_rows_that_answer_different_prompts_are_not_packed(tok):
     torch.testing.assert_close(logits[1, : len(want[1])], want[1], atol=1e-5, rtol=1e-5)
 
 
-def update_gradients(tok, pack: int, layout: str = "end to end") -> tuple[dict[str, torch.Tensor], Rollout]:
-    """Both models' gradients of a two-pass update (one mini-batch, micro-batches of 2)."""
+def update_gradients(
+    tok, pack: int, layout: str = "end to end", apart: bool = False, n: int = N, common: int = 0
+) -> tuple[dict[str, torch.Tensor], Rollout]:
+    """Both models' gradients of a two-pass update (one mini-batch, micro-batches of 2);
+    `apart`: every row on its own (`Rollout.shared_start` off)."""
     module = module_for(tok, micro=2, layout=layout)
-    r = grouped_rollout(module.policy.config.vocab_size)
-    r.pack, a = pack, module.algo
+    module.algo.mini_batch_size = G * n
+    r = grouped_rollout(module.policy.config.vocab_size, n=n, common=common)
+    r.pack, r.shared_start, a = pack, not apart, module.algo
     r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, a.micro_batch_size, 1.0)
     r.values = compute_values(module.critic, r, a.micro_batch_size)
     steps, batches = [], mini_batches(len(r), a.mini_batch_size, a.ppo_epochs, pack)
@@ -175,7 +186,11 @@ def update_gradients(tok, pack: int, layout: str = "end to end") -> tuple[dict[s
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok, layout):
     packed, r_packed = update_gradients(tok, pack=2, layout=layout)
-    rows, r_rows = update_gradients(tok, pack=1)
+    rows, r_rows = update_gradients(tok, pack=1, apart=True)
+    assert_same_update(packed, r_packed, rows, r_rows)
+
+
+def assert_same_update(packed, r_packed, rows, r_rows) -> None:
     assert packed.keys() == rows.keys() and any(g.abs().sum() > 0 for g in rows.values())
     for k in rows:
         torch.testing.assert_close(packed[k], rows[k], atol=1e-6, rtol=1e-4)
@@ -184,14 +199,71 @@ def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok, layout)
         torch.testing.assert_close(getattr(r_packed, field)[mask], getattr(r_rows, field)[mask], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("n", "pack"), [(1, 1), (4, 2)])
+def test_a_start_every_prompt_shares_is_laid_once_with_the_row_by_row_gradients(tok, n, pack):
+    """Prompts that all begin with the same 3 tokens (a system prompt, a worked example): end
+    to end, the start lies once at the row's head, each prompt continues it, and the update
+    has each row's own gradients; with one response per prompt (vanilla PPO's rows) too."""
+    r = grouped_rollout(64, n=n, common=3)
+    packed = packing.pack(r.input_ids, r.attention_mask, T, pack, end_to_end=True)
+    prompts = int(r.attention_mask[::pack, :P].sum())  # one copy per pack
+    assert {s.shared for row in packed.spans for s in row} == {3}
+    assert packed.input_ids.shape == (1, 3 + prompts - 3 * len(r) // pack + int(r.response_mask.sum()))
+    assert packed.input_ids[0, :3].tolist() == r.input_ids[0, P - int(r.attention_mask[0, :P].sum()) :][:3].tolist()
+    apart = packing.pack(r.input_ids, r.attention_mask, T, pack, end_to_end=True, share_start=False)
+    assert {s.shared for row in apart.spans for s in row} == {0} and apart.input_ids.shape[1] == packed.input_ids.shape[1] + 3 * (len(r) // pack - 1)
+    shared, r_shared = update_gradients(tok, pack=pack, n=n, common=3)
+    rows, r_rows = update_gradients(tok, pack=1, apart=True, n=n, common=3)
+    assert_same_update(shared, r_shared, rows, r_rows)
+
+
+def test_rows_kept_apart_are_not_laid_end_to_end(tok):
+    """`algorithm.share_prompts: false` (`Rollout.shared_start` off): each row its own forward."""
+    module = module_for(tok)
+    r = grouped_rollout(module.policy.config.vocab_size, n=1, common=3)
+    forwards = []
+    hook = module.critic.register_forward_pre_hook(lambda m, a, kw: forwards.append(kw["input_ids"].shape), with_kwargs=True)
+    r.shared_start = False
+    critic_values(module.critic, r)
+    r.shared_start = True
+    critic_values(module.critic, r)
+    hook.remove()
+    assert forwards[0] == r.input_ids.shape and forwards[1][0] == 1
+
+
+def common_start_reference(prompts: list[list[int]]) -> int:
+    """The slow, obvious way: the longest start all share, leaving each its last token."""
+    if len(prompts) < 2:
+        return 0
+    k = 0
+    while k < min(map(len, prompts)) - 1 and len({p[k] for p in prompts}) == 1:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [[[5, 6, 7], [5, 6, 8, 9]], [[5, 6], [5, 6, 7]], [[5], [5, 6]], [[4, 6], [5, 6]], [[5, 6, 7]],
+     [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9]], [[7, 7, 7], [7, 7, 7]]],
+)
+def test_common_start_equals_the_obvious_loop(prompts):
+    width = max(map(len, prompts)) + 2
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    real = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    assert packing.common_start(ids, real) == common_start_reference(prompts)
+
+
 def span_mask(spans: tuple, L: int) -> torch.Tensor:
     """(R, L, L) True where query i may see key j, by the definition: same pack, j <= i, and
-    j in the prompt or in i's own response."""
+    j in the row's shared start, the prompt or i's own response."""
     out = torch.zeros(len(spans), L, L, dtype=torch.bool)
     for row, packs in enumerate(spans):
         for span in packs:
+            S = span.shared
+            out[row, :S, :S] = True  # the shared start, over itself
             parts = [(span.first, span.P)] + [(s, s + n) for s, n in span.responses]
             for a, b in parts:
+                out[row, a:b, :S] = True  # the start the prompt continues
                 out[row, a:b, span.first : span.P] = True  # the prompt
                 out[row, a:b, a:b] = True  # itself
         out[row] &= torch.ones(L, L, dtype=torch.bool).tril()
@@ -199,12 +271,14 @@ def span_mask(spans: tuple, L: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("gqa", [1, 3])
-@pytest.mark.parametrize("end_to_end", [False, True])
-def test_packed_attention_equals_one_masked_call(gqa, end_to_end):
+@pytest.mark.parametrize(("end_to_end", "common", "c"), [(False, 0, N), (True, 0, N), (True, 3, N), (True, 3, 1)])
+def test_packed_attention_equals_one_masked_call(gqa, end_to_end, common, c):
     """Span by span against torch's sdpa over each whole row with the packs' mask (the slow,
-    obvious way): outputs and gradients, packs one per row (padded) and end to end."""
-    r = grouped_rollout(64)
-    packed = packing.pack(r.input_ids, r.attention_mask, T, N, end_to_end)
+    obvious way): outputs and gradients, packs one per row (padded) and end to end, after a
+    start all prompts share, of c responses."""
+    r = grouped_rollout(64, n=c, common=common)
+    packed = packing.pack(r.input_ids, r.attention_mask, T, c, end_to_end)
+    assert all(s.shared == common for row in packed.spans for s in row)
     R, L = packed.input_ids.shape
     mask = span_mask(packed.spans, L)
     seen = mask.any(-1)  # (R, L) queries inside a pack

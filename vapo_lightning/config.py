@@ -74,7 +74,8 @@ class Algorithm:
     """Run each prompt once for the min(n, micro_batch_size) responses to it that share a
     micro-batch (`vapo_lightning.packing`): the same logits, values and gradients, less work
     the longer the prompts; needs an attention that takes a 4-D mask (sdpa, eager), and n and
-    micro_batch_size multiples of one another."""
+    micro_batch_size multiples of one another. On the CPU the micro-batch's rows also lie end
+    to end, without padding, after the start all its prompts share (once)."""
     one_pass: bool = True
     """With one epoch over one mini-batch (and no KL reference), take pi_old and V_old from
     the updates' own first forwards instead of separate no-grad passes (verl's on_policy:

@@ -198,6 +198,7 @@ class VAPOModule(L.LightningModule):
         with timer("step"):
             r = self.rollout_and_score(batch, timer)  # group sampling (§4.3) + rewards
             r.pack = pack_size(r.group_ids, self.algo)  # responses per shared-prompt forward
+            r.shared_start = self.algo.share_prompts
             # One epoch over one mini-batch (verl's on_policy): pi_old and V_old are the models
             # as they stand, taken from the updates' own first forwards (`updates.OldEstimate`).
             on_policy = self.algo.on_policy(len(r), reference_policy=self.ref_policy is not None)

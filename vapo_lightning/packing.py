@@ -22,7 +22,12 @@ L x L square, most of which the mask then drops, and the linear layers run over 
 padding. On the CPU the project's attention (`attention.SDPA`) reads the packs' `spans`
 instead: the packs of a micro-batch lie end to end in one row, without padding or a mask,
 and it attends span by span, each prompt over itself and each response over its prompt and
-itself (`attention.packed_attention`).
+itself (`attention.packed_attention`). There a pack may hold one response (rows that share no
+prompt: no padding either), and the tokens every prompt of the micro-batch starts with (a
+system prompt, an instruction, a worked example) are laid once at the row's start, before
+the first pack: each prompt continues them, as it does in its own row,
+
+    [common start | rest of prompt 1 | its responses | rest of prompt 2 | its responses | ...]
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import Tensor
 from vapo_lightning.attention import SDPA
 from vapo_lightning.config import Algorithm
 
-__all__ = ["Pack", "Spans", "pack", "pack_size", "reads_spans", "takes_masks"]
+__all__ = ["Pack", "Spans", "common_start", "pack", "pack_size", "reads_spans", "takes_masks"]
 
 MASKED_ATTENTION = frozenset({"sdpa", "eager", SDPA})  # attentions that read a 4-D mask
 
@@ -43,11 +48,13 @@ MASKED_ATTENTION = frozenset({"sdpa", "eager", SDPA})  # attentions that read a 
 @dataclass(frozen=True)
 class Spans:
     """Where one pack lies in its row, in columns: its prompt `[first, P)` and its responses
-    `[start, start + length)`, back to back after it."""
+    `[start, start + length)`, back to back after it; the prompt continues the row's columns
+    `[0, shared)` (the start every prompt of the row has in common; 0: none)."""
 
     first: int
     P: int
     responses: tuple[tuple[int, int], ...]  # (start, length) of each response
+    shared: int = 0
 
     @property
     def end(self) -> int:  # the column after the pack
@@ -121,16 +128,37 @@ def pack_size(group_ids: Tensor, algo: Algorithm) -> int:
     )
 
 
+def common_start(prompts: Tensor, real: Tensor) -> int:
+    """How many tokens all G ≥ 2 left-padded prompts (G, P) (`real`: their tokens, the rest
+    padding) start with, leaving each at least its last token of its own (the one that
+    predicts its responses' first tokens); 0 for one prompt."""
+    lengths = real.sum(-1)
+    if len(prompts) < 2:
+        return 0
+    shortest = max(int(lengths.min()) - 1, 0)
+    columns = torch.arange(shortest, device=prompts.device)
+    starts = prompts.gather(1, (prompts.shape[1] - lengths)[:, None] + columns[None])  # (G, shortest) left-aligned
+    differs = (starts != starts[:1]).any(0)
+    return int(differs.float().argmax()) if bool(differs.any()) else shortest
+
+
 def pack(
-    input_ids: Tensor, attention_mask: Tensor, response_length: int, c: int, end_to_end: bool = False
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_length: int,
+    c: int,
+    end_to_end: bool = False,
+    share_start: bool = True,
 ) -> Pack | None:
     """The packed form of B = G·c rows (B, P + T), left-padded prompts and right-padded
     responses, whose consecutive runs of c rows share one prompt (the first P columns); None
-    when they do not (or c < 2). `end_to_end`: all packs in one row (`Pack`)."""
+    when they do not (or c < 2 with one pack per row). `end_to_end`: all packs in one row
+    (`Pack`), after the start their prompts have in common (`common_start`; not with
+    `share_start` off)."""
     B, width = input_ids.shape
     T = response_length
     P = width - T
-    if c < 2 or B % c or P < 1:
+    if c < (1 if end_to_end else 2) or B % c or P < 1:
         return None
     G, dev = B // c, input_ids.device
     prompts, prompt_mask = input_ids[:, :P].view(G, c, P), attention_mask[:, :P].view(G, c, P)
@@ -143,25 +171,27 @@ def pack(
     answers = extent.sum(-1)  # (G,) response tokens of each pack
     # Each pack keeps at least its prompt's last column (`first`), even with no response token.
     kept = answers.clamp(min=1)
-    if end_to_end:  # pack g at columns [col0, col0 + size) of the one row
-        size = prompt_len + answers
-        row, col0 = torch.zeros_like(size), size.cumsum(0) - size
-        R, L = 1, int(size.sum())
+    shared = common_start(prompts[:, 0], real_prompt) if end_to_end and share_start else 0
+    if end_to_end:  # the shared start at [0, shared), then pack g at [col0, col0 + size)
+        size = prompt_len - shared + answers
+        row, col0 = torch.zeros_like(size), shared + size.cumsum(0) - size
+        R, L = 1, shared + int(size.sum())
         keep = torch.cat([torch.arange(a - 1, a + n - 1, device=dev) for a, n in
-                          zip((col0 + prompt_len).tolist(), kept.tolist(), strict=True)])  # fmt: skip
+                          zip((col0 + prompt_len - shared).tolist(), kept.tolist(), strict=True)])  # fmt: skip
         base = kept.cumsum(0) - kept  # where each pack's kept outputs begin among the K
     else:  # pack g in row g, its prompt ending at column P
         row, col0 = torch.arange(G, device=dev), P - prompt_len
         R, L = G, P + int(kept.max())
         keep = torch.arange(P - 1, L - 1, device=dev)
         base = row * (L - P)
-    after_prompt = col0 + prompt_len  # (G,) where each pack's first response begins
+    after_prompt = col0 + prompt_len - shared  # (G,) where each pack's first response begins
     start = after_prompt[:, None] + extent.cumsum(-1) - extent  # (G, c)
     ids = input_ids.new_zeros(R, L)
     pos = positions.new_zeros(R, L)
     block = torch.full((R, L), -2, device=dev)  # -1: a prompt; k: response k; -2: padding
     g_prompt = torch.arange(G, device=dev)[:, None].expand(G, P)[real_prompt]
-    at = (col0[:, None] + real_prompt.long().cumsum(-1) - 1)[real_prompt]
+    i = real_prompt.long().cumsum(-1) - 1  # (G, P) each real token's index in its prompt
+    at = torch.where(i < shared, i, col0[:, None] + i - shared)[real_prompt]  # the shared start: once
     ids[row[g_prompt], at] = prompts[:, 0][real_prompt]
     pos[row[g_prompt], at] = positions[::c, :P][real_prompt]
     block[row[g_prompt], at] = -1
@@ -178,7 +208,7 @@ def pack(
     spans = [[] for _ in range(R)]
     columns = (row.tolist(), col0.tolist(), after_prompt.tolist(), start.tolist(), extent.tolist())
     for r, a, p, s, n in zip(*columns, strict=True):
-        spans[r].append(Spans(a, p, tuple(zip(s, n, strict=True))))
+        spans[r].append(Spans(a, p, tuple(zip(s, n, strict=True)), shared))
     mask = None
     if not end_to_end:
         i = torch.arange(L, device=dev)

@@ -68,6 +68,8 @@ class Rollout:
     reward_names: list[str] = field(default_factory=list)  # (K,) their names
     pack: int = 1  # responses per shared-prompt forward (`packing`): micro-batches keep runs
     # of this many consecutive rows together; 1: every row on its own
+    shared_start: bool = True  # where a model reads spans, packs (of one response, too) lie
+    # end to end after the start their prompts share, laid once (`packing`); False: not
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -219,7 +221,7 @@ def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
     Only positions P-1 .. P+T-2 (each predicts the next token, a response token) go through
     the LM head, and the result is contiguous: slicing a (B, T+1, V) output would make the
     log-prob functions reshape it into a second full copy. With `r.pack` > 1, the responses
-    to one prompt share a single forward of it (`packing`).
+    to one prompt share a single forward of it, and the rows may lie end to end (`packing`).
     """
     L, T = r.input_ids.shape[1], r.response_mask.shape[1]
     packed = _packed(policy, r)
@@ -289,10 +291,15 @@ def _pack_logits(policy: PreTrainedModel, packed: packing.Pack) -> Tensor:
 
 
 def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:
-    if r.pack < 2 or not packing.takes_masks(model):
+    """`r` in packs for `model`'s forward, or None (each row its own, padded): packs of
+    `r.pack` responses to one prompt, or, where the model reads spans, of one (no padding,
+    and the prompts' common start once) unless `r.shared_start` is off."""
+    if not packing.takes_masks(model):
         return None
     end_to_end = packing.reads_spans(model, r.input_ids.device)
-    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack, end_to_end)
+    if r.pack < 2 and not (end_to_end and r.shared_start):
+        return None
+    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack, end_to_end, r.shared_start)
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
