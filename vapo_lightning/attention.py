@@ -256,7 +256,9 @@ def packed_attention(
             parts.append(attend(q[:, :, :S], k[:, :, :S], v[:, :, :S], is_causal=True))
         for span in packs:
             f, P = span.first, span.P
-            pk, pv = torch.cat([k[:, :, :S], k[:, :, f:P]], 2), torch.cat([v[:, :, :S], v[:, :, f:P]], 2)
+            pk, pv = k[:, :, f:P], v[:, :, f:P]  # views: no copy where no start is shared
+            if S:
+                pk, pv = torch.cat([k[:, :, :S], pk], 2), torch.cat([v[:, :, :S], pv], 2)
             prompt = attend(q[:, :, f:P], pk, pv, attn_mask=after(S, P - f)) if S else attend(q[:, :, f:P], pk, pv, is_causal=True)
             parts += [q.new_zeros(1, H, f - done, D), prompt]
             for s, n in span.responses:
