@@ -2,8 +2,8 @@
 
 VAPO scores a math response +1 if its final answer is correct and -1 otherwise (arXiv
 2504.05118, Sec. 5.1; 1 / 0 by config). The answer is the last ``\\boxed{}`` / ``\\fbox{}``,
-else the last ``Answer:`` line (DAPO's prompt format), else the last ``#### N`` line (GSM8K's)
-(`math_answers`). It is compared with math-verify's semantics (equivalent expressions, fractions vs decimals,
+else the last ``Answer:`` line (DAPO's prompt format), else the last ``#### N`` line (GSM8K's),
+else ``The answer is N`` (`math_answers`). It is compared with math-verify's semantics (equivalent expressions, fractions vs decimals,
 intervals, sets, tuples, matrices, "033" vs 33).
 
 Model text is never run as code: it only reaches math-verify's LaTeX / expression parser, and
