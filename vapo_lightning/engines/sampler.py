@@ -221,11 +221,11 @@ def cache_dtype(key_states: Tensor) -> torch.dtype:
 
 class Sampled(NamedTuple):
     """What `sample_responses` returns with `logprobs`: (B, T) each; after a row's stop
-    token, padding and 0."""
+    token, padding and 0. Callers that asked for tokens alone carry None in the other two."""
 
     tokens: Tensor
-    logprobs: Tensor  # log softmax(logits / T) of each sampled token, fp32
-    entropy: Tensor  # the entropy of softmax(logits / T) at each position, fp32
+    logprobs: Tensor | None  # log softmax(logits / T) of each sampled token, fp32
+    entropy: Tensor | None  # the entropy of softmax(logits / T) at each position, fp32
 
 
 def next_tokens(logits: Tensor, temperature: float, top_p: float, top_k: int = 0) -> Tensor:
