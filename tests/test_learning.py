@@ -110,8 +110,10 @@ def test_rollout_reward_rises(tmp_path, name):
     # DAPO reaches all-correct rollouts at steps 15-19 over seeds 0-3: 20 steps left its
     # last-three mean at 0.67 on two of them, so the critic-free runs get 25. VAPO is the
     # slowest and the noisiest here (8 responses per step, the actor's advantage a one-step TD
-    # error): over seeds 0-3 only 0 and 3 passed at 30 steps, so 45 (seed 0 ends at 1.0).
-    steps, warmup = (45, 6) if name == "vapo" else (25, 0)
+    # error, only as good as the critic): its outcome turned on the CPU's float sums with 6 steps
+    # of value pretraining (seeds 0-3 on an Intel Xeon with AMX: 2 passed at 45 steps); with 15
+    # all of seeds 0-5 passed there.
+    steps, warmup = (45, 15) if name == "vapo" else (25, 0)
     got = fit(tmp_path, ALGORITHMS[name], steps=steps, warmup=warmup)
     first, last = sum(got[:3]) / 3, sum(got[-3:]) / 3
     assert last > 0.7 and last > first + 0.5, got  # mean reward in [-1, 1], ~0.2 at the start
