@@ -75,6 +75,8 @@ RUNS = [
     ("VAPO, critic at random init", None, None),
 ]
 TABLE_1 = tuple(name for name, _, _ in RUNS[:-1])  # the rows of the miniature Table 1
+RANDOM_CRITIC = RUNS[-1][0]
+CRITIC_FREE = ("GRPO", "DAPO")  # the rows without a critic (vanilla PPO has one)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,13 @@ class Task:
     overrides: tuple[str, ...] = ()  # for every row's fit, after the task's config
     rows: tuple[str, ...] = TABLE_1  # the rows of RUNS it runs
     lengths: tuple[tuple[int, int], ...] = ()  # answer-length buckets (tokens) also reported
+    threads: str = "one thread per run"  # how the runs shared the machine
+    # which rows start their policy updates from the same value-pretrained critic
+    critics: str = (
+        "the prompts come in the same order in every run (`data.seed` 0), so the rows of one "
+        "seed whose value pretraining samples a group per prompt (all but w/o group-sampling "
+        "and SAO-style) start their policy updates from the same critic"
+    )
 
 
 TASKS = {
@@ -163,6 +172,10 @@ TASKS = {
         rows=("VAPO", "VAPO, critic at random init", "w/o value-pretraining", "vanilla PPO",
               "GRPO", "DAPO"),
         lengths=((0, 63), (64, 127), (128, 192)),
+        threads="one run at a time, two threads",
+        critics=("the prompts come in the same order in every run (`data.seed` 0); VAPO "
+                 "pretrains a critic from the policy's backbone and the random-critic row one "
+                 "from random weights, so no two rows share a value-pretrained critic"),
     ),
 }  # fmt: skip
 # The credit-assignment study's first configuration, kept with its 27 runs: the whole step's
@@ -500,10 +513,12 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
 
     def versus(r: dict) -> str:
         diff, p = tests[r["name"]]
-        return f"{r['name']} {100 * diff:+.1f} (p = {p:.3f})"
+        return f"{r['name']} {100 * diff:+.1f} ({p_value(p)})"
 
     mean = {r["name"]: statistics.mean(r["final"]) for r in rows}
-    others = [r for r in rows if r is not vapo_row and not r["name"].startswith("w/o ")]
+    random_critic = next((r for r in rows if r["name"] == RANDOM_CRITIC), None)
+    others = [r for r in rows if r is not vapo_row and r is not random_critic
+              and not r["name"].startswith("w/o ")]  # fmt: skip
     ablations = [r for r in rows if r["name"].startswith("w/o ")]
     out = ["Read against the paper, from the table above (points against VAPO, Holm p):\n"]
     if others:
@@ -516,6 +531,8 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
             f"- **Baselines**: {'; '.join(map(versus, others))}. Table 1's order {paper_order}; "
             f"here {our_order}: {'the same' if ours == scored else 'not the same'}."
         )
+    if random_critic is not None:
+        out.append(critic_pretraining(vapo_row, random_critic, others, tests))
     if ablations:
         lower = [r for r in ablations if mean[r["name"]] < mean["VAPO"]]
         rest = [r for r in ablations if r not in lower]
@@ -536,7 +553,7 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
             for r in rows if r is not vapo_row}  # fmt: skip
     grows = [n for n, g in gaps.items() if g[-1] > g[0]]
     by_row = "; ".join(r["name"] + " " + " / ".join(f"{100 * g:+.1f}" for g in gaps[r["name"]])
-                       for r in others)  # fmt: skip
+                       for r in [*others, *([random_critic] if random_critic else [])])  # fmt: skip
     out.append(
         f"- **By difficulty** (the paper's argument: VAPO's lead grows with length): VAPO minus "
         f"each row at {lo_hi}: {by_row}. VAPO minus the row is higher on the longest bucket "
@@ -545,6 +562,37 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
         "one: read them as a direction)."
     )
     return [*out, ""]
+
+
+def p_value(p: float) -> str:
+    """A Holm-adjusted p as the report writes it; none where a side has one seed."""
+    return "no p: one seed" if math.isnan(p) else f"p = {p:.3f}"
+
+
+def critic_pretraining(
+    vapo_row: dict, random_critic: dict, others: list[dict], tests: dict[str, tuple[float, float]]
+) -> str:
+    """The study's question read from the table: does the critic from the policy's pretrained
+    backbone put VAPO ahead of the same VAPO with a critic at random init (the mechanism), and
+    ahead of the critic-free rows (the paper's claim)?"""
+    diff, p = tests[random_critic["name"]]
+    ahead = "ahead of" if diff < 0 else "not ahead of"
+    held = "held at Holm p < 0.05" if p < 0.05 else "not held at p < 0.05"
+    critic_free = [r for r in others if r["name"] in CRITIC_FREE]
+    beaten = [r["name"] for r in critic_free if tests[r["name"]][0] < 0]
+    against = "; ".join(f"{r['name']} {100 * tests[r['name']][0]:+.1f} "
+                        f"({p_value(tests[r['name']][1])})" for r in critic_free)  # fmt: skip
+    variance = (f" The critic's explained variance over the last 10 updates: "
+                f"{late_explained_variance(vapo_row)} from the backbone, "
+                f"{late_explained_variance(random_critic)} at random init."
+                if "curves" in vapo_row and "curves" in random_critic else "")  # fmt: skip
+    return (
+        f"- **The critic's pretraining** (the mechanism): the critic at random init "
+        f"{100 * diff:+.1f} points against VAPO's from the backbone ({p_value(p)}): the "
+        f"pretrained critic is {ahead} the random one here ({held}).{variance} Against the "
+        f"critic-free rows: {against or 'none run'}; VAPO ahead of {len(beaten)} of "
+        f"{len(critic_free)}{': ' + ', '.join(beaten) if beaten else ''}."
+    )
 
 
 def val_temperature(task: Task) -> float:
@@ -576,14 +624,11 @@ def report(
         f"Command: `{command}`  ",
         f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, "
         f"{commit_span({c for r in rows for c in r['commits']})}, on {'; '.join(machines)}"
-        f" (one thread per run; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",
+        f" ({task.threads}; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",
         f"Each run: `vapo fit -c {task.config} [-c <layer>] "
         f"{''.join(o + ' ' for o in task.overrides)}--seed_everything=<seed>` for "
         f"{task.updates} policy-update steps; seeds {', '.join(map(str, seeds))}. A seed sets "
-        "the sampling and the critic head's initialisation; the prompts come in the same order "
-        "in every run (`data.seed` 0), so the rows of one seed whose value pretraining samples "
-        "a group per prompt (all but w/o group-sampling and SAO-style) start their policy "
-        "updates from the same critic. "
+        f"the sampling and the critic head's initialisation; {task.critics}. "
         f"val/accuracy: mean@k at temperature {val_temperature(task):g} on the validation set "
         f"(`{task.val}`). Final = after the last policy update (equal updates); "
         "equal samples = at the same number of rollout steps as the rows without value "
@@ -603,7 +648,7 @@ def report(
     ]
     for r in rows:
         diff, p = tests.get(r["name"], (math.nan, math.nan))
-        versus = "-" if r is vapo_row else f"{100 * diff:+.1f}, p = {p:.3f}"
+        versus = "-" if r is vapo_row else f"{100 * diff:+.1f}, {p_value(p)}"
         buckets = " / ".join(f"{100 * statistics.mean(b):.1f}" for b in zip(*r["buckets"]))
         out.append(
             f"| {r['name']} | {r['paper'] if r['paper'] is not None else '-'} | {r['seeds']} "

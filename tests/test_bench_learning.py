@@ -351,3 +351,34 @@ def test_the_reading_is_computed_from_the_table():
     assert "**By difficulty**: not read; the accuracies by difficulty of w/o value-pretraining " \
            "average the start and the final validation." in text  # fmt: skip
     assert "VAPO minus each row" not in text and "**Ablations**" in text
+
+
+def test_the_reading_answers_whether_the_pretrained_critic_helps():
+    """The random-init critic row is read on its own (not as a baseline): its difference from
+    VAPO with Holm p, both critics' late explained variance, and VAPO against the critic-free
+    rows; a flipped result flips the sentence."""
+    ev = {"critic/vf_explained_var": [[(s, 0.4) for s in range(12)]] * 3}
+    rows = [
+        {**_row("VAPO", 60, [0.30, 0.32, 0.28], [[0.5, 0.1]] * 3), "curves": ev},
+        {**_row(B.RANDOM_CRITIC, None, [0.10, 0.12, 0.11], [[0.2, 0.0]] * 3),
+         "curves": {"critic/vf_explained_var": [[(s, 0.1) for s in range(12)]] * 3}},
+        _row("GRPO", None, [0.35, 0.36, 0.34], [[0.6, 0.1]] * 3),
+        _row("DAPO", 50, [0.25, 0.26, 0.24], [[0.4, 0.1]] * 3),
+    ]  # fmt: skip
+    tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
+    text = "\n".join(B.reading(rows, tests, "1-1 / 2-2"))
+    p = {n: f"{v[1]:.3f}" for n, v in tests.items()}
+    assert (f"the critic at random init -19.0 points against VAPO's from the backbone "
+            f"(p = {p[B.RANDOM_CRITIC]}): the pretrained critic is ahead of the random one here "
+            "(held at Holm p < 0.05).") in text
+    assert "over the last 10 updates: 0.40 from the backbone, 0.10 at random init." in text
+    assert (f"critic-free rows: GRPO +5.0 (p = {p['GRPO']}); DAPO -5.0 (p = {p['DAPO']}); "
+            "VAPO ahead of 1 of 2: DAPO.") in text
+    assert B.RANDOM_CRITIC not in text.split("**Baselines**")[1].split("\n")[0]
+    assert f"GRPO -10.0 / +0.0; DAPO +10.0 / +0.0; {B.RANDOM_CRITIC} +30.0 / +10.0." in text
+    # the random critic ahead, from one seed: no p, and not held
+    rows[1]["final"] = [0.5]
+    tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
+    text = "\n".join(B.reading(rows, tests, "1-1 / 2-2"))
+    assert ("+20.0 points against VAPO's from the backbone (no p: one seed): the pretrained "
+            "critic is not ahead of the random one here (not held at p < 0.05).") in text
