@@ -53,7 +53,7 @@ def test_native_engine_samples_the_policy_itself(tmp_path):
     texts = tok.batch_decode(r.responses, skip_special_tokens=True)
     assert [s.response for s in r.samples] == texts
     assert [len(s.response_ids) for s in r.samples] == r.response_lengths.tolist()
-    engine.logprobs = True  # what the trainer asks when the update reads them
+    engine = NativeEngine(policy, tok, [], logprobs=True)  # the trainer asks when it reads them
     r = engine.sample(rows, Generation(n=3, max_new_tokens=6))
     lp, mask = r.rollout_logprobs, r.response_mask
     assert lp.shape == mask.shape and (lp[mask] < 0).all() and (lp[~mask] == 0).all()

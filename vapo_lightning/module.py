@@ -289,8 +289,8 @@ class VAPOModule(L.LightningModule):
             self.engines[gen.engine] = make_engine(
                 gen, self.policy, self.tokenizer, self.tools, max_model_len=longest,
                 precision=str(self.trainer.precision), local_rank=self.trainer.local_rank,
+                logprobs=self.algo.reads_rollout_logprobs,
             )  # fmt: skip
-            self.engines[gen.engine].logprobs = self.algo.reads_rollout_logprobs
         return self.engines[gen.engine]
 
     def sample(self, rows: list[dict], gen: Generation) -> Rollout:

@@ -43,11 +43,13 @@ def make_engine(
     max_model_len: int,
     precision: str,
     local_rank: int,
+    logprobs: bool = False,
 ) -> RolloutEngine:
-    """The engine `gen.engine` names, sampling `policy` (whose weights it holds from now on)."""
+    """The engine `gen.engine` names, sampling `policy` (whose weights it holds from now on);
+    `logprobs`: its rollouts carry each sampled token's log-prob (`Rollout.rollout_logprobs`)."""
     return engine_class(gen.engine).from_generation(
         gen, policy, tokenizer, tools, max_model_len=max_model_len, precision=precision,
-        local_rank=local_rank,
+        local_rank=local_rank, logprobs=logprobs,
     )  # fmt: skip
 
 

@@ -29,24 +29,27 @@ class RolloutEngine(ABC):
         policy: the trainer's policy: sampled directly, or copied in by `sync`.
         tokenizer: the policy's (pad / EOS ids, the texts the rewards read).
         tools: tools the responses may call mid-way (`vapo_lightning.tools`).
+        logprobs: whether `generate` must fill `Rollout.rollout_logprobs` (the trainer asks
+            when the algorithm reads them); an engine that reports them at no cost may always.
     """
 
     reports_logprobs: ClassVar[bool] = False  # each sampled token's log-prob under the engine
 
-    def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool]) -> None:
+    def __init__(
+        self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], logprobs: bool = False
+    ) -> None:
         self.policy, self.tokenizer, self.tools = policy, tokenizer, list(tools)
-        # Whether `generate` must fill `Rollout.rollout_logprobs` (the trainer sets it when
-        # the algorithm reads them); an engine that reports them at no cost may always do.
-        self.logprobs = False
+        self.logprobs = logprobs
 
     @classmethod
     def from_generation(
         cls, gen: Generation, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], *,
-        max_model_len: int, precision: str, local_rank: int,
+        max_model_len: int, precision: str, local_rank: int, logprobs: bool = False,
     ) -> RolloutEngine:  # fmt: skip
         """The engine for `gen` (its own options there), in a process training at `precision`
-        on device `local_rank`, holding prompt + response of up to `max_model_len` tokens."""
-        return cls(policy, tokenizer, tools)
+        on device `local_rank`, holding prompt + response of up to `max_model_len` tokens;
+        `logprobs`: the sampled tokens' log-probs are read."""
+        return cls(policy, tokenizer, tools, logprobs=logprobs)
 
     @classmethod
     def check_setup(cls, config: Any, max_model_len: int) -> None:

@@ -39,8 +39,10 @@ class NativeEngine(RolloutEngine):
 
     reports_logprobs = True
 
-    def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool]) -> None:
-        super().__init__(policy, tokenizer, tools)
+    def __init__(
+        self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], logprobs: bool = False
+    ) -> None:
+        super().__init__(policy, tokenizer, tools, logprobs)
         sharded = any(hasattr(p, "full_tensor") for p in policy.parameters())
         self.merged = MergedCopy(policy) if is_lora(policy) and not sharded else None
 

@@ -96,7 +96,7 @@ class VLLMEngine(RolloutEngine):
         seed: int,
         local_rank: int = 0,
     ) -> None:
-        super().__init__(policy, tokenizer, tools)
+        super().__init__(policy, tokenizer, tools, logprobs=True)  # vLLM reports them anyway
         vllm = import_vllm()
         config = policy.config
         # `replicate` / `fully_shard` rename the class DDP<Name> / FSDP<Name>; LoRA: the base's
@@ -160,7 +160,7 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def from_generation(
         cls, gen: Generation, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], *,
-        max_model_len: int, precision: str, local_rank: int,
+        max_model_len: int, precision: str, local_rank: int, logprobs: bool = False,
     ) -> VLLMEngine:  # fmt: skip
         from vapo_lightning.engines import engine_dtype
 
