@@ -582,14 +582,12 @@ def critic_pretraining(
     beaten = [r["name"] for r in critic_free if tests[r["name"]][0] < 0]
     against = "; ".join(f"{r['name']} {100 * tests[r['name']][0]:+.1f} "
                         f"({p_value(tests[r['name']][1])})" for r in critic_free)  # fmt: skip
-    variance = (f" The critic's explained variance over the last 10 updates: "
-                f"{late_explained_variance(vapo_row)} from the backbone, "
-                f"{late_explained_variance(random_critic)} at random init."
-                if "curves" in vapo_row and "curves" in random_critic else "")  # fmt: skip
     return (
         f"- **The critic's pretraining** (the mechanism): the critic at random init "
         f"{100 * diff:+.1f} points against VAPO's from the backbone ({p_value(p)}): the "
-        f"pretrained critic is {ahead} the random one here ({held}).{variance} Against the "
+        f"pretrained critic is {ahead} the random one here ({held}). The critic's explained "
+        f"variance over the last 10 updates: {late_explained_variance(vapo_row)} from the "
+        f"backbone, {late_explained_variance(random_critic)} at random init. Against the "
         f"critic-free rows: {against or 'none run'}; VAPO ahead of {len(beaten)} of "
         f"{len(critic_free)}{': ' + ', '.join(beaten) if beaten else ''}."
     )
