@@ -552,12 +552,13 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
                         for v, r_ in zip(zip(*vapo_row["buckets"]), zip(*r["buckets"]))]
             for r in rows if r is not vapo_row}  # fmt: skip
     grows = [n for n, g in gaps.items() if g[-1] > g[0]]
-    by_row = "; ".join(r["name"] + " " + " / ".join(f"{100 * g:+.1f}" for g in gaps[r["name"]])
-                       for r in [*others, *([random_critic] if random_critic else [])])  # fmt: skip
+    listed = [r["name"] for r in [*others, *ablations, *([random_critic] if random_critic else [])]]
+    by_row = "; ".join(n + " " + " / ".join(f"{100 * x:+.1f}" for x in gaps[n]) for n in listed)
     out.append(
-        f"- **By difficulty** (the paper's argument: VAPO's lead grows with length): VAPO minus "
-        f"each row at {lo_hi}: {by_row}. VAPO minus the row is higher on the longest bucket "
-        f"than on the shortest against {len(grows)} of the {len(gaps)} other rows"
+        f"- **By difficulty** (the paper's argument: VAPO's lead grows with the length of the "
+        f"reasoning, read here as the problem's difficulty): VAPO minus each row at {lo_hi}: "
+        f"{by_row}. VAPO minus the row is higher on the hardest bucket than on the easiest "
+        f"against {len(grows)} of the {len(gaps)} other rows"
         f"{': ' + ', '.join(grows) if grows else ''} (the buckets are not tested one by "
         "one: read them as a direction)."
     )
