@@ -163,7 +163,9 @@ TASKS = {
           "8 steps, before the 22 policy updates; every run its own (the rows that start from "
           "the pretrained backbone's value pretraining: VAPO alone), a fixed count, not the "
           "explained-variance threshold, so that every row gets the same policy updates"),
-         ("prompts × samples per rollout step", "512 × 16", "16 × 4: a run ≤ 60 min on 2 cores"),
+         ("prompts × samples per rollout step", "512 × 16",
+          "16 × 4: sized for a run ≤ 60 min on 2 cores (runs whose answers reach the length "
+          "cap take longer: the last column)"),
          ("mini-batch", "512 responses (16 optimiser steps per rollout)",
           "16 responses (4 optimiser steps per rollout)"),
          ("learning-rate warm-up", "length not given", "3 steps"),
