@@ -253,6 +253,7 @@ COMMANDS = {
     "fit": "train with VAPO (or PPO / GRPO / DAPO by switches)",
     "validate": "score a checkpoint on the validation data (val/accuracy, mean@k)",
     "sft": "supervised fine-tuning of a warm start for RL",
+    "pretrain-critic": "value pretraining to convergence on a buffer sampled once from the initial policy",
     "inspect": "validate a checkpoint and draw its critic's values, TD errors and advantages per token",
     "export": "save a checkpoint's policy and critic in Hugging Face format",
     "convert-gguf": "turn a GGUF model file into a Hugging Face folder",
@@ -293,6 +294,10 @@ def main(args: list[str] | None = None) -> None:
             if args is None:  # Lightning warns when given both sys.argv and args
                 sys.argv, inspect_args = [sys.argv[0], *inspect_args], None
             run_cli(inspect_args)
+        elif command == "pretrain-critic":
+            from vapo_lightning.critic_pretraining import main as pretrain_main
+
+            pretrain_main(argv[1:])
         elif command == "export":
             from vapo_lightning.export import main as export_main
 
@@ -307,14 +312,17 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(f"vapo: error: {err}")
 
 
-def run_cli(args: list[str] | None) -> None:
-    VAPOCLI(
+def run_cli(args: list[str] | None, run: bool = True) -> VAPOCLI:
+    """`vapo fit` / `vapo validate` on `args`; `run=False`: the config's module, data and
+    trainer, made and checked, nothing run (`args` then hold no subcommand)."""
+    return VAPOCLI(
         VAPOModule,
         PromptDataModule,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
         args=args,  # None: sys.argv (passing both makes Lightning warn)
+        run=run,
     )
 
 

@@ -204,6 +204,13 @@ class PromptDataModule(L.LightningDataModule):
         if self.has_val:
             self.val_rows = self._load(self.hparams.val, tokenizer, "val")
 
+    def load_rows(self, split: str, tokenizer: Any) -> list[dict]:
+        """The prompt rows of `split` ("train" or "val"), tokenised, outside a run."""
+        source = self.hparams.train if split == "train" else self.hparams.val
+        if source is None:
+            raise SetupError(f"data.{split}: no prompts given")
+        return self._load(source, tokenizer, split)
+
     def uses_chat_template(self, tokenizer: Any) -> bool:
         """`chat_template`, or left None, whether the tokenizer has a chat template."""
         if self.hparams.chat_template is not None:

@@ -1,0 +1,537 @@
+"""`vapo pretrain-critic -c CONFIG [--out DIR]`: value pretraining (VAPO §4.1) run to
+convergence, apart from and before a run.
+
+The paper warms the critic up from the fixed initial policy "until the value loss converges"
+(§5.1: 50 steps of 512 prompts × 16 answers). Here, from the config's policy, engine,
+generation and rewards:
+
+1. **Buffer**: n answers to each of many distinct training prompts (a critic learns a
+   prompt's difficulty from many prompts, not from many answers to few), sampled once in
+   chunks written to ``<out>/buffer/``: a second call reuses them, a killed call goes on from
+   the last whole chunk, and each chunk draws from its own seed, so the buffer is the same
+   however often the call was interrupted.
+2. **Regression**: the critic on the λ = γ = 1 Monte-Carlo return (the final reward at every
+   response token), epochs over the buffer's training prompts, AdamW at the config's critic
+   learning rate and warm-up; a held-out split *by prompt* is scored after every epoch
+   (`critic_checks`); training stops when its explained variance has not improved for
+   `patience` epochs, and the best epoch's critic is written (Hugging Face format) to
+   ``<out>/critic``, which a run loads with ``--model.critic.name_or_path=<out>/critic``.
+   Each epoch's state is kept, so a killed call resumes at the next epoch.
+3. **Report**: ``<out>/report.md`` and ``report.json``: the buffer, every epoch's train and
+   held-out value loss and explained variance (overall, by position, calibration, against the
+   group mean), minutes, machine.
+
+One process (world size 1): the buffer is the expensive part, and a multi-GPU user can
+sample it with the vLLM engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from vapo_lightning import core
+from vapo_lightning.config import SetupError
+from vapo_lightning.critic_checks import check_critic
+from vapo_lightning.distributed import save_pretrained
+from vapo_lightning.engines import make_engine
+from vapo_lightning.models import add_adapters, build_critic, build_policy
+from vapo_lightning.packing import pack_size
+from vapo_lightning.rewards.base import RewardCallback, combine_rewards
+from vapo_lightning.rollout import Rollout, cat_rollouts, critic_values
+from vapo_lightning.updates import clip_and_step, compute_values, micro_batches, mini_batches
+
+__all__ = ["Options", "main", "monte_carlo_returns", "pretrain_critic", "split_by_prompt"]
+
+BUFFER_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "group_ids",
+    "truncated",
+    "scores",
+    "correct",
+)
+
+
+@dataclass
+class Options:
+    """What `vapo pretrain-critic` adds to the run's config."""
+
+    out: str = "runs/critic_pretraining"
+    prompts: int | None = None  # training prompts in the buffer (None: every one)
+    samples_per_prompt: int = 2  # answers to each (the per-prompt success rate needs ≥ 2)
+    held_out: float = 0.1  # share of the prompts held out to score the critic
+    max_epochs: int = 20
+    patience: int = 2  # epochs without a better held-out explained variance before stopping
+    min_delta: float = 0.005  # what counts as better
+    chunk_prompts: int = 16  # prompts sampled (and saved) at a time
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def monte_carlo_returns(
+    scores: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """(B, T) the λ = 1 return G_t = Σ_k γ^k r_{t+k} of the sparse reward (R on the last
+    response token, §4.1): R at every token when γ = 1."""
+    rewards = core.sparse_rewards(scores, mask)
+    return core.gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]
+
+
+def split_by_prompt(num_prompts: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training prompts, held-out prompts), disjoint, sorted; at least one of each for
+    two prompts or more."""
+    order = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed)).tolist()
+    k = min(max(1, round(held_out * num_prompts)), num_prompts - 1) if num_prompts > 1 else 0
+    return sorted(order[k:]), sorted(order[:k])
+
+
+def improved(history: list[dict[str, float]], min_delta: float) -> int:
+    """The index of the best epoch by held-out explained variance, counting as better only a
+    gain above `min_delta`; where the held-out returns do not vary (explained variance
+    undefined, NaN, from the first row on), by held-out value loss, lower by `min_delta`."""
+    undefined = math.isnan(history[0]["held_out/explained_var"])
+    key = (
+        (lambda row: -row["held_out/value_loss"])
+        if undefined
+        else (lambda row: row["held_out/explained_var"])
+    )
+    best = 0
+    for i, row in enumerate(history):
+        if not math.isnan(key(row)) and (
+            math.isnan(key(history[best])) or key(row) > key(history[best]) + min_delta
+        ):
+            best = i
+    return best
+
+
+# --------------------------------------------------------------------------- the buffer
+
+
+class Buffer:
+    """Answers to the chosen prompts, in chunk files under ``<out>/buffer``; `meta.json`
+    records what sampled them, and a buffer sampled otherwise is refused, never overwritten."""
+
+    def __init__(self, root: Path, meta: dict[str, Any]) -> None:
+        self.root, self.meta = root / "buffer", meta
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / "meta.json"
+        if path.exists():
+            found = json.loads(path.read_text())
+            if found["fingerprint"] != meta["fingerprint"]:
+                changed = sorted(
+                    k for k in meta["settings"] if found["settings"].get(k) != meta["settings"][k]
+                )
+                raise SetupError(
+                    f"{self.root}: a buffer sampled with other settings ({', '.join(changed)} differ); "
+                    "give another --out, or delete that folder to sample anew"
+                )
+        else:
+            _write_atomically(path, json.dumps(meta, indent=1).encode())
+
+    def chunk_path(self, i: int) -> Path:
+        return self.root / f"chunk_{i:05d}.pt"
+
+    def has(self, i: int) -> bool:
+        return self.chunk_path(i).exists()
+
+    def save(self, i: int, r: Rollout, prompt_index: list[int], seconds: float) -> None:
+        data = {k: getattr(r, k).cpu() for k in BUFFER_FIELDS}
+        data["group_ids"] = torch.tensor(prompt_index)[
+            r.group_ids.cpu()
+        ]  # the prompt's index in the data
+        data["seconds"] = seconds
+        path = self.chunk_path(i)
+        torch.save(data, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)  # a killed save leaves no half chunk
+
+    def load(self, chunks: int) -> tuple[Rollout, float]:
+        """Every chunk as one rollout (group ids: the prompts' indices), and the seconds their
+        sampling and scoring took."""
+        parts, seconds = [], 0.0
+        for i in range(chunks):
+            data = torch.load(self.chunk_path(i), weights_only=True)
+            seconds += float(data.pop("seconds"))
+            parts.append(Rollout(**{k: data[k] for k in BUFFER_FIELDS if k not in ("scores", "correct")},
+                                 scores=data["scores"], correct=data["correct"]))  # fmt: skip
+        r = cat_rollouts(parts)
+        r.group_ids = torch.cat([p.group_ids for p in parts])  # (cat_rollouts renumbers groups)
+        return r, seconds
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+@dataclass
+class Setup:
+    """What the run's config gives the pretraining (`from_config`)."""
+
+    module: Any  # VAPOModule, models not built
+    rows: list[dict]
+    rewards: list[RewardCallback]
+    precision: str
+    device: torch.device
+    settings: dict[str, Any]  # what decides the buffer's content (its fingerprint)
+
+
+def from_config(args: list[str]) -> Setup:
+    """The run's module, training prompts and reward callbacks from ``vapo fit``'s own config
+    and flags (the same one-line errors), without starting a run."""
+    from vapo_lightning.cli import run_cli
+
+    argv, sys.argv = (
+        sys.argv,
+        [sys.argv[0], *args],
+    )  # (Lightning warns when given args and sys.argv)
+    try:
+        cli = run_cli(None, run=False)
+    finally:
+        sys.argv = argv
+    module, dm, trainer = cli.model, cli.datamodule, cli.trainer
+    rows = dm.load_rows("train", module.tokenizer)
+    rewards = [cb for cb in trainer.callbacks if isinstance(cb, RewardCallback)]
+    if not rewards:
+        raise SetupError("trainer.callbacks: no reward callback to score the buffer with")
+    if trainer.world_size > 1:
+        raise SetupError(
+            "vapo pretrain-critic runs in one process: leave trainer.devices / num_nodes at 1"
+        )
+    settings = {
+        "policy": asdict(module.policy_spec),
+        "generation": asdict(module.gen),
+        "data.train": str(dm.hparams.train),
+        "prompts": [
+            hashlib.sha256(json.dumps(r["prompt_ids"]).encode()).hexdigest()[:16] for r in rows
+        ],
+        "rewards": [
+            f"{type(cb).__module__}.{type(cb).__qualname__}(weight={cb.weight})" for cb in rewards
+        ],
+    }
+    for cb in rewards:  # (a sandbox pool, worker processes: closed by `close`)
+        cb.setup(trainer, module, "fit")
+    return Setup(
+        module, rows, rewards, str(trainer.precision), trainer.strategy.root_device, settings
+    )
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager:
+    """The forward context of Lightning's mixed precision (`bf16-mixed`, `16-mixed`)."""
+    if precision.endswith("-mixed"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        return torch.autocast(device.type, dtype=dtype)
+    return nullcontext()
+
+
+def progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), transient=not sys.stderr.isatty())  # fmt: skip
+
+
+def sample_buffer(s: Setup, opts: Options, out: Path) -> tuple[Rollout, float, list[int]]:
+    """The buffer (sampled, or read where it already is): one rollout over the chosen
+    prompts, the seconds its sampling took, and the prompts' indices."""
+    chosen = torch.randperm(
+        len(s.rows), generator=torch.Generator().manual_seed(opts.seed)
+    ).tolist()
+    chosen = sorted(chosen[: opts.prompts] if opts.prompts else chosen)
+    gen = replace(s.module.gen, n=opts.samples_per_prompt)
+    settings = {**s.settings, "chosen": chosen, "samples_per_prompt": opts.samples_per_prompt,
+                "seed": opts.seed, "chunk_prompts": opts.chunk_prompts}  # fmt: skip
+    fingerprint = hashlib.sha256(
+        json.dumps(settings, sort_keys=True, default=str).encode()
+    ).hexdigest()
+    buffer = Buffer(out, {"fingerprint": fingerprint, "settings": settings})
+    chunks = [chosen[i : i + opts.chunk_prompts] for i in range(0, len(chosen), opts.chunk_prompts)]
+    todo = [i for i in range(len(chunks)) if not buffer.has(i)]
+    if todo:
+        policy = s.module.policy
+        longest = max(len(s.rows[i]["prompt_ids"]) for i in chosen) + gen.max_new_tokens
+        engine = make_engine(gen, policy, s.module.tokenizer, s.module.tools, max_model_len=longest,
+                             precision=s.precision, local_rank=0)  # fmt: skip
+        try:
+            with progress() as bar:
+                task = bar.add_task(
+                    "sampling the buffer", total=len(chunks), completed=len(chunks) - len(todo)
+                )
+                for i in todo:
+                    start = time.perf_counter()
+                    with torch.random.fork_rng(
+                        devices=[s.device] if s.device.type == "cuda" else []
+                    ):
+                        torch.manual_seed(opts.seed * 1_000_003 + i)
+                        with autocast(s.precision, s.device), torch.no_grad():
+                            engine.sync()
+                            r = engine.sample(
+                                [s.rows[j] for j in chunks[i]], gen, reproducible=True
+                            )
+                    outcome = combine_rewards(s.rewards, r.samples)
+                    r.scores = torch.tensor(outcome.rewards, dtype=torch.float32)
+                    r.correct = torch.tensor(outcome.correct(s.rewards))
+                    buffer.save(i, r, chunks[i], time.perf_counter() - start)
+                    bar.advance(task)
+        finally:
+            engine.close()
+    r, seconds = buffer.load(len(chunks))
+    return r, seconds, chosen
+
+
+def pretrain_critic(argv: list[str], opts: Options) -> dict[str, Any]:
+    """Samples (or reads) the buffer, trains the critic to convergence, writes it and the
+    report; returns the report."""
+    started = time.perf_counter()
+    out = Path(opts.out)
+    s = from_config(argv)
+    try:
+        return _pretrain(s, argv, opts, out, started)
+    finally:
+        for cb in s.rewards:
+            cb.close()
+
+
+def _pretrain(
+    s: Setup, argv: list[str], opts: Options, out: Path, started: float
+) -> dict[str, Any]:
+    module, algo, optim = s.module, s.module.algo, s.module.optim
+    if not algo.uses_critic:
+        raise SetupError("model.algorithm.advantage='group' has no critic to pretrain")
+    torch.manual_seed(opts.seed)
+    module.policy = build_policy(module.policy_spec, module.tokenizer).to(s.device)
+    module.critic = build_critic(module.critic_spec, module.policy, module.tokenizer).to(s.device)
+    module.policy, module.critic = add_adapters(
+        module.policy, module.critic, module.policy_spec, module.critic_spec
+    )
+    buffer, sample_seconds, chosen = sample_buffer(s, opts, out)
+    module.policy = None  # the critic trains alone from here
+    critic = module.critic
+
+    _, held_prompts = split_by_prompt(len(chosen), opts.held_out, opts.seed)
+    in_held = torch.isin(buffer.group_ids, torch.tensor([chosen[i] for i in held_prompts]))
+    train, held = (
+        buffer.select(torch.nonzero(~in_held)[:, 0]),
+        buffer.select(torch.nonzero(in_held)[:, 0]),
+    )
+    for part in (train, held):
+        part.returns = monte_carlo_returns(part.scores, part.response_mask, algo.gamma)
+        part.pack = pack_size(part.group_ids, algo)
+        part.shared_start = algo.share_prompts
+
+    params = [p for p in critic.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=optim.critic_lr, betas=optim.betas, weight_decay=optim.weight_decay
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / (optim.warmup_steps + 1))
+    )
+    state_path, history = out / "state.pt", []
+    if state_path.exists():  # a killed call: go on after its last whole epoch
+        state = torch.load(state_path, weights_only=False)
+        critic.load_state_dict(state["critic"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        history = state["history"]
+
+    def score(epoch: int, train_loss: float, seconds: float) -> dict[str, float]:
+        with autocast(s.precision, s.device):
+            values = compute_values(critic, held, algo.micro_batch_size)
+        checks = check_critic(
+            values, held.returns, held.scores, held.correct, held.group_ids, held.response_mask
+        )
+        return {"epoch": epoch, "train/value_loss": train_loss, **{f"held_out/{k}": v for k, v in checks.items()},
+                "minutes": seconds / 60}  # fmt: skip
+
+    if not history:  # the critic as it starts, kept unless an epoch beats it
+        history.append(score(0, float("nan"), 0.0))
+        save_pretrained(critic, module.tokenizer, out / "critic", True)
+    stop = stopped(history, opts)
+    with progress() as bar:
+        task = bar.add_task("training the critic", total=None)
+        while stop is None:
+            epoch, start = len(history), time.perf_counter()
+            batches = mini_batches(len(train), algo.mini_batch_size, 1, train.pack)
+            if len(batches) == 1:  # (one mini-batch comes in order: shuffle it too)
+                batches = [torch.randperm(len(train))]
+            bar.update(task, total=len(batches), completed=0, description=f"critic epoch {epoch}")
+            critic.train()
+            loss_sum = tokens = 0.0
+            for index in batches:
+                n_tokens = train.response_mask[index].sum()
+                for _, micro in micro_batches(train, algo.micro_batch_size, index):
+                    with autocast(s.precision, s.device):
+                        values = critic_values(critic, micro)
+                    loss, _ = core.value_loss(
+                        values, values.detach(), micro.returns, micro.response_mask, n_tokens, None
+                    )
+                    loss.backward()
+                    loss_sum += float(loss.detach()) * float(n_tokens)
+                clip_and_step(opt, critic, optim.max_grad_norm)
+                sched.step()
+                tokens += float(n_tokens)
+                bar.advance(task)
+            history.append(score(epoch, loss_sum / max(tokens, 1), time.perf_counter() - start))
+            if improved(history, opts.min_delta) == epoch:
+                save_pretrained(critic, module.tokenizer, out / "critic", True)
+            torch.save({"critic": critic.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "history": history}, state_path.with_suffix(".tmp"))  # fmt: skip
+            os.replace(state_path.with_suffix(".tmp"), state_path)
+            stop = stopped(history, opts)
+    best = improved(history, opts.min_delta)
+    report = {
+        "command": "vapo pretrain-critic " + " ".join(argv + _flags(opts)),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "machine": _machine(),
+        "options": asdict(opts),
+        "buffer": {
+            "prompts": len(chosen),
+            "responses": len(buffer),
+            "training_responses": len(train),
+            "held_out_responses": len(held),
+            "held_out_prompts": len(held_prompts),
+            "correct": float(buffer.correct.float().mean()),
+            "mean_reward": float(buffer.scores.mean()),
+            "mean_response_tokens": float(buffer.response_lengths.float().mean()),
+            "truncated": float(buffer.truncated.float().mean()),
+            "sampling_minutes": sample_seconds / 60,
+        },
+        "epochs": history,
+        "best_epoch": best,
+        "stopped": stop,
+        "critic": str(out / "critic"),
+        "minutes_this_call": (time.perf_counter() - started) / 60,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(render(report))
+    return report
+
+
+def stopped(history: list[dict[str, float]], opts: Options) -> str | None:
+    """Why training stops after these epochs, or None to go on."""
+    epochs, best = len(history) - 1, improved(history, opts.min_delta)
+    if epochs - best >= opts.patience and epochs > 0:
+        return (
+            f"no better held-out explained variance for {opts.patience} epochs (best: epoch {best})"
+        )
+    if epochs >= opts.max_epochs:
+        return f"max_epochs={opts.max_epochs}"
+    return None
+
+
+def render(report: dict[str, Any]) -> str:
+    b, rows = report["buffer"], report["epochs"]
+    lines = [
+        "# Critic pretraining to convergence",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Date {report['date']}, code at {report['commit']}  ",
+        f"Machine: {report['machine']}  ",
+        f"Buffer: {b['responses']} responses to {b['prompts']} prompts ({b['held_out_prompts']} held out: "
+        f"{b['held_out_responses']} responses), {100 * b['correct']:.1f} % correct, mean reward {b['mean_reward']:.3f}, "
+        f"{b['mean_response_tokens']:.0f} tokens on average ({100 * b['truncated']:.1f} % at the cap); "
+        f"sampled and scored in {b['sampling_minutes']:.1f} min.  ",
+        f"Stopped: {report['stopped']}; the critic written ({report['critic']}) is epoch {report['best_epoch']}'s.",
+        "",
+        "Held-out: the responses to prompts the critic never trained on. Explained variance against the "
+        "λ = γ = 1 return (the final reward at every token); by the tenth of the response the token lies in; "
+        "calibration: correlation over prompts of V(s_0) with the prompt's success rate; baseline shares: the "
+        "return's variance removed by the critic's values and by the group's mean reward (GRPO's baseline).",
+        "",
+        "| epoch | train value loss | held-out value loss | held-out explained var | first / middle / last tenth "
+        "| calibration | variance removed: critic / group mean | minutes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['epoch']} | {row['train/value_loss']:.4f} | {row['held_out/value_loss']:.4f} "
+            f"| {row['held_out/explained_var']:.3f} | {row['held_out/explained_var/first_tenth']:.3f} / "
+            f"{row['held_out/explained_var/middle_tenth']:.3f} / {row['held_out/explained_var/last_tenth']:.3f} "
+            f"| {row['held_out/calibration']:.3f} | {row['held_out/baseline_share/critic']:.3f} / "
+            f"{row['held_out/baseline_share/group_mean']:.3f} | {row['minutes']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _flags(opts: Options) -> list[str]:
+    default = Options()
+    return [f"--{k}={v}" for k, v in asdict(opts).items() if v != getattr(default, k)]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return (
+        f"{cpu}, {os.cpu_count()} logical CPUs, {torch.get_num_threads()} threads"
+        + (f", {gpu}" if gpu else "")
+        + (f", torch {torch.__version__}")
+    )
+
+
+def parse(argv: list[str]) -> tuple[Options, list[str]]:
+    """`Options` from the flags it names; the rest (-c CONFIG, --model..., --trainer...)
+    is the run's config, as `vapo fit` reads it."""
+    parser = argparse.ArgumentParser(
+        prog="vapo pretrain-critic",
+        description="Pretrain the critic to convergence on a buffer sampled once from the config's "
+        "initial policy (VAPO §4.1); every other flag is the run's config, as for `vapo fit`.",
+    )
+    for name, value in asdict(Options()).items():
+        kind = int if name in ("prompts",) else type(value)
+        parser.add_argument(f"--{name}", type=kind, default=value)
+    known, rest = parser.parse_known_args(argv)
+    opts = Options(**vars(known))
+    if opts.samples_per_prompt < 1 or not 0 < opts.held_out < 1 or opts.patience < 1:
+        parser.error("--samples_per_prompt must be ≥ 1, --held_out in (0, 1), --patience ≥ 1")
+    return opts, rest
+
+
+def main(argv: list[str]) -> None:
+    opts, rest = parse(argv)
+    report = pretrain_critic(rest, opts)
+    best = report["epochs"][report["best_epoch"]]
+    print(f"critic: {report['critic']} (epoch {report['best_epoch']}, held-out explained variance "
+          f"{best['held_out/explained_var']:.3f}); report: {Path(opts.out) / 'report.md'}")  # fmt: skip
