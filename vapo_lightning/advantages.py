@@ -12,11 +12,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from vapo_lightning import core
+from vapo_lightning import core, critic_checks
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout
 
-__all__ = ["actor_lambda", "actor_signal", "compute_advantages", "critic_targets"]
+__all__ = ["actor_lambda", "actor_signal", "compute_advantages", "critic_gate", "critic_targets"]
 
 
 def actor_lambda(r: Rollout, a: Algorithm) -> Tensor:
@@ -41,19 +41,39 @@ def compute_advantages(
     r: Rollout, a: Algorithm, value_pretraining: bool, global_sum: Callable[[Tensor], Tensor]
 ) -> None:
     """Fills `r.advantages` (B, T), and with a critic `r.lam_actor` and `r.returns`: GAE with
-    the actor's lambda over V_old, or GRPO / DAPO's group-normalised outcome on every token;
-    whitened over all ranks' valid tokens if `a.whiten_advantages`."""
+    the actor's lambda over V_old, or GRPO / DAPO's group-normalised outcome on every token
+    (also where `a.critic_gate` finds the critic explaining too little: `r.critic_baseline`
+    says which); whitened over all ranks' valid tokens if `a.whiten_advantages`."""
     mask = r.response_mask
     if a.advantage == "gae":
         r.lam_actor = actor_lambda(r, a)
         rewards = core.sparse_rewards(r.scores, mask)
         adv, _ = core.gae(rewards, r.values, mask, a.gamma, r.lam_actor)
         r.returns = critic_targets(r, a, value_pretraining)
+        if a.critic_gate is not None:
+            r.critic_baseline = critic_gate(r, a, global_sum)
+            if not r.critic_baseline.all():
+                adv = (
+                    core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None]
+                    * mask
+                )
     else:
         adv = core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
     if a.whiten_advantages:
         adv = core.masked_whiten(adv, mask, global_sum(core.masked_moments(adv, mask)))
     r.advantages = adv
+
+
+@torch.no_grad()
+def critic_gate(r: Rollout, a: Algorithm, global_sum: Callable[[Tensor], Tensor]) -> Tensor:
+    """EVPO's gate (arXiv 2604.19485, §4), (B,) all alike: 1 where the critic's explained variance on this
+    batch, V_old against the λ = γ = 1 return over every rank's valid tokens, exceeds
+    `a.critic_gate` (its variance reduction then beats the batch mean's), else 0; 0 where
+    the return does not vary (nothing to explain). The same on every rank."""
+    mc = core.gae(core.sparse_rewards(r.scores, r.response_mask), torch.zeros_like(r.values),
+                  r.response_mask, a.gamma, 1.0)[1]  # fmt: skip
+    ev = critic_checks.explained_variance(r.values, mc, r.response_mask, global_sum)
+    return (ev > a.critic_gate).float().expand(len(r)).clone()  # (B,) alike; NaN > x is False
 
 
 @torch.no_grad()

@@ -97,6 +97,13 @@ class Algorithm:
     the engine's log-prob of each token it sampled (verl's bypass mode): one forward of the
     policy fewer per step, and the PPO ratio is then taken against the policy that really
     sampled, its numerics (bf16, a KV cache, another engine) included."""
+    critic_gate: float | None = None
+    """Beyond the paper, off by default: EVPO's gate (arXiv 2604.19485). Each step, the
+    critic's explained variance on the fresh batch (V_old against the λ = γ = 1 return, over
+    every rank's tokens, before the critic learns from the batch) must exceed this for the
+    actor to take the critic's GAE advantages; otherwise the step's advantages use the group
+    mean as baseline (GRPO's (R - mean) / std of the prompt's group, on every token), so a
+    critic that explains nothing cannot add its noise. EVPO's threshold: 0."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -126,6 +133,8 @@ class Algorithm:
                 f"model.algorithm.micro_batch_size={self.micro_batch_size} must divide "
                 f"mini_batch_size={self.mini_batch_size}"
             )
+        if self.critic_gate is not None and self.advantage != "gae":
+            raise ValueError("model.algorithm.critic_gate gates a critic: it needs advantage='gae'")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError("model.algorithm.clip_ratio_c must be > 1 (verl uses 3.0) or None")
 
@@ -160,6 +169,8 @@ class Algorithm:
             )
         if self.advantage == "group" and n < 2:
             raise SetupError("model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2")
+        if self.critic_gate is not None and n < 2:
+            raise SetupError("model.algorithm.critic_gate falls back to the group mean: it needs model.generation.n >= 2")
 
 
 @dataclass

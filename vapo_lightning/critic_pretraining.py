@@ -254,8 +254,16 @@ def autocast(precision: str, device: torch.device) -> AbstractContextManager:
 
 
 def progress() -> Progress:
+    """A rich bar on a terminal; written to a file or a pipe (a run in the background), one
+    plain line per chunk and per epoch instead (`say`)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), transient=not sys.stderr.isatty())  # fmt: skip
+                    TimeRemainingColumn(), disable=not sys.stderr.isatty())  # fmt: skip
+
+
+def say(line: str) -> None:
+    """A progress line where no bar shows (stderr not a terminal)."""
+    if not sys.stderr.isatty():
+        print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True)
 
 
 def sample_buffer(s: Setup, opts: Options, out: Path) -> tuple[Rollout, float, list[int]]:
@@ -300,6 +308,8 @@ def sample_buffer(s: Setup, opts: Options, out: Path) -> tuple[Rollout, float, l
                     r.correct = torch.tensor(outcome.correct(s.rewards))
                     buffer.save(i, r, chunks[i], time.perf_counter() - start)
                     bar.advance(task)
+                    say(f"buffer chunk {i + 1}/{len(chunks)}: {len(r)} responses, "
+                        f"{time.perf_counter() - start:.0f} s, {100 * float(r.correct.float().mean()):.0f} % correct")  # fmt: skip
         finally:
             engine.close()
     r, seconds = buffer.load(len(chunks))
@@ -405,6 +415,10 @@ def _pretrain(
                         "history": history}, state_path.with_suffix(".tmp"))  # fmt: skip
             os.replace(state_path.with_suffix(".tmp"), state_path)
             stop = stopped(history, opts)
+            row = history[-1]
+            say(f"critic epoch {epoch}: train value loss {row['train/value_loss']:.4f}, held-out value loss "
+                f"{row['held_out/value_loss']:.4f}, explained variance {row['held_out/explained_var']:.3f}, "
+                f"{row['minutes']:.1f} min")  # fmt: skip
     best = improved(history, opts.min_delta)
     report = {
         "command": "vapo pretrain-critic " + " ".join(argv + _flags(opts)),

@@ -118,6 +118,8 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
         m["critic/vf_explained_var"] = core.explained_variance(r.values, r.returns, mask)
     if r.lam_actor is not None:
         m["actor/lambda_actor/mean"] = r.lam_actor.mean()
+    if r.critic_baseline is not None:  # 1: the critic's baseline, 0: the group mean's
+        m["actor/critic_baseline"] = r.critic_baseline.float().mean()
     if r.tool_calls is not None:
         m["tools/calls/mean"] = r.tool_calls.float().mean()
         m["tools/observation_tokens/mean"] = r.observation_tokens.float().mean()

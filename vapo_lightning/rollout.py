@@ -56,6 +56,8 @@ class Rollout:
     advantages: Tensor | None = None  # (B, T)
     returns: Tensor | None = None  # (B, T) critic targets
     lam_actor: Tensor | None = None  # (B,)
+    critic_baseline: Tensor | None = None  # (B,) 1: the critic's values are the baseline, 0:
+    # the group mean (`Algorithm.critic_gate`, alike in every row); None: no gate
     ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
     rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), when asked (`RolloutEngine.logprobs`)
     tool_calls: Tensor | None = None  # (B,) tool calls of each response, with model.tools
