@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from vapo_lightning import core
+from vapo_lightning.critic_checks import explained_variance
 from vapo_lightning.distributed import save_pretrained
 
 __all__ = [
@@ -113,8 +114,8 @@ class ValuePretraining(L.Callback):
         if not self.active:
             return
         self.steps_done += 1
-        r = pl_module.last_rollout
-        ev = float(core.explained_variance(r.values, r.returns, r.response_mask))
+        r = pl_module.last_rollout  # the decision, like the number, over every rank's tokens
+        ev = float(explained_variance(r.values, r.returns, r.response_mask, pl_module.global_sum))
         reached = self.threshold is not None and ev >= self.threshold
         if self.steps_done >= self.steps or reached:
             self.active = False

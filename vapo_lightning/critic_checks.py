@@ -22,6 +22,7 @@ __all__ = [
     "check_critic",
     "explained_variance",
     "explained_variance_by_position",
+    "first_values",
     "position_masks",
 ]
 
@@ -94,7 +95,7 @@ def first_values(values: Tensor, mask: Tensor) -> Tensor:
 def calibration(v0: Tensor, success: Tensor, group_ids: Tensor) -> Tensor:
     """Pearson correlation over prompts between the mean of V(s_0) over a prompt's responses
     and the prompt's empirical success rate over them (v0, success, group_ids: (B,)); NaN
-    where either does not vary. All ranks' responses: gather them first."""
+    where either does not vary."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     k = int(inverse.max()) + 1 if len(inverse) else 0
     counts = torch.zeros(k).index_add_(0, inverse.cpu(), torch.ones(len(inverse)))
@@ -126,39 +127,18 @@ def baseline_shares(
 
 
 def check_critic(
-    values: Tensor, returns: Tensor, scores: Tensor, success: Tensor, group_ids: Tensor, mask: Tensor,
-    global_sum: GlobalSum = _local, gather: Callable[[Tensor], Tensor] | None = None,
-) -> dict[str, float]:  # fmt: skip
-    """Every measurement above as metric names: ``explained_var``, ``explained_var/<tenth>``,
-    ``value_loss`` (mean 0.5 (V - R)^2 per token), ``calibration``, ``baseline_share/critic``,
-    ``baseline_share/group_mean``. `gather` (B,) -> (world·B,) joins the ranks' per-response
-    numbers for the calibration (None: one process); group ids must then be unique over
-    ranks (e.g. the prompt's index in the data)."""
+    values: Tensor, returns: Tensor, scores: Tensor, success: Tensor, group_ids: Tensor, mask: Tensor
+) -> dict[str, float]:
+    """Every measurement above, in one process, as metric names: ``explained_var``,
+    ``explained_var/<tenth>``, ``value_loss`` (mean 0.5 (V - R)^2 per token), ``calibration``,
+    ``baseline_share/critic``, ``baseline_share/group_mean``."""
     m = mask.bool()
-    n, sq = global_sum(
-        torch.stack(
-            [m.sum().float(), torch.where(m, (values - returns).float(), 0.0).square().sum()]
-        )
-    )
+    sq = torch.where(m, (values - returns).float(), 0.0).square().sum()
     out = {
-        "explained_var": explained_variance(values, returns, mask, global_sum),
-        **{
-            f"explained_var/{k}": v
-            for k, v in explained_variance_by_position(values, returns, mask, global_sum).items()
-        },
-        "value_loss": 0.5 * sq / n.clamp(min=1),
-        **{
-            f"baseline_share/{k}": v
-            for k, v in baseline_shares(values, scores, group_ids, mask, global_sum).items()
-        },
+        "explained_var": explained_variance(values, returns, mask),
+        **{f"explained_var/{k}": v for k, v in explained_variance_by_position(values, returns, mask).items()},
+        "value_loss": 0.5 * sq / m.sum().clamp(min=1),
+        **{f"baseline_share/{k}": v for k, v in baseline_shares(values, scores, group_ids, mask).items()},
+        "calibration": calibration(first_values(values, mask), success, group_ids),
     }
-    per_response = torch.stack(
-        [first_values(values, mask).float(), success.float(), group_ids.float()]
-    )
-    if gather is not None:
-        per_response = gather(per_response)  # (world, 3, B) or (3, world·B)
-        per_response = (
-            per_response.reshape(-1, 3, per_response.shape[-1]).transpose(0, 1).reshape(3, -1)
-        )
-    out["calibration"] = calibration(per_response[0], per_response[1], per_response[2].long())
     return {k: float(v) for k, v in out.items()}

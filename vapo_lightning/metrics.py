@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from vapo_lightning import core, correction
+from vapo_lightning.critic_checks import GlobalSum, explained_variance
 from vapo_lightning.rewards.math_answers import answer_forms
 from vapo_lightning.rollout import Rollout
 
@@ -95,8 +96,10 @@ def warn_without_reward_signal(m: dict[str, float]) -> None:
         )
 
 
-def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
-    """Scores, lengths, values, advantages, lambda, timings and throughput of one rollout."""
+def rollout_metrics(r: Rollout, timer: PhaseTimer, global_sum: GlobalSum = Tensor.float) -> dict[str, float]:
+    """Scores, lengths, values, advantages, lambda, timings and throughput of one rollout;
+    the critic's explained variance over every rank's tokens (`global_sum`), not a mean of
+    the ranks' own."""
     mask, lengths = r.response_mask, r.response_lengths.float()
     m = {
         "critic/score/mean": r.scores.mean(),
@@ -115,7 +118,7 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
     if r.values is not None:
         m["critic/values/mean"] = core.masked_mean(r.values, mask)
         m["critic/returns/mean"] = core.masked_mean(r.returns, mask)
-        m["critic/vf_explained_var"] = core.explained_variance(r.values, r.returns, mask)
+        m["critic/vf_explained_var"] = explained_variance(r.values, r.returns, mask, global_sum)
     if r.lam_actor is not None:
         m["actor/lambda_actor/mean"] = r.lam_actor.mean()
     if r.critic_baseline is not None:  # 1: the critic's baseline, 0: the group mean's
@@ -142,12 +145,12 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer) -> dict[str, float]:
 
 def step_metrics(
     r: Rollout, stats: dict[str, list[float]], timer: PhaseTimer, *, actor_lr: float,
-    critic_lr: float | None, value_pretraining: bool, tools: bool,
+    critic_lr: float | None, value_pretraining: bool, tools: bool, global_sum: GlobalSum = Tensor.float,
 ) -> dict[str, float]:  # fmt: skip
     """Everything one rollout step logs on one rank: the updates' statistics (averaged over
     their steps), the rollout's, learning rates, reward and tool errors, and the aliases."""
     m = {k: sum(v) / len(v) for k, v in stats.items() if v}
-    m.update(rollout_metrics(r, timer))
+    m.update(rollout_metrics(r, timer, global_sum))
     warn_without_reward_signal(m)  # rank 0's groups
     m.update({"actor/lr": actor_lr, "warmup/active": float(value_pretraining),
               "reward/errors": float(r.reward_errors), **r.reward_metrics})  # fmt: skip

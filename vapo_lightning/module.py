@@ -467,7 +467,8 @@ class VAPOModule(L.LightningModule):
         actor_opt, critic_opt = self.optimizer_pair()
         m = step_metrics(r, stats, timer, actor_lr=actor_opt.param_groups[0]["lr"],
                          critic_lr=critic_opt.param_groups[0]["lr"] if critic_opt else None,
-                         value_pretraining=self.actor_frozen, tools=bool(self.tools))  # fmt: skip
+                         value_pretraining=self.actor_frozen, tools=bool(self.tools),
+                         global_sum=self.global_sum)  # fmt: skip
         m["rollout_step"] = float(self._rollout_steps_before + 1)
         names = sorted(m)
         local = torch.tensor([float(m[k]) for k in names], device=self.device)

@@ -1,0 +1,62 @@
+"""`model.algorithm.critic_gate` (EVPO's gate, arXiv 2604.19485): the critic's GAE advantages
+where its explained variance on the batch exceeds the threshold, the group mean's otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vapo_lightning.advantages import compute_advantages
+from vapo_lightning.config import Algorithm
+from vapo_lightning.rollout import Rollout
+
+
+def rollout(values: str) -> Rollout:
+    """8 responses to 2 prompts; rewards 1 / 0; V_old that knows each answer's reward
+    ("knows", up to a little noise) or is noise ("noise")."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 8, 6
+    lengths = torch.tensor([6, 4, 5, 3, 6, 2, 4, 5])
+    mask = torch.arange(T)[None] < lengths[:, None]
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    v = scores[:, None] + 0.1 * torch.randn(B, T, generator=g) if values == "knows" else 3 * torch.randn(B, T, generator=g)
+    r = Rollout(input_ids=torch.zeros(B, 2 + T, dtype=torch.long), attention_mask=torch.ones(B, 2 + T, dtype=torch.long),
+                response_mask=mask, group_ids=torch.arange(B) // 4, truncated=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+    r.scores, r.values = scores, v * mask
+    return r
+
+
+def advantages(r: Rollout, **algo) -> torch.Tensor:
+    compute_advantages(r, Algorithm(**algo), False, torch.Tensor.float)
+    return r.advantages
+
+
+@pytest.mark.parametrize("whiten", [True, False])
+def test_a_critic_that_explains_the_return_keeps_its_advantages(whiten):
+    ungated = advantages(rollout("knows"), whiten_advantages=whiten)
+    r = rollout("knows")
+    gated = advantages(r, critic_gate=0.0, whiten_advantages=whiten)
+    assert r.critic_baseline.tolist() == [1.0] * 8
+    assert torch.equal(gated, ungated)
+
+
+@pytest.mark.parametrize("whiten", [True, False])
+def test_a_critic_that_explains_nothing_gives_way_to_the_group_mean(whiten):
+    grpo = advantages(rollout("noise"), advantage="group", whiten_advantages=whiten)
+    r = rollout("noise")
+    gated = advantages(r, critic_gate=0.0, whiten_advantages=whiten)
+    assert r.critic_baseline.tolist() == [0.0] * 8
+    assert torch.allclose(gated, grpo)
+    assert not torch.allclose(gated, advantages(rollout("noise"), whiten_advantages=whiten))  # the gate acted
+    assert r.returns is not None and r.lam_actor is not None  # the critic still learns its targets
+
+
+def test_the_threshold_decides_and_no_gate_changes_nothing():
+    r = rollout("knows")
+    advantages(r, critic_gate=0.999)  # explained variance ~0.96
+    assert r.critic_baseline.tolist() == [0.0] * 8
+    r = rollout("noise")
+    advantages(r)
+    assert r.critic_baseline is None
+    with pytest.raises(ValueError, match="critic_gate"):
+        Algorithm(advantage="group", critic_gate=0.0)
