@@ -54,7 +54,11 @@ from vapo_lightning.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "benchmarks/results/learning_runs"
-CURVES = ("rollout/accuracy", "response_length/mean", "critic/vf_explained_var")
+CURVES = ("rollout/accuracy", "response_length/mean", "critic/vf_explained_var",
+          "rollout/responses_sampled", "actor/critic_baseline", "critic_probe/explained_var",
+          "critic_probe/explained_var/first_tenth", "critic_probe/explained_var/middle_tenth",
+          "critic_probe/explained_var/last_tenth", "critic_probe/calibration",
+          "critic_probe/baseline_share/critic", "critic_probe/baseline_share/group_mean")  # fmt: skip
 
 
 # (name, layer over the task's config or None, the paper's Table 1 AIME24 score)
@@ -73,9 +77,13 @@ RUNS = [
     ("SAO-style (n=1, 2 critic steps)", "configs/baselines/sao.yaml", None),
     # the mechanism test of the pretrained-critic study: a task-specific layer
     ("VAPO, critic at random init", None, None),
+    # the critic that works: pretrained to convergence (`vapo pretrain-critic`), and EVPO's gate
+    ("VAPO, critic pretrained to convergence", None, None),
+    ("VAPO, gated baseline", None, None),
 ]
-TABLE_1 = tuple(name for name, _, _ in RUNS[:-1])  # the rows of the miniature Table 1
-RANDOM_CRITIC = RUNS[-1][0]
+TABLE_1 = tuple(name for name, _, _ in RUNS[:-3])  # the rows of the miniature Table 1
+RANDOM_CRITIC = "VAPO, critic at random init"
+PRETRAINED_CRITIC, GATED = "VAPO, critic pretrained to convergence", "VAPO, gated baseline"
 CRITIC_FREE = ("GRPO", "DAPO")  # the rows without a critic (vanilla PPO has one)
 
 
@@ -149,7 +157,9 @@ TASKS = {
         {"vanilla PPO": "configs/smollm2/ppo.yaml", "GRPO": "configs/smollm2/grpo.yaml",
          "DAPO": "configs/smollm2/dapo.yaml",
          "w/o value-pretraining": "configs/smollm2/vapo_wo_value_pretraining.yaml",
-         "VAPO, critic at random init": "configs/smollm2/random_critic.yaml"},
+         "VAPO, critic at random init": "configs/smollm2/random_critic.yaml",
+         PRETRAINED_CRITIC: "configs/smollm2/pretrained_critic.yaml",
+         GATED: "configs/smollm2/critic_gate.yaml"},
         (("model", "Qwen2.5-32B (policy and critic)",
           "SmolLM2-135M-Instruct from its GGUF (4-bit weights dequantised); the critic from its "
           "backbone with a fresh value head, or at random init (its own row)"),
@@ -172,7 +182,7 @@ TASKS = {
          ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
           "128 validation problems × 2 samples, T = 0.4 (this model babbles at 1.0)")),
         rows=("VAPO", "VAPO, critic at random init", "w/o value-pretraining", "vanilla PPO",
-              "GRPO", "DAPO"),
+              "GRPO", "DAPO", PRETRAINED_CRITIC, GATED),
         lengths=((0, 63), (64, 127), (128, 192)),
         threads="one run at a time, two threads",
         critics=("the prompts come in the same order in every run (`data.seed` 0); VAPO "

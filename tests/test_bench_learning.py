@@ -29,7 +29,7 @@ def test_every_row_gets_the_same_policy_updates_and_responses(task):
         n = ((B.load(layer).get("model") or {}).get("generation") or {}).get("n") if layer else None
         per_step = int(merged.get("--data.prompts_per_step", base["data"]["prompts_per_step"]))
         assert per_step * (n or base["model"]["generation"]["n"]) == responses, name
-        without = name in ("vanilla PPO", "GRPO", "DAPO", "w/o value-pretraining")
+        without = name in ("vanilla PPO", "GRPO", "DAPO", "w/o value-pretraining", B.PRETRAINED_CRITIC)
         assert p == (0 if without else {"arithmetic": 5, "smollm2": 8}.get(task, 50)), name
 
 

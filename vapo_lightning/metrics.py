@@ -153,7 +153,8 @@ def step_metrics(
     m.update(rollout_metrics(r, timer, global_sum))
     warn_without_reward_signal(m)  # rank 0's groups
     m.update({"actor/lr": actor_lr, "warmup/active": float(value_pretraining),
-              "reward/errors": float(r.reward_errors), **r.reward_metrics})  # fmt: skip
+              "reward/errors": float(r.reward_errors), "rollout/responses_sampled": float(r.sampled),
+              **r.reward_metrics})  # fmt: skip
     if tools:
         m["tools/errors"] = float(len(r.tool_errors))
     if critic_lr is not None:

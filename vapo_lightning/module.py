@@ -473,7 +473,7 @@ class VAPOModule(L.LightningModule):
         names = sorted(m)
         local = torch.tensor([float(m[k]) for k in names], device=self.device)
         every = self.all_gather(local) if self.trainer.world_size > 1 else local[None]  # (world, K)
-        m = defined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", *r.reward_metrics}))
+        m = defined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}))
         shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
         logged = {k: v for k, v in m.items() if k not in shown}
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)

@@ -65,6 +65,7 @@ class Rollout:
     tool_errors: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, kind, message)
     tool_seconds: float = 0.0  # time spent in tools while sampling
     reward_errors: int = 0  # samples a reward callback failed on (counted, never silent)
+    sampled: int = 0  # responses the engine drew for this step, DAPO's dropped rounds included
     reward_metrics: dict[str, float] = field(default_factory=dict)  # callbacks' own counts
     reward_parts: Tensor | None = None  # (B, K) each reward callback's own score
     reward_names: list[str] = field(default_factory=list)  # (K,) their names
@@ -337,8 +338,8 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
 
 def with_round_counts(r: Rollout, rounds: list[Rollout]) -> Rollout:
     """`r` (the responses kept from DAPO's dynamic-sampling `rounds`) with the counts of every
-    round: reward and tool errors, and the reward callbacks' metrics summed, a zero kept
-    (each rank logs each key)."""
+    round: responses sampled, reward and tool errors, and the reward callbacks' metrics
+    summed, a zero kept (each rank logs each key)."""
     metrics: dict[str, float] = {}
     for x in rounds:
         for key, value in x.reward_metrics.items():
@@ -346,4 +347,5 @@ def with_round_counts(r: Rollout, rounds: list[Rollout]) -> Rollout:
     r.tool_errors = [e for x in rounds for e in x.tool_errors]
     r.reward_errors, r.reward_metrics = sum(x.reward_errors for x in rounds), metrics
     r.reward_names = rounds[0].reward_names  # (cat_rollouts keeps tensors only)
+    r.sampled = sum(len(x) for x in rounds)
     return r
