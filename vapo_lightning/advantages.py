@@ -50,7 +50,7 @@ def compute_advantages(
         rewards = core.sparse_rewards(r.scores, mask)
         adv, _ = core.gae(rewards, r.values, mask, a.gamma, r.lam_actor)
         r.returns = critic_targets(r, a, value_pretraining)
-        if a.critic_gate is not None:
+        if a.critic_gate is not None and not value_pretraining:  # (no actor update to gate)
             r.critic_baseline = critic_gate(r, a, global_sum)
             if not r.critic_baseline.all():
                 adv = (
