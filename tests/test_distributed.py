@@ -394,3 +394,38 @@ def test_gpu_configs_parse_and_keep_the_papers_global_batch(path):
     assert (model["optim"]["actor_lr"], model["optim"]["critic_lr"]) == (1e-6, 2e-6)
     algo = model["algorithm"]
     assert (algo["clip_low"], algo["clip_high"], algo["nll_coef"]) == (0.2, 0.28, 0.1)
+
+
+@pytest.mark.slow
+def test_fsdp_fit_with_a_threshold_the_critic_view_micro_batches_and_a_save_every_step(tmp_path):
+    """Every collective entered by every rank: value pretraining ended by its explained-
+    variance threshold (decided over both ranks' tokens), the critic view at validation (the
+    sharded critic run on every rank), micro-batches smaller than the mini-batch and a
+    sharded checkpoint every step; the run finishes (a rank left waiting would hang it)."""
+    layer = tmp_path / "layer.yaml"
+    layer.write_text(json.dumps({"trainer": {"callbacks": [
+        {"class_path": "tests.helpers.ParityReward"},  # rewards that vary: a defined explained variance
+        {"class_path": "vapo_lightning.callbacks.ValuePretraining",
+         "init_args": {"steps": 3, "explained_variance_threshold": -1e9}},
+        {"class_path": "vapo_lightning.critic_view.CriticView", "init_args": {"k": 2}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"save_last": True, "every_n_train_steps": 1, "save_top_k": 0}},
+    ]}}))  # fmt: skip
+    vapo_fit(tmp_path, "fsdp", "-c", str(layer), "--trainer.max_steps=3", "--trainer.val_check_interval=2",
+             "--model.algorithm.micro_batch_size=4", "--data.val_batch_size=8")  # fmt: skip
+    logged = scalars(tmp_path / "lightning_logs" / "version_0")
+    assert logged["warmup/active"] == [1.0, 0.0, 0.0]  # the threshold ended it after one step
+    assert len(logged["actor/pg_loss"]) == 2
+    assert (tmp_path / "critic_view" / "critic_view.md").read_text().count("### step 2, response") == 2
+    assert is_dcp_folder(tmp_path / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.slow
+def test_fsdp_fit_with_dapo_dynamic_sampling(tmp_path):
+    """DAPO's extra sampling rounds under fsdp: the ranks agree each round whether any still
+    needs responses (a sum over ranks, on the module's device) and end with equal batches."""
+    vapo_fit(tmp_path, "fsdp", "-c", "configs/baselines/dapo.yaml", "--trainer.max_steps=2",
+             f"--trainer.default_root_dir={tmp_path}", "--trainer.callbacks+=tests.helpers.ParityReward")  # fmt: skip
+    logged = scalars(tmp_path / "lightning_logs" / "version_0")
+    assert logged["rollout_step"] == [1.0, 2.0]
+    assert all(n >= 32 for n in logged["rollout/responses_sampled"])  # 2 ranks × 4 prompts × 4, or more rounds

@@ -140,7 +140,8 @@ class CriticView(L.Callback):
     """At each validation: the critic's per-token view of `k` responses of the first batch
     (one of them wrong when the batch has a wrong one), in TensorBoard (`critic_view/image`,
     `critic_view/text`) and in `folder` (default `<default_root_dir>/critic_view/`):
-    `critic_view.md` (appended) and `step<N>_<i>.png`. Rank 0's responses only.
+    `critic_view.md` (appended) and `step<N>_<i>.png`. Rank 0's responses only (every rank
+    runs the critic on its own, as a sharded critic needs).
 
     Args:
         k: responses shown per validation.
@@ -155,10 +156,14 @@ class CriticView(L.Callback):
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         r = getattr(pl_module, "last_val_rollout", None)
-        if batch_idx != 0 or r is None or pl_module.critic is None or not trainer.is_global_zero:
+        if batch_idx != 0 or r is None or pl_module.critic is None:
             return
         r = self.last_rollout = r.select(pick_rows(r.correct, self.k))
-        r.values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size)  # V(s_t)
+        # V(s_t) on every rank, in one forward each (a sharded critic's forward is collective:
+        # every rank takes part); rank 0 draws and writes.
+        r.values = compute_values(pl_module.critic, r, max(1, len(r)))
+        if not trainer.is_global_zero:
+            return
         self.last_views = token_views(r, pl_module.algo, pl_module.tokenizer)
         # (`vapo validate` / `inspect` of a checkpoint leave the trainer's step at 0)
         self.write(trainer, self.last_views, max(trainer.global_step, pl_module.checkpoint_step))

@@ -66,6 +66,13 @@ class VAPOStrategy(ModelParallelStrategy):
             (resume with `--ckpt_path last`); False: one full file assembled on rank 0. ddp
             always writes one file from rank 0, as Lightning's DDP does: every rank holds the
             whole models, and Lightning's model-parallel loading reads only sharded ones.
+        accumulate_unsharded: fsdp: accumulate a mini-batch's gradient unsharded and
+            reduce-scatter it once, on its last micro-batch: fewer reduce-scatters, but every
+            rank holds the whole model's gradient in fp32 (4 bytes per parameter, not 4 / W)
+            from the first micro-batch on (+30 GB per GPU at 7 B). Off (the default, as in
+            verl, NeMo-RL and torchtitan): a reduce-scatter after every micro-batch, each
+            rank holding its shard. ddp always reduces once per mini-batch (its gradient is
+            whole on every rank anyway).
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class VAPOStrategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
+        accumulate_unsharded: bool = False,
         **kwargs: Any,
     ) -> None:
         if mode not in MODES:
@@ -82,6 +90,7 @@ class VAPOStrategy(ModelParallelStrategy):
         self.mode = mode
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
+        self.accumulate_unsharded = accumulate_unsharded
 
     def setup_environment(self) -> None:
         # One data-parallel dimension over every rank of every node; no tensor parallelism.

@@ -262,7 +262,7 @@ class VAPOModule(L.LightningModule):
                 kept.append(informative)
             have = sum(len(x) for x in kept)
             # Every rank runs as many rounds as the neediest one (sharded generate is collective).
-            if round_ == rounds or self.global_sum(torch.tensor(float(have < want))) == 0:
+            if round_ == rounds or self.global_sum(float(have < want)) == 0:
                 break
             rows = self.trainer.datamodule.sample_prompts(max(1, -(-(want - have) // n)))
         self.engine(self.gen).release(keep_weights=self.actor_frozen)  # the models train next
@@ -321,11 +321,14 @@ class VAPOModule(L.LightningModule):
 
     @property
     def data_parallel(self) -> DataParallel:  # Lightning's backward, sums over ranks
-        return DataParallel(self.manual_backward, self.global_sum, self.trainer.world_size)
+        unsharded = getattr(self.trainer.strategy, "accumulate_unsharded", False)
+        return DataParallel(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded)
 
-    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduces a normaliser over data-parallel ranks (token-level loss, §4.2)."""
-        x = x.float()
+    def global_sum(self, x: torch.Tensor | float) -> torch.Tensor:
+        """The sum over data-parallel ranks of a number or tensor (a normaliser of the
+        token-level loss, §4.2; a count): the one place scalars are reduced, and always on
+        the module's device (NCCL reduces no CPU tensor)."""
+        x = torch.as_tensor(x, device=self.device).float().to(self.device)
         return self.trainer.strategy.reduce(x, reduce_op="sum") if self.trainer.world_size > 1 else x
 
     def optimizer_pair(self) -> tuple[Any, Any]:  # (actor, critic); no critic: None

@@ -39,11 +39,14 @@ Stats = dict[str, list[float]]
 @dataclass(frozen=True)
 class DataParallel:
     """How an update reaches the other ranks: `backward` (Lightning's `manual_backward`:
-    precision plugin and strategy) and `global_sum` (a sum over data-parallel ranks)."""
+    precision plugin and strategy), `global_sum` (a sum over data-parallel ranks) and, for a
+    sharded model, whether its gradient accumulates unsharded over a mini-batch
+    (`VAPOStrategy.accumulate_unsharded`)."""
 
     backward: Callable[[Tensor], None] = Tensor.backward
     global_sum: Callable[[Tensor], Tensor] = Tensor.float
     world_size: int = 1
+    accumulate_unsharded: bool = False
 
 
 def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
@@ -74,9 +77,17 @@ def per_token(r: Rollout) -> Tensor:
     return torch.zeros(r.response_mask.shape, device=r.response_mask.device)
 
 
-def sync_gradients(model: torch.nn.Module, last: bool) -> None:
-    """Data-parallel gradient reduction once per mini-batch, on its last micro-batch
-    (FSDP2 / replicate); a no-op for an unwrapped model."""
+def sync_gradients(model: torch.nn.Module, last: bool, dp: DataParallel) -> None:
+    """Whether this micro-batch's backward reduces the gradient over ranks. Replicated (ddp):
+    once per mini-batch, on its last micro-batch. Sharded (FSDP2): after every micro-batch,
+    so each rank holds only its shard of the gradient (verl's `dp_actor`, NeMo-RL,
+    torchtitan#292); a mini-batch accumulated unsharded holds the whole model's gradient in
+    fp32 on every rank, and only `dp.accumulate_unsharded` asks for it. A no-op for an
+    unwrapped model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and not dp.accumulate_unsharded:
+        return  # (reduce-scatter on, FSDP2's default, never turned off)
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last)
 
@@ -156,7 +167,7 @@ def update_critic(
             v_old = OldEstimate(r, "values")
             loss_sum = clip_sum = 0.0
             for i, (rows, micro) in enumerate(micros):
-                sync_gradients(critic, last=i == len(micros) - 1)
+                sync_gradients(critic, i == len(micros) - 1, dp)
                 values = critic_values(critic, micro)
                 micro.values = v_old(rows, values)
                 loss, clipfrac = core.value_loss(
@@ -206,7 +217,7 @@ def actor_step(
     micros = list(micro_batches(r, a.micro_batch_size, index))
     acc: dict[str, Tensor | float] = defaultdict(float)
     for i, (rows, micro) in enumerate(micros):
-        sync_gradients(policy, last=i == len(micros) - 1)
+        sync_gradients(policy, i == len(micros) - 1, dp)
         m = micro.response_mask
         # (B, T) each. The entropy: with a bonus, with its graph; without one, only pi_old's
         # for the metric (as verl's actor/entropy), from the pi_old pass or, on-policy, here.
