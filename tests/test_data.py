@@ -170,3 +170,21 @@ def test_the_chat_template_is_used_by_default_when_the_tokenizer_has_one(tok, tm
         assert "has no chat template" in info.call_args[0][0]
     explicit = tiny_data(tmp_path, chat_template=False)._prepare(make_rows(1)[0], "x:1", tokenizer)
     assert explicit["prompt_text"] == make_rows(1)[0]["prompt"]
+
+
+def test_each_rank_scores_its_share_of_the_validation_rows(tmp_path, tok):
+    """The loader the score before training reads (outside Lightning's loop, which would
+    shard it): 2 ranks see disjoint halves of the rows, together all of them."""
+    from types import SimpleNamespace
+
+    from tests.helpers import tiny_data, tiny_module
+
+    seen = []
+    for rank in range(2):
+        dm = tiny_data(tmp_path, val_batch_size=2)
+        dm.trainer = SimpleNamespace(world_size=2, global_rank=rank, lightning_module=tiny_module(tok))
+        dm.setup("fit")
+        seen.append([tuple(row["prompt_ids"]) for batch in dm.val_dataloader() for row in batch])
+    every = [tuple(row["prompt_ids"]) for row in dm.val_rows]
+    assert len(seen[0]) == len(seen[1]) == len(every) // 2
+    assert sorted(seen[0] + seen[1]) == sorted(every)

@@ -303,3 +303,19 @@ def test_tool_calls_on_vllm_match_the_native_engine(prompts, tok):
     mine = trainer_logprobs(policy, theirs)
     diff = (mine - theirs.rollout_logprobs).abs()[theirs.response_mask]
     assert diff.max() < 1e-3
+
+
+def test_the_vllm_api_the_weight_sync_uses_is_there():
+    """The weight sync calls vLLM's public `LLM.collective_rpc("reload_weights",
+    weights_iterator=...)`; a vLLM that renamed either says so here, in one line, rather than
+    at the first sync of a run."""
+    import inspect
+
+    vllm = import_vllm()
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert hasattr(vllm.LLM, "collective_rpc"), f"vLLM {vllm.__version__}: LLM.collective_rpc is gone"
+    assert hasattr(Worker, "reload_weights"), f"vLLM {vllm.__version__}: Worker.reload_weights is gone"
+    params = inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert "weights_iterator" in params, f"vLLM {vllm.__version__}: reload_weights takes no weights_iterator"

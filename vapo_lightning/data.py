@@ -322,9 +322,16 @@ class PromptDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list:
+        """Each rank scores its share of the validation rows (the score before training
+        included, which runs outside Lightning's loop: an unsharded loader there gave every
+        rank the whole set); the last rows are repeated to give every rank as many."""
         if not self.val_rows:  # no validation data: no loader (an empty one makes Lightning warn)
             return []
-        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=list)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        sampler = None if world == 1 else DistributedSampler(
+            self.val_rows, num_replicas=world, rank=self.trainer.global_rank, shuffle=False
+        )  # fmt: skip
+        return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=list, sampler=sampler)
 
     def state_dict(self) -> dict[str, Any]:
         """The dynamic-sampling prompt stream (the epoch order is in the loader's state)."""

@@ -187,16 +187,14 @@ class VLLMEngine(RolloutEngine):
         self.load_weights(self.policy)
         return True
 
-    @property
-    def _worker(self) -> Any:
-        return self.llm.llm_engine.model_executor.driver_worker.worker
-
     @torch.no_grad()
     def load_weights(self, policy: torch.nn.Module) -> None:
-        """Copies the policy's weights into the engine, in place, one tensor at a time.
-        Collective under FSDP (every rank calls)."""
+        """Copies the policy's weights into the engine, in place, one tensor at a time, by
+        vLLM's public `LLM.collective_rpc` into each worker's `reload_weights` (the engine
+        runs in this process, so the iterator is passed, not serialised). Collective under
+        FSDP (every rank calls)."""
         with self._awake(("weights",)):
-            self._worker.model_runner.reload_weights(weights_iterator=named_full_tensors(policy))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_full_tensors(policy)})
         self.weights_stale = False
         if self.options.enable_prefix_caching:
             self.llm.reset_prefix_cache()  # cached prompts hold the old weights' keys
