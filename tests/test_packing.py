@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.helpers import tiny_module
+from tests.helpers import TINY_LLAMA, tiny_module
 from tests.test_updates import NO_CLIP, Recorder
 from vapo_lightning import attention, core, packing
 from vapo_lightning.advantages import compute_advantages, critic_targets
@@ -373,3 +373,42 @@ def test_pack_size(groups, micro, mini, share, want):
 def test_a_setup_where_responses_cannot_share_prompts_says_so():
     with pytest.warns(UserWarning, match="share_prompts"):
         Algorithm(mini_batch_size=12, micro_batch_size=4).check_batch(2, 6)
+
+
+def test_the_cost_model_packs_only_where_it_saves_work():
+    """Qwen2.5-7B's shapes: reasoning answers far longer than the prompt make a dense pack's
+    (P + cT)² attention square cost more than the prompt it saves; long prompts and short
+    answers pay."""
+    from vapo_lightning.packing import dense_packing_saves_work
+
+    qwen7b = {"params": 7.6e9, "layers": 28, "hidden": 3584}
+    assert not dense_packing_saves_work(200, 4096, 8, **qwen7b)
+    assert dense_packing_saves_work(1000, 100, 8, **qwen7b)
+    # by hand, (200, 4096, 8): packed 2·7.6e9·32968 + 4·28·3584·32968² against c rows
+    packed = 2 * 7.6e9 * 32968 + 4 * 28 * 3584 * 32968**2
+    rows = 2 * 7.6e9 * 8 * 4296 + 4 * 28 * 3584 * 8 * 4296**2 / 2
+    assert packed / rows == pytest.approx(1.70, abs=0.01)
+
+
+def test_dense_packs_are_skipped_where_they_cost_more(tok):
+    """An eager-attention policy (a 4-D mask, no spans): a rollout of short prompts and long
+    answers runs row by row, one of long prompts and short answers in packs."""
+    from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
+    from vapo_lightning.rollout import _packed
+
+    spec = ModelSpec(config={**TINY_LLAMA, "max_position_embeddings": 512}, tokenizer=str(tok),
+                     attn_implementation="eager")  # fmt: skip
+    policy = build_policy(spec, load_tokenizer(str(tok)))
+    assert policy.config._attn_implementation == "eager"
+
+    def rollout(P: int, T: int) -> Rollout:
+        B = 4
+        ids = torch.cat([torch.randint(3, 100, (1, P)).expand(B, P), torch.randint(3, 100, (B, T))], 1)  # one prompt
+        r = Rollout(input_ids=ids, attention_mask=torch.ones(B, P + T, dtype=torch.long),
+                    response_mask=torch.ones(B, T, dtype=torch.bool), group_ids=torch.zeros(B, dtype=torch.long),
+                    truncated=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+        r.pack = 4
+        return r
+
+    assert _packed(policy, rollout(8, 200)) is None
+    assert _packed(policy, rollout(200, 4)) is not None

@@ -61,6 +61,11 @@ class ModelSpec:
     tokenizer: str | None = None
     """Tokenizer path or hub id; defaults to `name_or_path`."""
     gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+    """The attention kernel, as Hugging Face names it ("sdpa", "eager", "flash_attention_2",
+    ...); None: the model's default, and on the CPU this package's span attention for
+    shared-prompt packs (`attention.SDPA`). A kernel that takes no 4-D mask (flash) runs
+    every response in its own row (`packing.takes_masks`)."""
     """Trade compute for activation memory during the updates."""
     lora: LoRA | None = None
     """Train LoRA adapters (peft) instead of every weight (`vapo_lightning.lora`); None: full
@@ -132,22 +137,27 @@ def build_policy(
             cfg.vocab_size = len(tok)
         _align_special_tokens(cfg, tok)
         with _meta_device(meta):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, **_attention(spec))
     elif meta:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(spec.hf_config(), dtype=torch.float32, **_attention(spec))
         model.generation_config = _saved_generation_config(spec.name_or_path, model)
         model.eval()  # as from_pretrained leaves it
     else:
         _check_source(spec.name_or_path, "policy")
-        model = AutoModelForCausalLM.from_pretrained(spec.name_or_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(spec.name_or_path, dtype=torch.float32, **_attention(spec))
     if len(tok) > model.get_input_embeddings().num_embeddings:
         raise ValueError(
             f"tokenizer has {len(tok)} tokens, model embeds only {model.get_input_embeddings().num_embeddings}"
         )
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
-    return _finish(model, spec.gradient_checkpointing)
+    return _finish(model, spec.gradient_checkpointing, own_attention=spec.attn_implementation is not None)
+
+
+def _attention(spec: ModelSpec | None) -> dict[str, str]:
+    """`attn_implementation` for `from_pretrained` / `from_config`, where the spec names one."""
+    return {"attn_implementation": spec.attn_implementation} if spec is not None and spec.attn_implementation else {}
 
 
 def check_critic_tokenizer(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> None:
@@ -198,7 +208,7 @@ def build_critic(
             fresh_head = False  # rank 0 decides, and initialises it
         else:
             model, info = AutoModelForTokenClassification.from_pretrained(
-                spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True
+                spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True, **_attention(spec)
             )
             head = ("score", "classifier")
             fresh_head = any(k.split(".")[0] in head for k in info["missing_keys"])
@@ -210,7 +220,7 @@ def build_critic(
         cfg.architectures = None
         _align_special_tokens(cfg, tok)
         with _meta_device(meta):
-            model = AutoModelForTokenClassification.from_config(cfg)
+            model = AutoModelForTokenClassification.from_config(cfg, **_attention(spec))
         if from_policy and not meta:  # the backbone from the policy (VAPO §4.1's open choice)
             backbone = policy.get_decoder() if hasattr(policy, "get_decoder") else policy.base_model
             missing = getattr(model, model.base_model_prefix).load_state_dict(backbone.state_dict())
@@ -224,7 +234,7 @@ def build_critic(
     model.config.problem_type = "regression"
     # Without a spec of its own the critic checkpoints activations as the policy it copies does.
     checkpointing = spec.gradient_checkpointing if spec is not None else policy.is_gradient_checkpointing
-    return _finish(model, checkpointing)
+    return _finish(model, checkpointing, own_attention=_attention(spec) != {})
 
 
 def add_adapters(
@@ -275,9 +285,9 @@ def _saved_generation_config(path: str, model: PreTrainedModel) -> GenerationCon
         return model.generation_config
 
 
-def _finish(model: PreTrainedModel, gradient_checkpointing: bool) -> PreTrainedModel:
+def _finish(model: PreTrainedModel, gradient_checkpointing: bool, own_attention: bool = False) -> PreTrainedModel:
     cfg = model.config
-    if cfg._attn_implementation == "sdpa" and cfg.model_type in STANDARD_SDPA:
+    if cfg._attn_implementation == "sdpa" and cfg.model_type in STANDARD_SDPA and not own_attention:
         model.set_attn_implementation(SDPA)  # fp32 attention on the CPU under autocast
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

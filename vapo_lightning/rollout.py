@@ -302,7 +302,22 @@ def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:
     end_to_end = packing.reads_spans(model, r.input_ids.device)
     if r.pack < 2 and not (end_to_end and r.shared_start):
         return None
+    if not end_to_end and not _dense_packs_pay(model, r):
+        return None
     return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack, end_to_end, r.shared_start)
+
+
+def _dense_packs_pay(model: PreTrainedModel, r: Rollout) -> bool:
+    """Whether dense-mask packs of `r.pack` answers cost `model` less work than rows, at this
+    micro-batch's mean prompt and answer lengths (`packing.dense_packing_saves_work`)."""
+    cfg = model.config
+    layers, hidden = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "hidden_size", None)
+    if layers is None or hidden is None:
+        return True
+    prompt = float(r.attention_mask[:, : r.prompt_length].sum(-1).float().mean())
+    answer = float(r.response_extent.float().mean())
+    params = sum(p.numel() for p in model.parameters())
+    return packing.dense_packing_saves_work(prompt, answer, r.pack, params, layers, hidden)
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
