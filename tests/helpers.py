@@ -141,3 +141,20 @@ def skip_without_vllm() -> None:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"vLLM is not installed ({e})", allow_module_level=True)
+
+
+class FailingSaveOnRank1(L.Callback):
+    """From rollout step `step` on, rank 1's shard writes fail (a full disk, a lost node):
+    what a sharded save must survive without tearing the last complete checkpoint."""
+
+    def __init__(self, step: int = 3) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step + 1 >= self.step:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            def fail(*args, **kwargs):
+                raise OSError("No space left on device (injected on rank 1)")
+
+            FileSystemWriter.write_data = fail

@@ -164,6 +164,37 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
     out = policy.generate(**ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids["input_ids"].shape[1]
 
+    # `vapo export` reads the sharded folder in one process: the run's own export, exactly.
+    from vapo_lightning.export import export_checkpoint
+
+    export_checkpoint(ckpt, tmp_path / "from_ckpt")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "from_ckpt" / "policy")
+    for name, p in policy.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], p, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_sharded_save_that_fails_on_one_rank_leaves_the_last_one_whole(tmp_path):
+    """Saves every step; rank 1's writes fail from step 3 on: the run stops at that save with
+    an error on every rank (no hang), `last.ckpt` still points at step 2's complete save, and a
+    run resumed from it goes on at step 3."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml", "--trainer.devices=2",
+         "--trainer.strategy=fsdp", f"--trainer.default_root_dir={tmp_path}", *SHORT, "--trainer.max_steps=4",
+         "--trainer.callbacks+=tests.helpers.FailingSaveOnRank1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0 and "failed to save; the previous save is kept" in done.stderr, done.stderr[-3000:]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.is_symlink() and is_dcp_folder(last)
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "last.ckpt.saves").iterdir()) == ["1", "2"]
+    vapo_fit(tmp_path, "fsdp", "--trainer.max_steps=3", "--ckpt_path=last")
+    (version,) = [v for v in (tmp_path / "lightning_logs").iterdir() if v.name != "version_0"]
+    assert scalars(version)["rollout_step"] == [3.0]
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

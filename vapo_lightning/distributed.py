@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +67,8 @@ class VAPOStrategy(ModelParallelStrategy):
             (resume with `--ckpt_path last`); False: one full file assembled on rank 0. ddp
             always writes one file from rank 0, as Lightning's DDP does: every rank holds the
             whole models, and Lightning's model-parallel loading reads only sharded ones.
+        keep_saves: fsdp: complete saves kept per checkpoint name (the newest and the ones
+            before it, for a save that turns out bad); older ones are deleted.
         accumulate_unsharded: fsdp: accumulate a mini-batch's gradient unsharded and
             reduce-scatter it once, on its last micro-batch: fewer reduce-scatters, but every
             rank holds the whole model's gradient in fp32 (4 bytes per parameter, not 4 / W)
@@ -82,6 +85,7 @@ class VAPOStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         accumulate_unsharded: bool = False,
+        keep_saves: int = 2,
         **kwargs: Any,
     ) -> None:
         if mode not in MODES:
@@ -91,6 +95,9 @@ class VAPOStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
         self.accumulate_unsharded = accumulate_unsharded
+        if keep_saves < 1:
+            raise ValueError("VAPOStrategy.keep_saves must be >= 1")
+        self.keep_saves = keep_saves
 
     def setup_environment(self) -> None:
         # One data-parallel dimension over every rank of every node; no tensor parallelism.
@@ -123,12 +130,55 @@ class VAPOStrategy(ModelParallelStrategy):
         return Strategy.optimizer_state(self, optimizer) if ddp else super().optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self.mode != "ddp":
+        if self.mode != "ddp" and not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.mode != "ddp":
+            return self._save_sharded(checkpoint, Path(self.broadcast(filepath)))
         path = Path(self.broadcast(filepath))
-        if self.is_global_zero and path.is_dir():  # an fsdp run's sharded folder of that name
-            shutil.rmtree(path)
+        if self.is_global_zero and (path.is_dir() or path.is_symlink()):  # an fsdp run's save of that name
+            remove_save(path)
         Strategy.save_checkpoint(self, checkpoint, path, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and (Path(filepath).is_symlink() or Path(filepath).is_dir()):
+            remove_save(Path(filepath))
+        else:
+            super().remove_checkpoint(filepath)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """A sharded save that never tears: every rank writes its shard into a new folder
+        (`<name>.saves/<k>`), the ranks agree that all of them finished, and only then does
+        rank 0 point `path` (a symbolic link) at it, in one atomic rename; the previous save
+        stays whole until then and `keep_saves` are kept. A save that failed on any rank
+        leaves `path` where it was, and every rank raises (verl's `global_step_N` folders
+        and their pointer file, NeMo-RL's `tmp_step_N` rename)."""
+        saves = path.with_name(f"{path.name}.saves")
+        if self.is_global_zero:
+            saves.mkdir(parents=True, exist_ok=True)
+            if path.is_dir() and not path.is_symlink():  # a folder of an earlier version: kept
+                path.rename(saves / "0")
+            done = sorted((int(p.name) for p in saves.iterdir() if p.name.isdigit()), reverse=True)
+            k = (done[0] + 1) if done else 1
+        target = saves / str(self.broadcast(k if self.is_global_zero else None))
+        error = None
+        try:
+            super().save_checkpoint(checkpoint, target, None)
+        except BaseException as err:  # (DCP's CheckpointException is a BaseException) re-raised below
+            error = err
+        failed = self.reduce(torch.tensor(float(error is not None), device=self.root_device), reduce_op="sum")
+        if float(failed) > 0:
+            if self.is_global_zero:
+                shutil.rmtree(target, ignore_errors=True)
+            raise RuntimeError(f"checkpoint {path}: {int(failed)} rank(s) failed to save; the previous "
+                               f"save is kept") from error  # fmt: skip
+        if self.is_global_zero:
+            link = path.with_name(f".{path.name}.link")
+            link.unlink(missing_ok=True)
+            link.symlink_to(Path(saves.name) / target.name)
+            os.replace(link, path)  # the switch: atomic
+            for old in sorted((p for p in saves.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[: -self.keep_saves]:
+                shutil.rmtree(old)
+        self.barrier("vapo_sharded_save")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.mode != "ddp":
@@ -209,6 +259,15 @@ def parallelize(module: Any) -> None:
             for t in [*ref.parameters(), *ref.buffers()]:
                 dist.broadcast(t.data, src=0)
     module._parallelized = True
+
+
+def remove_save(path: Path) -> None:
+    """A checkpoint that `_save_sharded` wrote (the link and its saves) or a plain folder."""
+    if path.is_symlink():
+        path.unlink()
+        shutil.rmtree(path.with_name(f"{path.name}.saves"), ignore_errors=True)
+    else:
+        shutil.rmtree(path)
 
 
 def _mixed_precision(precision: str) -> Any:

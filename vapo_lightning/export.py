@@ -1,5 +1,6 @@
 """`vapo export --ckpt_path runs/x/checkpoints/last.ckpt --out DIR`: a checkpoint's policy
-(with its tokenizer) and critic in Hugging Face format, after the run, as `model.hf_export_dir`
+(with its tokenizer) and critic in Hugging Face format, after the run (or after it died: a
+sharded fsdp checkpoint folder is read in one process too), as `model.hf_export_dir`
 writes them at the end of fit (`DIR/policy`, `DIR/critic`). A LoRA run's models are saved with
 their adapters merged in (plain transformers loads them); `--adapters` also writes the adapters
 alone (`DIR/policy_adapter`, `DIR/critic_adapter`, peft's format)."""
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
 from vapo_lightning.distributed import save_pretrained
@@ -23,12 +26,9 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapters: bool = F
     alone); returns the folders written."""
     from vapo_lightning.module import VAPOModule
 
-    if Path(ckpt_path).is_dir():
-        raise CheckpointError(
-            f"{ckpt_path} is a sharded (fsdp) checkpoint folder; export it from a run with "
-            "model.hf_export_dir, or convert it with torch.distributed.checkpoint first"
-        )
-    ckpt = AtomicCheckpointIO().load_checkpoint(ckpt_path, map_location="cpu")
+    ckpt = read_sharded(Path(ckpt_path)) if Path(ckpt_path).is_dir() else AtomicCheckpointIO().load_checkpoint(
+        ckpt_path, map_location="cpu"
+    )  # fmt: skip
     hparams = {**ckpt.get("hyper_parameters", {}), "torch_compile": False}
     if "policy" not in hparams:
         raise CheckpointError(f"checkpoint {ckpt_path} was not written by a VAPO run")
@@ -52,12 +52,26 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapters: bool = F
     return written
 
 
+def read_sharded(folder: Path) -> dict:
+    """A sharded (fsdp) checkpoint folder as one process reads it: Lightning's metadata file
+    (hyper-parameters, counters) and the full weights assembled from every rank's shard (the
+    optimiser states, as large again, are not read)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    meta = folder / "meta.pt"
+    if not meta.exists():
+        raise CheckpointError(f"{folder}: no meta.pt, not a complete sharded checkpoint of a VAPO run")
+    ckpt = torch.load(meta, map_location="cpu", weights_only=False)
+    ckpt["state_dict"] = _load_state_dict_from_keys({"state_dict"}, checkpoint_id=str(folder))["state_dict"]
+    return ckpt
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="vapo export",
         description="Save a checkpoint's policy (with tokenizer) and critic in Hugging Face format.",
     )
-    ap.add_argument("--ckpt_path", required=True, help="a .ckpt file written by vapo fit")
+    ap.add_argument("--ckpt_path", required=True, help="a .ckpt file or sharded (fsdp) checkpoint folder written by vapo fit")
     ap.add_argument("--out", required=True, help="folder for policy/ and critic/")
     ap.add_argument("--adapters", action="store_true",
                     help="LoRA runs: also write the adapters alone (policy_adapter/, critic_adapter/; peft)")
