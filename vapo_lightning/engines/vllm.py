@@ -41,6 +41,7 @@ from vapo_lightning.engines.base import RolloutEngine
 from vapo_lightning.engines.vllm_setup import (
     EngineSetupError,
     check_architecture,
+    check_device_memory,
     check_setup,
     import_vllm,
     write_model_dir,
@@ -108,6 +109,9 @@ class VLLMEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))
+        else:
+            check_device_memory(options.sleep, options.gpu_memory_utilization, dict(os.environ),
+                                torch.cuda.mem_get_info())  # fmt: skip
         extra, seed = self._join_ranks(options.tensor_parallel_size, seed, local_rank)
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         self._dir = tempfile.TemporaryDirectory(prefix="vapo_vllm_")
@@ -368,7 +372,7 @@ class VLLMEngine(RolloutEngine):
         if self.options.sleep and self.on_gpu and not self.asleep:
             self.llm.sleep(level=2 if discard_weights else 1)
             self.asleep = {"weights", "kv_cache"}
-            self.weights_stale = discard_weights
+            self.weights_stale = self.weights_stale or discard_weights  # (offloaded stale: still stale)
 
     def close(self) -> None:
         """Frees the engine and vLLM's process-global state, so another engine can start in

@@ -112,3 +112,29 @@ def write_model_dir(config: Any, architectures: list[str], directory: Path) -> N
     cfg.pop("torch_dtype", None)
     cfg.pop("dtype", None)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def check_device_memory(
+    sleep: bool, gpu_memory_utilization: float, env: dict[str, str], free_and_total: tuple[int, int]
+) -> None:
+    """Before the engine starts on a GPU, in one line each: sleep mode cannot run beside
+    PyTorch's expandable segments (vLLM's sleep allocator asserts at start-up; PyTorch's
+    out-of-memory message suggests them), and the share of the device vLLM will claim
+    (`gpu_memory_utilization` of the total) must be free now: beside a resumed run's
+    optimiser states, or another process, it may not be."""
+    conf = env.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + env.get("PYTORCH_ALLOC_CONF", "")
+    if sleep and "expandable_segments:true" in conf.replace(" ", "").lower():
+        raise EngineSetupError(
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: vLLM's sleep mode cannot run with "
+            "expandable segments; unset it, or set model.generation.vllm.sleep=false"
+        )
+    free, total = free_and_total
+    wanted = gpu_memory_utilization * total
+    if free < wanted:
+        raise EngineSetupError(
+            f"model.generation.vllm.gpu_memory_utilization={gpu_memory_utilization}: the engine would "
+            f"claim {wanted / 2**30:.1f} GiB, but {free / 2**30:.1f} GiB of {total / 2**30:.1f} are "
+            "free on this GPU now (the models, optimiser states or another process hold the rest); "
+            "lower it, or free the device"
+        )
+
