@@ -142,6 +142,46 @@ def test_gradients_do_not_depend_on_the_micro_batch_split(tok):
         torch.testing.assert_close(pairs[k], whole[k], atol=1e-6, rtol=1e-4)
 
 
+def test_gradients_are_the_same_with_micro_batches_by_tokens(tok):
+    """Micro-batches by a token budget are bookkeeping too: the gradients of the split by
+    responses, and every micro-batch within the budget (rows × its longest row)."""
+    whole = gradients(tok, 8)
+    budgeted = gradients(tok, 8, max_tokens_per_micro_batch=40)
+    for k in whole:
+        torch.testing.assert_close(budgeted[k], whole[k], atol=1e-6, rtol=1e-4)
+    r = rollout(module_with(tok, 8).policy.config.vocab_size)
+    total = r.attention_mask.sum(-1)
+    parts = [idx for idx, _ in micro_batches(r, 8, max_tokens=40)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(B)) and len(parts) > 1
+    for idx in parts:
+        assert len(idx) * int(total[idx].max()) <= 40 or len(idx) == 1
+
+
+def test_token_budget_groups_against_a_slow_reference():
+    """Ascending costs filled greedily to the budget; then as many groups as the ranks agree
+    on, by halving the largest; every unit once, in order."""
+    from vapo_lightning.updates import token_budget_groups
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        costs = torch.sort(torch.randint(1, 60, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g)).values
+        budget = int(torch.randint(10, 200, (1,), generator=g))
+        expected: list[list[int]] = []  # the reference: one unit at a time
+        for i, c in enumerate(costs.tolist()):
+            if expected and (len(expected[-1]) + 1) * c <= budget:
+                expected[-1].append(i)
+            else:
+                expected.append([i])
+        got = token_budget_groups(costs, budget)
+        assert [x.tolist() for x in got] == expected
+        more = min(len(costs), len(expected) + 2)  # another rank needs more
+        agreed = token_budget_groups(costs, budget, agree=lambda n, more=more: max(n, more))
+        assert len(agreed) == more and torch.cat(agreed).tolist() == list(range(len(costs)))
+        assert all(len(x) for x in agreed)
+    with pytest.raises(RuntimeError, match="micro-batches agreed"):
+        token_budget_groups(torch.tensor([5, 5]), 100, agree=lambda n: 3)
+
+
 # Critic targets that depend on V_old (lambda < 1) as well as the Monte-Carlo default.
 ONE_PASS_CASES = {
     "vapo": {},

@@ -70,6 +70,12 @@ class Algorithm:
     4 optimiser steps per rollout; the paper's 512 of 512 × 16 make 16)."""
     micro_batch_size: int = 8
     """Responses per forward/backward (gradient accumulation); must divide mini_batch_size."""
+    max_tokens_per_micro_batch: int | None = None
+    """Micro-batches by tokens instead (verl's ppo_max_token_len_per_gpu, NeMo-RL's dynamic
+    batching): as many responses as fit in this many tokens (rows × the longest prompt +
+    response), so the activations and the (tokens, vocabulary) logits stay the same size as
+    answers lengthen; every rank makes as many micro-batches as the neediest. None: by
+    micro_batch_size."""
     share_prompts: bool = True
     """Run each prompt once for the min(n, micro_batch_size) responses to it that share a
     micro-batch (`vapo_lightning.packing`): the same logits, values and gradients, less work
@@ -118,6 +124,7 @@ class Algorithm:
             "critic_updates_per_step": self.critic_updates_per_step >= 1,
             "mini_batch_size": self.mini_batch_size >= 1,
             "micro_batch_size": 1 <= self.micro_batch_size <= self.mini_batch_size,
+            "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
             "dynamic_sampling_rounds": self.dynamic_sampling_rounds >= 0,
             "rollout_is": self.rollout_is in ("none", "tis"),
             "rollout_is_cap": self.rollout_is_cap >= 1,

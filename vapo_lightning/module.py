@@ -210,16 +210,19 @@ class VAPOModule(L.LightningModule):
             if (not on_policy and not frozen and not bypass) or (frozen and watches_the_policy(r, self.trainer.callbacks)):
                 with timer("old_log_prob"):  # log pi_old, entropy, log pi_ref (no grad)
                     r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(
-                        self.policy, r, self.algo.micro_batch_size, self.logprob_temperature, self.ref_policy
-                    )
+                        self.policy, r, self.algo.micro_batch_size, self.logprob_temperature, self.ref_policy,
+                        self.algo.max_tokens_per_micro_batch, self.global_max,
+                    )  # fmt: skip
             elif bypass and self.ref_policy is not None:
                 with timer("old_log_prob"):  # log pi_ref alone
                     r.ref_logprobs = compute_log_probs(
-                        self.ref_policy, r, self.algo.micro_batch_size, self.logprob_temperature
-                    )[0]
+                        self.ref_policy, r, self.algo.micro_batch_size, self.logprob_temperature, None,
+                        self.algo.max_tokens_per_micro_batch, self.global_max,
+                    )[0]  # fmt: skip
             if not on_policy and self.critic is not None:
                 with timer("values"):
-                    r.values = compute_values(self.critic, r, self.algo.micro_batch_size)  # V_old
+                    r.values = compute_values(self.critic, r, self.algo.micro_batch_size,  # V_old
+                                              self.algo.max_tokens_per_micro_batch, self.global_max)  # fmt: skip
             batches = mini_batches(len(r), self.algo.mini_batch_size, self.algo.ppo_epochs, r.pack)
             stats = {}
             if self.critic is not None:
@@ -322,7 +325,13 @@ class VAPOModule(L.LightningModule):
     @property
     def data_parallel(self) -> DataParallel:  # Lightning's backward, sums over ranks
         unsharded = getattr(self.trainer.strategy, "accumulate_unsharded", False)
-        return DataParallel(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded)
+        return DataParallel(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded, self.global_max)
+
+    def global_max(self, count: int) -> int:
+        """The largest of a count over data-parallel ranks (micro-batches by tokens)."""
+        if self.trainer.world_size == 1:
+            return int(count)
+        return int(self.trainer.strategy.reduce(torch.tensor(float(count), device=self.device), reduce_op="max"))
 
     def global_sum(self, x: torch.Tensor | float) -> torch.Tensor:
         """The sum over data-parallel ranks of a number or tensor (a normaliser of the

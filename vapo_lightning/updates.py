@@ -29,6 +29,7 @@ __all__ = [
     "count_bad_steps",
     "micro_batches",
     "mini_batches",
+    "token_budget_groups",
     "update_actor",
     "update_critic",
 ]
@@ -39,14 +40,16 @@ Stats = dict[str, list[float]]
 @dataclass(frozen=True)
 class DataParallel:
     """How an update reaches the other ranks: `backward` (Lightning's `manual_backward`:
-    precision plugin and strategy), `global_sum` (a sum over data-parallel ranks) and, for a
-    sharded model, whether its gradient accumulates unsharded over a mini-batch
-    (`VAPOStrategy.accumulate_unsharded`)."""
+    precision plugin and strategy), `global_sum` (a sum over data-parallel ranks), for a
+    sharded model whether its gradient accumulates unsharded over a mini-batch
+    (`VAPOStrategy.accumulate_unsharded`), and `agree` (the maximum of a count over ranks:
+    as many micro-batches on each)."""
 
     backward: Callable[[Tensor], None] = Tensor.backward
     global_sum: Callable[[Tensor], Tensor] = Tensor.float
     world_size: int = 1
     accumulate_unsharded: bool = False
+    agree: Callable[[int], int] = int  # the maximum of a count over ranks
 
 
 def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
@@ -59,17 +62,57 @@ def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
     return [units[i].reshape(-1) for _ in range(epochs) for i in torch.randperm(len(units)).split(size // pack)]
 
 
-def micro_batches(r: Rollout, size: int, index: Tensor | None = None) -> Iterator[tuple[Tensor, Rollout]]:
+def micro_batches(
+    r: Rollout, size: int, index: Tensor | None = None, max_tokens: int | None = None,
+    agree: Callable[[int], int] = int,
+) -> Iterator[tuple[Tensor, Rollout]]:  # fmt: skip
     """(rows of `r`, micro-batch) pairs over the rows `index` (default: all); rows are
     grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding, and
     runs of `r.pack` rows (one prompt's responses) stay together for a shared-prompt forward.
     The loss sums each token once over global normalisers (§4.2), so the grouping does not
-    change the gradient."""
+    change the gradient.
+
+    `size` responses a micro-batch, or with `max_tokens` as many as fit in that many tokens
+    (rows × the longest row: what the forward's activations and logits hold), so memory stays
+    flat as answers lengthen (verl's `ppo_max_token_len_per_gpu`, NeMo-RL's dynamic
+    batching); a row longer than the budget goes alone. Every rank then makes as many
+    micro-batches as the neediest (`agree`: the maximum over ranks), since each forward of a
+    sharded model is collective."""
     index = torch.arange(len(r)) if index is None else index
     units = index.view(-1, r.pack)  # (units, pack)
     lengths = r.attention_mask[index].sum(-1).cpu().view(-1, r.pack).amax(-1)
-    for rows in units[torch.argsort(lengths, stable=True)].split(max(1, size // r.pack)):
+    order = torch.argsort(lengths, stable=True)
+    units, lengths = units[order], lengths[order]
+    if max_tokens is None:
+        groups = list(units.split(max(1, size // r.pack)))
+    else:
+        groups = token_budget_groups(lengths * r.pack, max_tokens, agree)
+        groups = [units[g] for g in groups]
+    for rows in groups:
         yield rows.reshape(-1), r.select(rows.reshape(-1)).trimmed()
+
+
+def token_budget_groups(costs: Tensor, max_tokens: int, agree: Callable[[int], int] = int) -> list[Tensor]:
+    """Consecutive groups of the units whose token counts `costs` (ascending) are given, each
+    holding at most `max_tokens` as rows × its longest (a unit over the budget alone), in
+    exactly `agree(the number this rank needs)` groups: the largest groups are halved until
+    there are that many (every rank has as many units, each fitting alone, so the neediest
+    rank's count never exceeds them)."""
+    groups: list[list[int]] = []
+    for i, cost in enumerate(costs.tolist()):  # ascending: a group's last unit is its longest
+        if groups and (len(groups[-1]) + 1) * cost <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    count = agree(len(groups))
+    if count > len(costs):
+        raise RuntimeError(f"max_tokens_per_micro_batch: {count} micro-batches agreed over ranks for "
+                           f"{len(costs)} units on this rank (the ranks' batches differ in size)")  # fmt: skip
+    while len(groups) < count:
+        k = max(range(len(groups)), key=lambda j: len(groups[j]))
+        half = len(groups[k]) // 2
+        groups[k : k + 1] = [groups[k][:half], groups[k][half:]]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
 def per_token(r: Rollout) -> Tensor:
@@ -98,14 +141,14 @@ def sync_gradients(model: torch.nn.Module, last: bool, dp: DataParallel) -> None
 @torch.no_grad()
 def compute_log_probs(
     policy: torch.nn.Module, r: Rollout, micro_size: int, temperature: float,
-    ref_policy: torch.nn.Module | None = None,
+    ref_policy: torch.nn.Module | None = None, max_tokens: int | None = None, agree: Callable[[int], int] = int,
 ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """log pi(a_t | s_t) and the entropy of pi at each response position, (B, T) each, and
     the reference policy's log-probs (None without one), under the sampling `temperature`."""
     policy.eval()
     logprobs, entropy = per_token(r), per_token(r)
     ref_logprobs = per_token(r) if ref_policy is not None else None
-    for idx, micro in micro_batches(r, micro_size):
+    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
         lp, h = token_logprobs(policy, micro, temperature)
         T = lp.shape[1]
         logprobs[idx, :T], entropy[idx, :T] = lp, h
@@ -115,11 +158,14 @@ def compute_log_probs(
 
 
 @torch.no_grad()
-def compute_values(critic: torch.nn.Module, r: Rollout, micro_size: int) -> Tensor:
+def compute_values(
+    critic: torch.nn.Module, r: Rollout, micro_size: int, max_tokens: int | None = None,
+    agree: Callable[[int], int] = int,
+) -> Tensor:  # fmt: skip
     """V(s_t) at each response position, (B, T)."""
     critic.eval()
     values = per_token(r)
-    for idx, micro in micro_batches(r, micro_size):
+    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
         v = critic_values(critic, micro)
         values[idx, : v.shape[1]] = v
     return values
@@ -162,7 +208,7 @@ def update_critic(
     for index in batches:
         mask = r.response_mask[index]
         n_tokens = dp.global_sum(mask.sum())  # (one all-reduce for all its steps)
-        micros = list(micro_batches(r, algo.micro_batch_size, index))
+        micros = list(micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, dp.agree))
         for _ in range(algo.critic_updates_per_step):
             v_old = OldEstimate(r, "values")
             loss_sum = clip_sum = 0.0
@@ -214,7 +260,7 @@ def actor_step(
         "n_correct_tokens": dp.global_sum((mask & correct[:, None]).sum()),
     }
     pi_old, entropy_old = OldEstimate(r, "old_logprobs"), OldEstimate(r, "entropy")
-    micros = list(micro_batches(r, a.micro_batch_size, index))
+    micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, dp.agree))
     acc: dict[str, Tensor | float] = defaultdict(float)
     for i, (rows, micro) in enumerate(micros):
         sync_gradients(policy, i == len(micros) - 1, dp)

@@ -1,0 +1,106 @@
+"""Peak memory of one actor update against answer length: micro-batches of a fixed number of
+responses against micro-batches by a token budget (`model.algorithm.max_tokens_per_micro_batch`).
+
+A tiny Llama given Qwen2.5's 151,936-token vocabulary, so the (tokens, vocabulary) logits and
+their gradient dominate as they do at 7 B: 16 responses of `L` tokens after 64-token prompts,
+one mini-batch, on the CPU in fp32. Each case runs in a process of its own and reports the
+growth of its peak resident memory (`ru_maxrss`) over the update.
+
+    python benchmarks/bench_memory.py > benchmarks/results/memory_token_budget.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, PROMPT, RESPONSES = 151_936, 64, 16
+LENGTHS = (128, 256, 512, 768)
+CASES = {"4 responses per micro-batch": {"micro_batch_size": 4},
+         "2,048 tokens per micro-batch": {"micro_batch_size": 16, "max_tokens_per_micro_batch": 2048}}  # fmt: skip
+
+
+def one(length: int, algorithm: dict) -> dict:
+    import torch
+
+    from vapo_lightning.config import Algorithm
+    from vapo_lightning.models import ModelSpec, build_policy
+    from vapo_lightning.rollout import Rollout
+    from vapo_lightning.updates import DataParallel, micro_batches, update_actor
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
+           "vocab_size": VOCAB, "tie_word_embeddings": True}  # fmt: skip
+
+    class Tok:  # what build_policy reads of a tokenizer
+        pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
+
+        def __len__(self) -> int:
+            return VOCAB
+
+    policy = build_policy(ModelSpec(config=cfg), Tok())
+    B, T = RESPONSES, length
+    ids = torch.randint(3, VOCAB, (B, PROMPT + T))
+    r = Rollout(input_ids=ids, attention_mask=torch.ones(B, PROMPT + T, dtype=torch.long),
+                response_mask=torch.ones(B, T, dtype=torch.bool), group_ids=torch.arange(B),
+                truncated=torch.zeros(B, dtype=torch.bool), scores=torch.randn(B), correct=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+    r.advantages, r.old_logprobs = torch.randn(B, T), torch.full((B, T), -11.0)
+    algo = Algorithm(mini_batch_size=B, nll_coef=0.0, **algorithm)
+    micros = len(list(micro_batches(r, algo.micro_batch_size, max_tokens=algo.max_tokens_per_micro_batch)))
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    update_actor(policy, opt, r, [torch.arange(B)], algo, 1.0, 1.0, DataParallel())
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"growth_gib": (after - before) / 2**20, "micro_batches": micros, "seconds": seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", nargs=2, metavar=("LENGTH", "CASE"))
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(int(args.one[0]), CASES[args.one[1]])))
+        return
+    rows = {}
+    for case in CASES:
+        for length in LENGTHS:
+            out = subprocess.run([sys.executable, __file__, "--one", str(length), case], cwd=ROOT,
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "2"})  # fmt: skip
+            rows[case, length] = json.loads(out.stdout.strip().splitlines()[-1])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.machine())  # fmt: skip
+    print("# Peak memory of an actor update against answer length\n")
+    print("Command: `python benchmarks/bench_memory.py > benchmarks/results/memory_token_budget.md`  ")
+    print(f"Date {time.strftime('%Y-%m-%d')}, code at {commit}  ")
+    print(f"Machine: {cpu}, {os.cpu_count()} logical CPUs, 2 threads, fp32, load average at end "
+          f"{os.getloadavg()[0]:.2f}  ")  # fmt: skip
+    print(f"Workload: one actor update (one mini-batch) of {RESPONSES} responses of L tokens after "
+          f"{PROMPT}-token prompts; a 2-layer Llama of width 64 with a {VOCAB:,}-token vocabulary "
+          "(Qwen2.5's), so the logits and their gradient dominate the memory.\n")
+    print("| micro-batches | " + " | ".join(f"L = {n}" for n in LENGTHS) + " |")
+    print("|---|" + "---|" * len(LENGTHS))
+    for case in CASES:
+        cells = [f"{rows[case, n]['growth_gib']:.2f} GiB ({rows[case, n]['micro_batches']} micro-batches, "
+                 f"{rows[case, n]['seconds']:.1f} s)" for n in LENGTHS]  # fmt: skip
+        print(f"| {case} | " + " | ".join(cells) + " |")
+    print("\nGrowth of the process's peak resident memory over the update (`ru_maxrss`), one process "
+          "per cell. By responses, the micro-batch's tokens, and so its logits, grow with L; by a "
+          "token budget the micro-batches multiply instead and the peak stays flat.")
+
+
+if __name__ == "__main__":
+    main()
