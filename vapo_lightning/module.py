@@ -32,6 +32,7 @@ from vapo_lightning.distributed import (
 )
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
 from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
+from vapo_lightning.memory_plan import check_memory
 from vapo_lightning.metrics import PhaseTimer, defined, reduce_over_ranks, step_metrics
 from vapo_lightning.models import (
     ModelSpec,
@@ -380,6 +381,8 @@ class VAPOModule(L.LightningModule):
     # ------------------------------------------------------------------ Lightning hooks
 
     def on_fit_start(self) -> None:
+        if self.device.type == "cuda":
+            check_memory(self)  # one line of the plan; a plan over the device refuses
         if self.trainer.world_size > 1 and self.trainer.ckpt_path is None:
             # Lightning seeds every rank alike: give each rank its own sampling noise.
             torch.manual_seed(torch.initial_seed() + self.trainer.global_rank)

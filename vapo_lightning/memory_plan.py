@@ -1,0 +1,136 @@
+"""A memory plan per GPU, before a run starts: what each phase of a rollout step holds at
+its worst (every answer at `max_new_tokens`), for the config and the world size.
+
+An estimate from counts, not a measurement: bytes per parameter of each state, bytes per
+token of activations and logits. The terms:
+
+- training state, always resident: fp32 weights and AdamW's two fp32 moments, 12 bytes a
+  trained parameter (a frozen reference policy: 4), divided over the ranks under fsdp;
+- gradients, during the update of their model: 4 bytes a parameter (/ W under fsdp, which
+  reduce-scatters every micro-batch);
+- activations of one micro-batch's forward and backward: 34·hidden bytes a token a layer in
+  bf16 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", Eq. 2, without the attention-score term a fused attention kernel does not store);
+  with activation checkpointing, 2·hidden a token a layer plus one layer's 34·hidden;
+- the actor's logits and their gradient: 2 × 2 bytes a token a vocabulary entry (bf16);
+- rollout: the vLLM engine's share of the device (`gpu_memory_utilization`), or the native
+  engine's bf16 weights and KV cache: 2 (K, V) × layers × kv heads × head size × 2 bytes a
+  token of every sequence at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GiB", "ModelShape", "Plan", "check_memory", "memory_plan"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float
+    layers: int
+    hidden: int
+    vocab: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    trained: float | None = None  # parameters that learn (LoRA: the adapters); None: all
+
+    @property
+    def state_bytes(self) -> float:  # fp32 weights (+ AdamW's moments where they learn)
+        trained = self.params if self.trained is None else self.trained
+        return 12 * trained + 4 * (self.params - trained)
+
+    @property
+    def gradient_bytes(self) -> float:
+        return 4 * (self.params if self.trained is None else self.trained)
+
+    @classmethod
+    def of(cls, model) -> ModelShape:
+        """The shape of a built (possibly sharded) Hugging Face model."""
+        cfg = model.config
+        heads = getattr(cfg, "num_attention_heads", 1)
+        return cls(
+            params=sum(p.numel() for p in model.parameters()),
+            trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, vocab=getattr(cfg, "vocab_size", 0),
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes per GPU of each phase at its worst."""
+
+    rollout: float
+    critic_update: float
+    actor_update: float
+
+    def worst(self) -> float:
+        return max(self.rollout, self.critic_update, self.actor_update)
+
+    def line(self, device_bytes: float | None = None) -> str:
+        of = f" of {device_bytes / GiB:.1f} GiB" if device_bytes else ""
+        return (f"memory plan per GPU, worst case{of}: rollout {self.rollout / GiB:.1f} GiB, critic update "
+                f"{self.critic_update / GiB:.1f} GiB, actor update {self.actor_update / GiB:.1f} GiB")  # fmt: skip
+
+
+def activations(shape: ModelShape, tokens: float, checkpointing: bool) -> float:
+    """Bytes a forward keeps for its backward over `tokens` tokens (bf16)."""
+    per_layer = 34 * shape.hidden * tokens
+    if checkpointing:
+        return 2 * shape.hidden * tokens * shape.layers + per_layer
+    return per_layer * shape.layers
+
+
+def memory_plan(
+    policy: ModelShape, critic: ModelShape | None, *, world: int, sharded: bool, reference: bool,
+    prompt: int, max_new_tokens: int, responses: int, micro_batch: int, max_tokens: int | None,
+    checkpointing: bool, engine: str, device_bytes: float, gpu_memory_utilization: float,
+) -> Plan:  # fmt: skip
+    """The plan for one rank: `responses` sampled a step, micro-batches of `micro_batch`
+    responses or of `max_tokens` tokens, every sequence `prompt + max_new_tokens` long."""
+    share = world if sharded else 1
+    states = (policy.state_bytes + (critic.state_bytes if critic else 0) + (4 * policy.params if reference else 0)) / share
+    seq = prompt + max_new_tokens
+    # a micro-batch filled to its budget (a sequence over it alone), or micro_batch sequences
+    tokens = max(max_tokens, seq) if max_tokens else micro_batch * seq
+    if engine == "vllm":
+        rollout = states + gpu_memory_utilization * device_bytes
+    else:
+        kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * 2 * responses * seq
+        rollout = states + 2 * policy.params + kv  # the gathered bf16 weights sample
+    actor = states + policy.gradient_bytes / share + activations(policy, tokens, checkpointing) + 4 * tokens * policy.vocab
+    critic_update = states + (critic.gradient_bytes / share + activations(critic, tokens, checkpointing) if critic else 0)
+    return Plan(rollout, critic_update, actor)
+
+
+def check_memory(module) -> None:
+    """Prints a `VAPOModule`'s memory plan per GPU (rank 0) and refuses, in one line, a run
+    whose worst phase would not fit the device."""
+    import torch
+
+    from vapo_lightning.config import SetupError
+    from vapo_lightning.lora import is_lora
+
+    trainer = module.trainer
+    strategy, dm = trainer.strategy, trainer.datamodule
+    total = torch.cuda.get_device_properties(module.device).total_memory
+    plan = memory_plan(
+        ModelShape.of(module.policy), ModelShape.of(module.critic) if module.critic is not None else None,
+        world=trainer.world_size, sharded=getattr(strategy, "mode", None) == "fsdp",
+        reference=module.ref_policy is not None and not is_lora(module.policy), prompt=module.longest_prompt,
+        max_new_tokens=module.gen.max_new_tokens, responses=dm.prompts_per_step * module.gen.n,
+        micro_batch=module.algo.micro_batch_size, max_tokens=module.algo.max_tokens_per_micro_batch,
+        checkpointing=bool(getattr(strategy, "activation_checkpointing", False)), engine=module.gen.engine,
+        device_bytes=total, gpu_memory_utilization=module.gen.vllm.gpu_memory_utilization,
+    )  # fmt: skip
+    if trainer.is_global_zero:
+        print(plan.line(total), flush=True)
+    if plan.worst() > total:
+        raise SetupError(f"{plan.line(total)}: over the device. Lower model.algorithm.micro_batch_size "
+                         "(or set max_tokens_per_micro_batch), model.generation.max_new_tokens or "
+                         "vllm.gpu_memory_utilization, shard with --trainer.strategy=fsdp on more GPUs, "
+                         "or turn on activation checkpointing (docs/distributed.md#memory-plan)")  # fmt: skip
