@@ -134,3 +134,27 @@ def test_every_scalar_the_module_reduces_is_on_its_device(tok):
         out = module.global_sum(x)
         assert out.device.type == "meta" and out.dtype == torch.float32
     assert [d.type for d in strategy.devices] == ["meta"] * 3
+
+
+def test_offload_reaches_every_fsdp_unit_of_the_chosen_models(monkeypatch):
+    """`VAPOStrategy(offload=[...])`: FSDP2's CPUOffloadPolicy on every unit of the models
+    named (it runs on GPUs only: here the call is recorded, not made)."""
+    import torch.distributed.fsdp as fsdp
+
+    from vapo_lightning.distributed import VAPOStrategy, shard
+    from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
+
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: calls.append(kw["offload_policy"]))
+    tok = load_tokenizer("vapo_lightning/assets/quickstart_sft")
+    policy = build_policy(ModelSpec(config=WIDE, tokenizer="vapo_lightning/assets/quickstart_sft"), tok)
+    shard(policy, None, None, offload=True)
+    assert len(calls) == 4 + 1 and all(type(c) is fsdp.CPUOffloadPolicy for c in calls)  # 4 layers, the root
+    calls.clear()
+    shard(policy, None, None)
+    assert calls and not any(isinstance(c, fsdp.CPUOffloadPolicy) for c in calls)
+    assert VAPOStrategy(offload=["critic", "reference"]).offload == ("critic", "reference")
+    with pytest.raises(ValueError, match="offload"):
+        VAPOStrategy(offload=["optimiser"])
+    with pytest.raises(ValueError, match="offload"):
+        VAPOStrategy(mode="ddp", offload=["critic"])

@@ -56,3 +56,8 @@ def test_replication_holds_every_state_on_every_rank_and_the_native_engine_its_k
     assert ddp.actor_update == pytest.approx(states + 4e6 + acts + 4 * 512 * 1000)
     lora = ModelShape(params=1e6, layers=2, hidden=64, vocab=1000, kv_heads=2, head_dim=32, trained=1e4)
     assert lora.state_bytes == 12e4 + 4 * (1e6 - 1e4) and lora.gradient_bytes == 4e4
+
+
+def test_offloaded_models_leave_their_states_in_host_memory():
+    p, off = plan_7b(), plan_7b(offload=("critic",))
+    assert p.rollout - off.rollout == pytest.approx(12 * 7.07e9 / 8)

@@ -67,6 +67,11 @@ class VAPOStrategy(ModelParallelStrategy):
             (resume with `--ckpt_path last`); False: one full file assembled on rank 0. ddp
             always writes one file from rank 0, as Lightning's DDP does: every rank holds the
             whole models, and Lightning's model-parallel loading reads only sharded ones.
+        offload: fsdp: the models whose shards, gradients and optimiser states live in host
+            memory between their uses ("policy", "critic", "reference"; FSDP2's
+            `CPUOffloadPolicy`, as verl's `offload_policy` and NeMo-RL's `cpu_offload`): the
+            device keeps only what a forward or an update is using, at the cost of host-device
+            copies and an optimiser step on the CPU. GPUs only.
         keep_saves: fsdp: complete saves kept per checkpoint name (the newest and the ones
             before it, for a save that turns out bad); older ones are deleted.
         accumulate_unsharded: fsdp: accumulate a mini-batch's gradient unsharded and
@@ -86,6 +91,7 @@ class VAPOStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         accumulate_unsharded: bool = False,
         keep_saves: int = 2,
+        offload: tuple[str, ...] | list[str] = (),
         **kwargs: Any,
     ) -> None:
         if mode not in MODES:
@@ -98,6 +104,11 @@ class VAPOStrategy(ModelParallelStrategy):
         if keep_saves < 1:
             raise ValueError("VAPOStrategy.keep_saves must be >= 1")
         self.keep_saves = keep_saves
+        unknown = set(offload) - {"policy", "critic", "reference"}
+        if unknown or (offload and mode != "fsdp"):
+            raise ValueError(f"VAPOStrategy.offload: models among 'policy', 'critic', 'reference', under "
+                             f"mode='fsdp' (got {list(offload)}, mode={mode!r})")  # fmt: skip
+        self.offload = tuple(offload)
 
     def setup_environment(self) -> None:
         # One data-parallel dimension over every rank of every node; no tensor parallelism.
@@ -243,11 +254,11 @@ def parallelize(module: Any) -> None:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if strategy.mode == "fsdp":
         mp = _mixed_precision(str(module.trainer.precision))
-        for m in [*trainable, ref]:
+        named = {"policy": module.policy, "critic": module.critic, "reference": ref}
+        for name, m in named.items():
             if m is not None:
-                shard_from_rank0(
-                    m, strategy.dp_mesh, mp, strategy.reshard_after_forward, strategy.root_device
-                )
+                shard_from_rank0(m, strategy.dp_mesh, mp, strategy.reshard_after_forward, strategy.root_device,
+                                 offload=name in strategy.offload)  # fmt: skip
     else:
         from torch.distributed._composable import replicate
 
@@ -291,18 +302,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard(model: nn.Module, mesh: Any, mp: Any, reshard_after_forward: bool = True) -> None:
+def shard(model: nn.Module, mesh: Any, mp: Any, reshard_after_forward: bool = True, offload: bool = False) -> None:
     """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, head).
 
     Marks the model FSDP-managed for Hugging Face `generate`, which then keeps every rank
     decoding (`synced_gpus`) until all ranks have finished, as each step gathers weights (our
     sampler gathers them once per rollout instead: `generation.gathered_weights`).
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()  # (OffloadPolicy(): none)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     model._is_fsdp_managed_module = True
     model.reshard_after_forward = reshard_after_forward  # restored by `gathered_weights`
 
@@ -313,6 +325,7 @@ def shard_from_rank0(
     mp: Any,
     reshard_after_forward: bool,
     device: torch.device,
+    offload: bool = False,
 ) -> None:
     """`shard`, then global rank 0's full weights broadcast into every rank's shards.
 
@@ -333,7 +346,7 @@ def shard_from_rank0(
     # Rank 0's full tensors, referenced (not copied) so that they outlive the sharding below;
     # freed on return (the shards are copies).
     full = model.state_dict() if rank0 else {}
-    shard(model, mesh, mp, reshard_after_forward)
+    shard(model, mesh, mp, reshard_after_forward, offload)
     if on_meta:
         model.to_empty(device=device)  # this rank's shards and buffers, not yet filled
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

@@ -89,11 +89,15 @@ def memory_plan(
     policy: ModelShape, critic: ModelShape | None, *, world: int, sharded: bool, reference: bool,
     prompt: int, max_new_tokens: int, responses: int, micro_batch: int, max_tokens: int | None,
     checkpointing: bool, engine: str, device_bytes: float, gpu_memory_utilization: float,
+    offload: tuple[str, ...] = (),
 ) -> Plan:  # fmt: skip
     """The plan for one rank: `responses` sampled a step, micro-batches of `micro_batch`
-    responses or of `max_tokens` tokens, every sequence `prompt + max_new_tokens` long."""
+    responses or of `max_tokens` tokens, every sequence `prompt + max_new_tokens` long; the
+    models in `offload` keep their states in host memory (counted as none here)."""
     share = world if sharded else 1
-    states = (policy.state_bytes + (critic.state_bytes if critic else 0) + (4 * policy.params if reference else 0)) / share
+    resident = {"policy": policy.state_bytes, "critic": critic.state_bytes if critic else 0,
+                "reference": 4 * policy.params if reference else 0}  # fmt: skip
+    states = sum(v for k, v in resident.items() if k not in offload) / share
     seq = prompt + max_new_tokens
     # a micro-batch filled to its budget (a sequence over it alone), or micro_batch sequences
     tokens = max(max_tokens, seq) if max_tokens else micro_batch * seq
@@ -126,6 +130,7 @@ def check_memory(module) -> None:
         micro_batch=module.algo.micro_batch_size, max_tokens=module.algo.max_tokens_per_micro_batch,
         checkpointing=bool(getattr(strategy, "activation_checkpointing", False)), engine=module.gen.engine,
         device_bytes=total, gpu_memory_utilization=module.gen.vllm.gpu_memory_utilization,
+        offload=tuple(getattr(strategy, "offload", ())),
     )  # fmt: skip
     if trainer.is_global_zero:
         print(plan.line(total), flush=True)
