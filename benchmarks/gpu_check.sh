@@ -7,7 +7,10 @@
 #   5. bench_engines.py: the native sampler against vLLM at Qwen2.5-1.5B's shape, 512 prompts x 4
 #      responses of 1024 tokens (targets: vLLM >= 5x the native tokens/s, weight sync <= 10 % of
 #      a step). Needs vLLM on the GPU machine (its CUDA wheel is far over what a run can carry).
-# `bash benchmarks/gpu_check.sh engines` runs part 5 alone (about 6 minutes); no argument runs 1-5.
+#   6. scripts/gpu_ready.py: the GPU-readiness checks (an update's peak memory by a token budget
+#      against the memory plan; fsdp + bf16 through the CLI with sharded saves, a resume, an export).
+# `bash benchmarks/gpu_check.sh engines` runs part 5 alone (about 6 minutes), `ready` part 6
+# alone (a few minutes, the first thing to run on a lent GPU); no argument runs 1-6.
 # On a machine with a registry, install the project first (`pip install -e '.[dev]'`, and the
 # TRL venvs bench_trl.py names); the script then uses what is installed. On a machine without
 # one, the packages it lacks travel as wheels in .whl/ (git-ignored), fetched where a registry
@@ -42,7 +45,12 @@ engines() {
     --gpu-memory-utilization 0.4 --out "$OUT/engines_gpu.md" > "$OUT/engines_gpu.log" 2>&1
   echo "exit $?"; cat "$OUT/engines_gpu.md" 2>/dev/null; tail -5 "$OUT/engines_gpu.log"
 }
+ready() {
+  echo "== 6. GPU readiness: token budget against the memory plan; fsdp fit, sharded saves, resume, export"
+  timeout 480 python3 scripts/gpu_ready.py 2>&1 | tee "$OUT/gpu_ready.log" | grep -E "^(token_budget|fit):"
+}
 if [[ "$PART" == engines ]]; then engines; exit; fi
+if [[ "$PART" == ready ]]; then ready; exit; fi
 
 echo "== 1. pytest on the GPU"
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_core.py 2>&1 | tee "$OUT/pytest.log" | tail -15
@@ -76,3 +84,4 @@ tail -3 "$OUT/trl_gpu_gpt2small.log"
 echo "== 4. decoding time per step, fp32 and bf16"
 timeout 80 python3 benchmarks/probes/probe_decode_gpu.py 2>&1 | grep -v Warning | tee "$OUT/probe_decode.log" | grep "ms/step"
 engines
+ready
