@@ -549,3 +549,34 @@ def test_pi_old_from_the_rollout_skips_the_policy_pass(tok, tmp_path, monkeypatc
 def test_pi_old_from_the_rollout_is_a_checked_setting():
     with pytest.raises(ValueError, match="old_logprobs='engine'"):
         Algorithm(old_logprobs="engine")
+
+
+@pytest.mark.parametrize("metric", ["correct", "reward"])
+def test_dynamic_sampling_filters_on_correctness_not_on_shaping_rewards(tok, tmp_path, metric):
+    """Every answer wrong, told apart only by a shaping reward (as DAPO's overlong penalty or a
+    format bonus do): on correctness (the default, the DAPO paper's and verl's) no group has a
+    signal, so all 3 rounds are drawn in full; on the total reward the groups whose lengths
+    differ were kept (fewer fresh prompts drawn)."""
+    from vapo_lightning.rewards.base import RewardCallback
+
+    class AllWrong(RewardCallback):
+        correct_threshold = 0.0
+
+        def score(self, samples):
+            return [-1.0] * len(samples)
+
+    class Shaping(RewardCallback):  # not a verifier: varies with the answer's length
+        def score(self, samples):
+            return [-len(s.response_ids) / 100 for s in samples]
+
+    L.seed_everything(3)
+    algorithm = Algorithm(advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=2,
+                          dynamic_sampling_metric=metric)  # fmt: skip
+    module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[AllWrong(), Shaping()], limit_val_batches=0)
+    trainer.callbacks = [cb for cb in trainer.callbacks if type(cb).__name__ != "ParityReward"]
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    logged = scalars(tmp_path)
+    ((_, sampled),) = logged["rollout/responses_sampled"]  # 4 prompts × 4 a round
+    assert sampled == 48.0 if metric == "correct" else sampled < 48.0
+    assert logged["rollout/all_or_none_correct_groups"] == [(0, 1.0)]

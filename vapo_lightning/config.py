@@ -87,8 +87,13 @@ class Algorithm:
     the updates' own first forwards instead of separate no-grad passes (verl's on_policy:
     the same gradients, one forward of each model fewer; `benchmarks/results/trainer.md`)."""
     dynamic_sampling_rounds: int = 0
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample fresh
+    """DAPO's dynamic sampling: drop groups whose responses all agree and sample fresh
     prompts, at most this many extra rounds; 0 disables it."""
+    dynamic_sampling_metric: Literal["correct", "reward"] = "correct"
+    """What dynamic sampling's groups must differ in: 'correct', the verifiers' verdicts (the
+    DAPO paper's "accuracy equal to 1 or 0"; verl's filter_groups.metric=acc), so a group of
+    all-wrong answers that only shaping rewards (an overlong penalty, a format bonus) tell
+    apart is dropped; 'reward', the total reward."""
     max_bad_steps: int = 3
     """Stop after this many consecutive updates with a non-finite loss or gradient."""
     rollout_is: Literal["none", "tis"] = "none"
@@ -129,6 +134,7 @@ class Algorithm:
             "rollout_is": self.rollout_is in ("none", "tis"),
             "rollout_is_cap": self.rollout_is_cap >= 1,
             "old_logprobs": self.old_logprobs in ("recompute", "rollout"),
+            "dynamic_sampling_metric": self.dynamic_sampling_metric in ("correct", "reward"),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

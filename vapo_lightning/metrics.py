@@ -104,7 +104,8 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer, global_sum: GlobalSum = Tenso
     m = {
         "critic/score/mean": r.scores.mean(),
         "rollout/accuracy": r.correct.float().mean(),
-        "rollout/zero_spread_groups": core.zero_spread_share(r.scores, r.group_ids),
+        "rollout/zero_spread_groups": core.zero_spread_share(r.scores, r.group_ids),  # of the total reward
+        "rollout/all_or_none_correct_groups": core.zero_spread_share(r.correct.float(), r.group_ids),
         **answer_shares("rollout", [s.response for s in r.samples]),
         "response_length/mean": lengths.mean(),
         "response_length/max": lengths.max(),

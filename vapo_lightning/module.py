@@ -261,7 +261,7 @@ class VAPOModule(L.LightningModule):
             rounds_seen.append(r)
             if not rounds:
                 break
-            informative = r.select(core.informative_groups(r.scores, r.group_ids))
+            informative = r.select(core.informative_groups(self.dynamic_sampling_signal(r), r.group_ids))
             if len(informative):
                 kept.append(informative)
             have = sum(len(x) for x in kept)
@@ -272,10 +272,15 @@ class VAPOModule(L.LightningModule):
         self.engine(self.gen).release(keep_weights=self.actor_frozen)  # the models train next
         if rounds:
             if not kept:  # every group uniform in every round: zero advantages
-                rank_zero_warn(f"dynamic sampling: all groups had equal rewards in {rounds + 1} rounds")
+                what = "correctness" if self.algo.dynamic_sampling_metric == "correct" else "rewards"
+                rank_zero_warn(f"dynamic sampling: every group's answers had equal {what} in {rounds + 1} rounds")
                 kept = [r]
             r = self.equal_batches(cat_rollouts(kept), want)
         return with_round_counts(r, rounds_seen)
+
+    def dynamic_sampling_signal(self, r: Rollout) -> torch.Tensor:
+        """(B,) what a kept group's responses must differ in: correctness, or the reward."""
+        return r.correct.float() if self.algo.dynamic_sampling_metric == "correct" else r.scores
 
     def equal_batches(self, r: Rollout, want: int) -> Rollout:
         """At most `want` responses, and under several ranks as many as the smallest rank's,
