@@ -68,3 +68,27 @@ def test_validate_needs_no_training_file_and_fit_says_it_does(tmp_path):
     with pytest.raises(SystemExit) as stop:
         main(["fit", *args])
     assert str(stop.value.code).startswith("vapo: error: data.train: training needs prompts")
+
+
+@pytest.mark.slow
+def test_a_fit_writing_to_a_file_logs_one_line_per_step(tmp_path):
+    """stdout to a file (a run in the background): a line per rollout step with its time,
+    reward, accuracy, length and phases, where a progress bar shows nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml", "--trainer.max_steps=3",
+             f"--trainer.default_root_dir={tmp_path}", "--model.val_before_train=false"],
+            cwd=root, stdout=out, stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+        )  # fmt: skip
+    assert done.returncode == 0
+    lines = [line for line in log.read_text().splitlines() if "] step " in line]
+    assert [line.split("] step ")[1].split()[0] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert all(" s  reward " in line and "accuracy" in line and "length" in line and "gen " in line for line in lines)
+    assert "value pretraining" in lines[0] and "value pretraining" not in lines[2]

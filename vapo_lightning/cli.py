@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from vapo_lightning.callbacks import TrainingSamples, progress_bar
+from vapo_lightning.callbacks import StepLog, TrainingSamples, progress_bar
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError, continue_logging
 from vapo_lightning.config import SetupError
 from vapo_lightning.console import quiet_lightning
@@ -222,6 +222,8 @@ class VAPOCLI(_OwnProgs, LightningCLI):
             plugins.append(AtomicCheckpointIO())
         callbacks = config.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if not sys.stdout.isatty() and not any(isinstance(cb, StepLog) for cb in callbacks):
+            callbacks.append(StepLog())  # (a bar does not reach a file: a line per step does)
         if config.get("enable_progress_bar") is not False and not any(
             isinstance(cb, ProgressBar) for cb in callbacks
         ):
