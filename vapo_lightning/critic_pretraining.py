@@ -65,6 +65,8 @@ from vapo_lightning.updates import clip_and_step, compute_values, micro_batches,
 
 __all__ = ["Options", "main", "monte_carlo_returns", "pretrain_critic", "split_by_prompt"]
 
+SAMPLING = ("engine", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
+            "max_turns", "max_observation_tokens")  # the generation settings the buffer depends on
 BUFFER_FIELDS = (
     "input_ids",
     "attention_mask",
@@ -89,6 +91,7 @@ class Options:
     min_delta: float = 0.005  # what counts as better
     chunk_prompts: int = 16  # prompts sampled (and saved) at a time
     seed: int = 0
+    buffer: str | None = None  # the buffer's folder (None: <out>/buffer), e.g. a committed one
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -138,7 +141,7 @@ class Buffer:
     records what sampled them, and a buffer sampled otherwise is refused, never overwritten."""
 
     def __init__(self, root: Path, meta: dict[str, Any]) -> None:
-        self.root, self.meta = root / "buffer", meta
+        self.root, self.meta = root, meta
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "meta.json"
         if path.exists():
@@ -162,6 +165,8 @@ class Buffer:
 
     def save(self, i: int, r: Rollout, prompt_index: list[int], seconds: float) -> None:
         data = {k: getattr(r, k).cpu() for k in BUFFER_FIELDS}
+        data["input_ids"] = data["input_ids"].int()  # (compact on disk: a few MB for thousands)
+        data["attention_mask"] = data["attention_mask"].bool()
         data["group_ids"] = torch.tensor(prompt_index)[
             r.group_ids.cpu()
         ]  # the prompt's index in the data
@@ -177,6 +182,7 @@ class Buffer:
         for i in range(chunks):
             data = torch.load(self.chunk_path(i), weights_only=True)
             seconds += float(data.pop("seconds"))
+            data["input_ids"], data["attention_mask"] = data["input_ids"].long(), data["attention_mask"].long()
             parts.append(Rollout(**{k: data[k] for k in BUFFER_FIELDS if k not in ("scores", "correct")},
                                  scores=data["scores"], correct=data["correct"]))  # fmt: skip
         r = cat_rollouts(parts)
@@ -227,9 +233,10 @@ def from_config(args: list[str]) -> Setup:
         raise SetupError(
             "vapo pretrain-critic runs in one process: leave trainer.devices / num_nodes at 1"
         )
-    settings = {
-        "policy": asdict(module.policy_spec),
-        "generation": asdict(module.gen),
+    spec, gen = module.policy_spec, module.gen
+    settings = {  # what decides the answers and their scores, nothing else
+        "policy": {"name_or_path": spec.name_or_path, "config": spec.config, "tokenizer": spec.tokenizer},
+        "generation": {k: getattr(gen, k) for k in SAMPLING},
         "data.train": str(dm.hparams.train),
         "prompts": [
             hashlib.sha256(json.dumps(r["prompt_ids"]).encode()).hexdigest()[:16] for r in rows
@@ -279,7 +286,7 @@ def sample_buffer(s: Setup, opts: Options, out: Path) -> tuple[Rollout, float, l
     fingerprint = hashlib.sha256(
         json.dumps(settings, sort_keys=True, default=str).encode()
     ).hexdigest()
-    buffer = Buffer(out, {"fingerprint": fingerprint, "settings": settings})
+    buffer = Buffer(Path(opts.buffer) if opts.buffer else out / "buffer", {"fingerprint": fingerprint, "settings": settings})
     chunks = [chosen[i : i + opts.chunk_prompts] for i in range(0, len(chosen), opts.chunk_prompts)]
     todo = [i for i in range(len(chunks)) if not buffer.has(i)]
     if todo:
@@ -534,7 +541,7 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
         "initial policy (VAPO §4.1); every other flag is the run's config, as for `vapo fit`.",
     )
     for name, value in asdict(Options()).items():
-        kind = int if name in ("prompts",) else type(value)
+        kind = {"prompts": int, "buffer": str}.get(name, type(value))
         parser.add_argument(f"--{name}", type=kind, default=value)
     known, rest = parser.parse_known_args(argv)
     opts = Options(**vars(known))
