@@ -158,3 +158,14 @@ def test_offload_reaches_every_fsdp_unit_of_the_chosen_models(monkeypatch):
         VAPOStrategy(offload=["optimiser"])
     with pytest.raises(ValueError, match="offload"):
         VAPOStrategy(mode="ddp", offload=["critic"])
+
+
+def test_precisions_that_do_not_train_right_are_refused_under_data_parallelism():
+    from vapo_lightning.config import SetupError
+    from vapo_lightning.distributed import check_precision
+
+    for ok in ("bf16-mixed", "32-true", "32"):
+        check_precision(ok)
+    for bad in ("bf16-true", "16-mixed"):
+        with pytest.raises(SetupError, match=f"trainer.precision={bad}"):
+            check_precision(bad)

@@ -37,6 +37,7 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from torch import nn
 
+from vapo_lightning.config import SetupError
 from vapo_lightning.lora import is_lora, merged_weights
 
 __all__ = [
@@ -247,6 +248,7 @@ def parallelize(module: Any) -> None:
     strategy = _strategy(module)
     if strategy is None or getattr(module, "_parallelized", False):
         return
+    check_precision(str(module.trainer.precision))
     trainable = [m for m in (module.policy, module.critic) if m is not None]
     ref = module.ref_policy if isinstance(module.ref_policy, nn.Module) else None  # (LoRA: the policy)
     if strategy.activation_checkpointing:
@@ -270,6 +272,16 @@ def parallelize(module: Any) -> None:
             for t in [*ref.parameters(), *ref.buffers()]:
                 dist.broadcast(t.data, src=0)
     module._parallelized = True
+
+
+def check_precision(precision: str) -> None:
+    """The precisions data parallelism trains right with: fp32 weights and AdamW states with
+    bf16 compute (`bf16-mixed`), or fp32. `bf16-true` keeps bf16 master weights, which do not
+    move at RL's learning rates (a 1e-6 step is below bf16's resolution near 1); `16-mixed`'s
+    gradient scaler does not reach the manual optimisation's clipping."""
+    if precision in ("bf16-true", "bf16", "16-mixed", "16", "16-true", "fp16"):
+        raise SetupError(f"trainer.precision={precision}: under --trainer.strategy=ddp|fsdp train with "
+                         "bf16-mixed (bf16 compute, fp32 weights and optimiser states) or 32-true")  # fmt: skip
 
 
 def remove_save(path: Path) -> None:
