@@ -123,7 +123,7 @@ def test_bf16_autocast_decoding_keeps_a_bf16_cache_on_cuda(tok, monkeypatch):
     """test_generation.py's `test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype` on
     the GPU (never run on one yet: run it on the next lent GPU): under CUDA autocast
     the cache is bf16 and greedy tokens equal those of the fp32 cache SDPA casts itself."""
-    import vapo_lightning.engines.sampler as generation
+    import vapo_lightning.engines.kv_cache as generation
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(tok))

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from tests.helpers import TINY_LLAMA
 from vapo_lightning.attention import SDPA, SharedPrefix
 from vapo_lightning.engines import sampler
+from vapo_lightning.engines.kv_cache import GrowingLayer
 from vapo_lightning.engines.sampler import (
-    GrowingLayer,
     inverse_cdf_draw,
     next_tokens,
     sample_responses,
@@ -353,7 +353,7 @@ def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypa
     greedy tokens as the fp32 cache that SDPA casts itself. Without autocast: fp32. On a CPU
     with AMX, simulated here whatever this machine has (else: the next test)."""
     import vapo_lightning.attention as attention
-    import vapo_lightning.engines.sampler as generation
+    import vapo_lightning.engines.kv_cache as generation
 
     monkeypatch.setattr(attention, "cpu_has_amx", lambda: True)
 
