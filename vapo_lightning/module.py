@@ -4,8 +4,8 @@ One `training_step` is one rollout step of the paper's algorithm box, one line p
 rollout (group sampling, by an engine) -> reward -> old log-probs and values -> critic
 updates (decoupled GAE targets) -> advantages (length-adaptive GAE) -> actor updates, each
 `ppo_epochs` × mini-batches × micro-batches with global token normalisers. The math lives in
-`core` and `advantages`, the model passes in `updates`, the sampling in `engines`; this file
-orchestrates and holds every Lightning hook.
+`core` and `advantages`, the model passes in `updates`, the sampling in `engines`, DAPO's
+rounds in `dynamic_sampling`, the validation hooks in `validation`; this file orchestrates.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
-from vapo_lightning import core
 from vapo_lightning.advantages import actor_signal, compute_advantages, critic_targets
-from vapo_lightning.callbacks import ValidationSamples, watches_the_policy
+from vapo_lightning.callbacks import watches_the_policy
 from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim, SetupError
 from vapo_lightning.distributed import (
@@ -30,6 +28,7 @@ from vapo_lightning.distributed import (
     save_pretrained,
     shards_checkpoints,
 )
+from vapo_lightning.dynamic_sampling import sample_in_rounds
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
 from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
 from vapo_lightning.memory_plan import check_memory
@@ -45,11 +44,12 @@ from vapo_lightning.models import (
     weights_from_source,
 )
 from vapo_lightning.packing import pack_size
-from vapo_lightning.rewards.base import RewardCallback, check_callbacks, combine_rewards
-from vapo_lightning.rollout import Rollout, cat_rollouts, with_round_counts
+from vapo_lightning.rewards.base import RewardCallback, check_callbacks, score_rollout
+from vapo_lightning.rollout import Rollout, with_round_counts
 from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
 from vapo_lightning.updates import (
     DataParallel,
+    adamw_with_warmup,
     compute_log_probs,
     compute_values,
     count_bad_steps,
@@ -57,14 +57,11 @@ from vapo_lightning.updates import (
     update_actor,
     update_critic,
 )
-from vapo_lightning.validation import ValidationMetrics, run_validation
+from vapo_lightning.validation import ValidationHooks, ValidationMetrics
 
 __all__ = ["VAPOModule"]
 
-VAL_SEED = 1234  # validation samples the same draws at every validation
-
-
-class VAPOModule(L.LightningModule):
+class VAPOModule(ValidationHooks, L.LightningModule):
     """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
 
     Args:
@@ -162,16 +159,10 @@ class VAPOModule(L.LightningModule):
             compile_in_place(self.policy, self.critic)
 
     def configure_optimizers(self) -> Any:
-        o = self.optim
-        models = [(self.policy, o.actor_lr)] + ([(self.critic, o.critic_lr)] if self.critic else [])
-        trained = [([p for p in m.parameters() if p.requires_grad], lr) for m, lr in models]  # LoRA: adapters
-        optimizers = [
-            torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused_adamw(params))
-            for params, lr in trained
-        ]
-        warmup = lambda step: min(1.0, (step + 1) / (o.warmup_steps + 1))  # noqa: E731
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, warmup) for opt in optimizers]
-        return optimizers, schedulers
+        o, models = self.optim, [(self.policy, self.optim.actor_lr), (self.critic, self.optim.critic_lr)]
+        pairs = [adamw_with_warmup([p for p in m.parameters() if p.requires_grad], lr, o)  # LoRA: adapters
+                 for m, lr in models if m is not None]  # fmt: skip
+        return [opt for opt, _ in pairs], [sched for _, sched in pairs]
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)
@@ -245,50 +236,27 @@ class VAPOModule(L.LightningModule):
         self._count_rollout_as_one_step()
 
     def rollout_and_score(self, batch: list[dict], timer: PhaseTimer) -> Rollout:
-        """Samples n responses per prompt and scores them. DAPO's dynamic sampling keeps only
-        groups whose rewards differ, drawing fresh prompts for a bounded number of rounds."""
-        rounds, n = self.algo.dynamic_sampling_rounds, self.gen.n
-        kept, rounds_seen, rows, want = [], [], batch, len(batch) * n
+        """Samples n responses per prompt and scores them (group sampling, §4.3); with DAPO's
+        dynamic sampling, in rounds until the groups that disagree fill the batch
+        (`dynamic_sampling`)."""
         with timer("weight_sync"):  # vLLM: the policy's new weights into the engine
             self.engine(self.gen).sync()
-        for round_ in range(rounds + 1):
+
+        def draw(rows: list[dict]) -> Rollout:
             with timer("gen"):
                 r = self.sample(rows, self.gen)
             if self.tools:
                 timer.move(r.tool_seconds, "gen", "tools")
             with timer("reward"):
                 self.compute_rewards(r)
-            rounds_seen.append(r)
-            if not rounds:
-                break
-            informative = r.select(core.informative_groups(self.dynamic_sampling_signal(r), r.group_ids))
-            if len(informative):
-                kept.append(informative)
-            have = sum(len(x) for x in kept)
-            # Every rank runs as many rounds as the neediest one (sharded generate is collective).
-            if round_ == rounds or self.global_sum(float(have < want)) == 0:
-                break
-            rows = self.trainer.datamodule.sample_prompts(max(1, -(-(want - have) // n)))
+            return r
+
+        r, rounds = sample_in_rounds(
+            draw, batch, self.gen.n, self.algo, any_rank_short=lambda short: self.global_sum(float(short)) > 0,
+            more_prompts=self.trainer.datamodule.sample_prompts, smallest=lambda k: -self.global_max(-k),
+        )  # fmt: skip
         self.engine(self.gen).release(keep_weights=self.actor_frozen)  # the models train next
-        if rounds:
-            if not kept:  # every group uniform in every round: zero advantages
-                what = "correctness" if self.algo.dynamic_sampling_metric == "correct" else "rewards"
-                rank_zero_warn(f"dynamic sampling: every group's answers had equal {what} in {rounds + 1} rounds")
-                kept = [r]
-            r = self.equal_batches(cat_rollouts(kept), want)
-        return with_round_counts(r, rounds_seen)
-
-    def dynamic_sampling_signal(self, r: Rollout) -> torch.Tensor:
-        """(B,) what a kept group's responses must differ in: correctness, or the reward."""
-        return r.correct.float() if self.algo.dynamic_sampling_metric == "correct" else r.scores
-
-    def equal_batches(self, r: Rollout, want: int) -> Rollout:
-        """At most `want` responses, and under several ranks as many as the smallest rank's,
-        so every rank makes the same number of optimiser steps."""
-        size = torch.tensor(min(len(r), want), device=self.device)
-        if self.trainer.world_size > 1:
-            size = self.all_gather(size).min()
-        return r.select(torch.arange(int(size)))
+        return with_round_counts(r, rounds)
 
     def engine(self, gen: Generation) -> RolloutEngine:
         """The engine `gen` names, made on first use (after a checkpoint was restored, so a
@@ -314,13 +282,7 @@ class VAPOModule(L.LightningModule):
     def compute_rewards(self, r: Rollout) -> None:
         """Reward callbacks -> R per response (`r.scores`, placed on the last token by GAE),
         and whether every verifier counts it correct (`r.correct`)."""
-        callbacks = self.reward_callbacks
-        outcome = combine_rewards(callbacks, r.samples)
-        r.scores = torch.tensor(outcome.rewards, dtype=torch.float32, device=self.device)
-        r.correct = torch.tensor(outcome.correct(callbacks), device=self.device)
-        r.reward_errors, r.reward_metrics = outcome.errors, dict(outcome.metrics)
-        r.reward_names, parts = list(outcome.per_callback), list(outcome.per_callback.values())
-        r.reward_parts = torch.tensor(parts, dtype=torch.float32, device=self.device).T  # (B, K)
+        score_rollout(r, self.reward_callbacks, self.device)
 
     @property
     def logprob_temperature(self) -> float:
@@ -423,53 +385,6 @@ class VAPOModule(L.LightningModule):
         for engine in self.engines.values():  # restored weights: an engine made before reloads
             engine.policy_changed()
 
-    def on_train_start(self) -> None:
-        """Scores the validation set once before any update (logged at step 0)."""
-        dm = getattr(self.trainer, "datamodule", None)
-        if not self.val_before_train or dm is None or not getattr(dm, "has_val", False):
-            return
-        if self.trainer.global_step > 0:  # resumed: the run already scored its start
-            return
-        recorders = [c for c in self.trainer.callbacks if isinstance(c, ValidationSamples)]
-        run_validation(self, dm.val_dataloader(), recorders)
-        metrics = {k: float(v) for k, v in self.compute_val_metrics().items()}
-        for logger in self.trainer.loggers:
-            logger.log_metrics(metrics, step=0)
-        if self.trainer.is_global_zero:
-            self.print(f"val/accuracy before training: {metrics['val/accuracy']:.3f}")
-        self.initial_val_accuracy = metrics["val/accuracy"]
-
-    @torch.no_grad()
-    def validation_step(self, batch: list[dict], batch_idx: int) -> None:
-        """Samples (in a forked RNG, seeded per batch: the same draws at every validation,
-        the training stream untouched) and scores one batch of validation prompts."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(VAL_SEED + batch_idx)
-            r = self.sample(batch, self.val_gen)
-        self.compute_rewards(r)
-        self.last_val_rollout = r  # for callbacks (ValidationSamples)
-        self.val_metrics.update(r)
-
-    def on_validation_epoch_end(self) -> None:
-        metrics = self.compute_val_metrics()
-        if not self.trainer.sanity_checking:
-            self.log_dict(metrics, batch_size=1)
-            self.log("val/acc", metrics["val/accuracy"], prog_bar=True, logger=False, batch_size=1)
-
-    def compute_val_metrics(self) -> dict[str, Any]:
-        dm = getattr(self.trainer, "datamodule", None)
-        known = {row["data_source"] for row in getattr(dm, "val_rows", ())}
-        if self.trainer.world_size == 1:
-            return self.val_metrics.compute(known, any_rank=lambda seen: seen)
-        return self.val_metrics.compute(known, lambda seen: self.all_gather(seen).reshape(-1, len(seen)).amax(0))
-
-    def on_validation_end(self) -> None:
-        """Training goes on after validation: the engine gives its memory back, keeping its
-        weights (the policy did not change)."""
-        if self.val_gen.engine in self.engines:
-            self.engines[self.val_gen.engine].release(keep_weights=True)
-
     def teardown(self, stage: str) -> None:
         for engine in self.engines.values():
             engine.close()
@@ -506,14 +421,3 @@ class VAPOModule(L.LightningModule):
         save_pretrained(self.policy, self.tokenizer, directory / "policy", zero)
         if self.critic is not None:
             save_pretrained(self.critic, self.tokenizer, directory / "critic", zero)
-
-
-def fused_adamw(params: list[torch.Tensor]) -> bool:
-    """AdamW's fused kernel for plain fp32/bf16 parameters on the CPU or a GPU (torch's
-    default there is the per-tensor `foreach` loop): one step over SmolLM2-135M's
-    parameters took 0.06 s fused against 0.35 s on 2 CPU cores. Not for sharded (DTensor)
-    parameters, which keep torch's default."""
-    return bool(params) and all(
-        type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16)
-        for p in params
-    )

@@ -5,7 +5,7 @@ Scored with the same reward callbacks as training (a verifier's `correct_thresho
 decides "correct"), logged as `val/accuracy` and `val/accuracy/<data_source>`, with the shares
 of answers the math rules read and of boxed ones (`val/answer_share`, `val/boxed_share`); with tools
 also `val/tools/share_of_responses` and `val/tools/calls/mean`. The module's validation hooks
-(`VAPOModule.validation_step`, `on_validation_epoch_end`) feed and read them.
+(`ValidationHooks`, which `VAPOModule` takes its validation from) feed and read them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric, SumMetric
 
+from vapo_lightning.callbacks import ValidationSamples
 from vapo_lightning.metrics import answer_shares
 from vapo_lightning.rollout import Rollout
 
-__all__ = ["ValidationMetrics", "run_validation"]
+__all__ = ["ValidationHooks", "ValidationMetrics", "run_validation"]
+
+VAL_SEED = 1234  # validation samples the same draws at every validation
 
 
 class ValidationMetrics(torch.nn.Module):
@@ -103,3 +106,57 @@ def run_validation(module: Any, batches: Iterable[list[dict]], recorders: list[A
             c.on_validation_batch_end(module.trainer, module, None, batch, i)
     for c in recorders:
         c.on_validation_epoch_end(module.trainer, module)
+
+
+class ValidationHooks:
+    """`VAPOModule`'s Lightning hooks of validation: the score before training, each
+    validation batch sampled in a forked, seeded RNG, the metrics over ranks, and the engine
+    given back its memory after. Reads the module's `sample`, `compute_rewards`, `val_gen`,
+    `val_metrics` and `engines`."""
+
+    def on_train_start(self) -> None:
+        """Scores the validation set once before any update (logged at step 0)."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if not self.val_before_train or dm is None or not getattr(dm, "has_val", False):
+            return
+        if self.trainer.global_step > 0:  # resumed: the run already scored its start
+            return
+        recorders = [c for c in self.trainer.callbacks if isinstance(c, ValidationSamples)]
+        run_validation(self, dm.val_dataloader(), recorders)
+        metrics = {k: float(v) for k, v in self.compute_val_metrics().items()}
+        for logger in self.trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+        if self.trainer.is_global_zero:
+            self.print(f"val/accuracy before training: {metrics['val/accuracy']:.3f}")
+        self.initial_val_accuracy = metrics["val/accuracy"]
+
+    @torch.no_grad()
+    def validation_step(self, batch: list[dict], batch_idx: int) -> None:
+        """Samples (in a forked RNG, seeded per batch: the same draws at every validation,
+        the training stream untouched) and scores one batch of validation prompts."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(VAL_SEED + batch_idx)
+            r = self.sample(batch, self.val_gen)
+        self.compute_rewards(r)
+        self.last_val_rollout = r  # for callbacks (ValidationSamples)
+        self.val_metrics.update(r)
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.compute_val_metrics()
+        if not self.trainer.sanity_checking:
+            self.log_dict(metrics, batch_size=1)
+            self.log("val/acc", metrics["val/accuracy"], prog_bar=True, logger=False, batch_size=1)
+
+    def compute_val_metrics(self) -> dict[str, Any]:
+        dm = getattr(self.trainer, "datamodule", None)
+        known = {row["data_source"] for row in getattr(dm, "val_rows", ())}
+        if self.trainer.world_size == 1:
+            return self.val_metrics.compute(known, any_rank=lambda seen: seen)
+        return self.val_metrics.compute(known, lambda seen: self.all_gather(seen).reshape(-1, len(seen)).amax(0))
+
+    def on_validation_end(self) -> None:
+        """Training goes on after validation: the engine gives its memory back, keeping its
+        weights (the policy did not change)."""
+        if self.val_gen.engine in self.engines:
+            self.engines[self.val_gen.engine].release(keep_weights=True)

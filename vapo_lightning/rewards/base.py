@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
+import torch
 
 __all__ = [
     "RewardCallback",
@@ -316,6 +317,19 @@ def combine_rewards(
         per_callback[name] = scores
         total = [t + cb.weight * s for t, s in zip(total, scores)]
     return RewardOutcome(total, per_callback, errors, metrics)
+
+
+def score_rollout(r: Any, callbacks: Sequence[RewardCallback], device: Any = None) -> None:
+    """Scores rollout `r`'s samples with `callbacks`: the total reward (`r.scores`, (B,)),
+    whether every verifier counts each correct (`r.correct`), each callback's own score
+    (`r.reward_parts`, (B, K), `r.reward_names`), errors and metrics, on `device`."""
+
+    outcome = combine_rewards(callbacks, r.samples)
+    r.scores = torch.tensor(outcome.rewards, dtype=torch.float32, device=device)
+    r.correct = torch.tensor(outcome.correct(callbacks), device=device)
+    r.reward_errors, r.reward_metrics = outcome.errors, dict(outcome.metrics)
+    r.reward_names, parts = list(outcome.per_callback), list(outcome.per_callback.values())
+    r.reward_parts = torch.tensor(parts, dtype=torch.float32, device=device).T  # (B, K)
 
 
 def check_callbacks(callbacks: Sequence[Any]) -> None:
