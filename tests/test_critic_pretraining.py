@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import TINY_LLAMA, make_rows, write_jsonl
+from vapo_lightning import critic_buffer as cb
 from vapo_lightning import critic_pretraining as cp
+from vapo_lightning.advantages import monte_carlo_returns
 from vapo_lightning.cli import main
 
 
@@ -53,9 +55,9 @@ def buffer_tensors(out: Path) -> list[dict]:
 def test_monte_carlo_returns_and_the_split_by_prompt():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     scores = torch.tensor([2.0, -1.0])
-    g = cp.monte_carlo_returns(scores, mask)
+    g = monte_carlo_returns(scores, mask)
     assert g.tolist() == [[2.0, 2.0, 2.0, 0.0], [-1.0, -1.0, 0.0, 0.0]]
-    g = cp.monte_carlo_returns(scores, mask, gamma=0.5)  # the reward sits on the last token
+    g = monte_carlo_returns(scores, mask, gamma=0.5)  # the reward sits on the last token
     assert g[0, :3].tolist() == [0.5, 1.0, 2.0]
     train, held = cp.split_by_prompt(50, 0.1, seed=0)
     assert len(held) == 5 and not set(train) & set(held) and sorted(train + held) == list(range(50))
@@ -110,7 +112,7 @@ def test_the_buffer_is_reused_and_a_killed_call_resumes_with_the_same_draws(conf
     whole = buffer_tensors(tmp_path / "whole")
     assert len(whole) == 3  # 24 prompts in chunks of 8
 
-    calls, score = [], cp.combine_rewards
+    calls, score = [], cb.score_rollout
 
     def killed_at_the_second_chunk(*args):
         calls.append(1)
@@ -118,20 +120,20 @@ def test_the_buffer_is_reused_and_a_killed_call_resumes_with_the_same_draws(conf
             raise KeyboardInterrupt
         return score(*args)
 
-    monkeypatch.setattr(cp, "combine_rewards", killed_at_the_second_chunk)
+    monkeypatch.setattr(cb, "score_rollout", killed_at_the_second_chunk)
     with pytest.raises(KeyboardInterrupt):
         pretrain(config, tmp_path / "killed", "--max_epochs=1")
     assert [p.name for p in sorted((tmp_path / "killed" / "buffer").glob("chunk_*"))] == ["chunk_00000.pt"]
-    monkeypatch.setattr(cp, "combine_rewards", score)
+    monkeypatch.setattr(cb, "score_rollout", score)
     pretrain(config, tmp_path / "killed", "--max_epochs=1")
     resumed = buffer_tensors(tmp_path / "killed")
     for a, b in zip(whole, resumed, strict=True):
-        for k in cp.BUFFER_FIELDS:
+        for k in cb.BUFFER_FIELDS:
             assert torch.equal(a[k], b[k]), k
 
     # A second call samples nothing: the engine is never made, the chunks are not rewritten.
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "whole" / "buffer").glob("chunk_*")}
-    monkeypatch.setattr(cp, "make_engine", lambda *a, **k: pytest.fail("sampled again"))
+    monkeypatch.setattr(cb, "make_engine", lambda *a, **k: pytest.fail("sampled again"))
     report = pretrain(config, tmp_path / "whole", "--max_epochs=2")
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert report["buffer"]["responses"] == 48

@@ -16,7 +16,7 @@ from vapo_lightning import core, critic_checks
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout
 
-__all__ = ["actor_lambda", "actor_signal", "compute_advantages", "critic_gate", "critic_targets"]
+__all__ = ["actor_lambda", "actor_signal", "compute_advantages", "critic_gate", "critic_targets", "monte_carlo_returns"]
 
 
 def actor_lambda(r: Rollout, a: Algorithm) -> Tensor:
@@ -64,14 +64,20 @@ def compute_advantages(
     r.advantages = adv
 
 
+def monte_carlo_returns(scores: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """(B, T) the λ = 1 return G_t = Σ_k γ^k r_{t+k} of the sparse reward (R on the last
+    response token, §4.1): R at every token when γ = 1; V_old cancels out at λ = 1."""
+    rewards = core.sparse_rewards(scores, mask)
+    return core.gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]
+
+
 @torch.no_grad()
 def critic_gate(r: Rollout, a: Algorithm, global_sum: Callable[[Tensor], Tensor]) -> Tensor:
     """EVPO's gate (arXiv 2604.19485, §4), (B,) all alike: 1 where the critic's explained variance on this
     batch, V_old against the λ = γ = 1 return over every rank's valid tokens, exceeds
     `a.critic_gate` (its variance reduction then beats the batch mean's), else 0; 0 where
     the return does not vary (nothing to explain). The same on every rank."""
-    mc = core.gae(core.sparse_rewards(r.scores, r.response_mask), torch.zeros_like(r.values),
-                  r.response_mask, a.gamma, 1.0)[1]  # fmt: skip
+    mc = monte_carlo_returns(r.scores, r.response_mask, a.gamma)
     ev = critic_checks.explained_variance(r.values, mc, r.response_mask, global_sum)
     return (ev > a.critic_gate).float().expand(len(r)).clone()  # (B,) alike; NaN > x is False
 

@@ -6,13 +6,12 @@ The paper warms the critic up from the fixed initial policy "until the value los
 generation and rewards:
 
 1. **Buffer**: n answers to each of many distinct training prompts (a critic learns a
-   prompt's difficulty from many prompts, not from many answers to few), sampled once in
-   chunks written to ``<out>/buffer/``: a second call reuses them, a killed call goes on from
-   the last whole chunk, and each chunk draws from its own seed, so the buffer is the same
-   however often the call was interrupted.
+   prompt's difficulty from many prompts, not from many answers to few), sampled once into
+   ``<out>/buffer/`` (`critic_buffer`: reused, resumed, the same draws however often it was
+   interrupted).
 2. **Regression**: the critic on the λ = γ = 1 Monte-Carlo return (the final reward at every
-   response token), epochs over the buffer's training prompts, AdamW at the config's critic
-   learning rate and warm-up; a held-out split *by prompt* is scored after every epoch
+   response token) by `updates.update_critic` without a value clip, epochs over the buffer's
+   training prompts, AdamW at the config's critic learning rate and warm-up; a held-out split *by prompt* is scored after every epoch
    (`critic_checks`); training stops when its explained variance has not improved for
    `patience` epochs, and the best epoch's critic is written (Hugging Face format) to
    ``<out>/critic``, which a run loads with ``--model.critic.name_or_path=<out>/critic``.
@@ -29,53 +28,34 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
 import os
 import platform
 import subprocess
-import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
-from vapo_lightning import core
+from vapo_lightning.advantages import monte_carlo_returns
 from vapo_lightning.config import SetupError
+from vapo_lightning.critic_buffer import Setup, from_config, progress, sample_buffer, say
 from vapo_lightning.critic_checks import check_critic
 from vapo_lightning.distributed import save_pretrained
-from vapo_lightning.engines import make_engine
 from vapo_lightning.models import add_adapters, build_critic, build_policy
 from vapo_lightning.packing import pack_size
-from vapo_lightning.rewards.base import RewardCallback, combine_rewards
-from vapo_lightning.rollout import Rollout, cat_rollouts, critic_values
-from vapo_lightning.updates import clip_and_step, compute_values, micro_batches, mini_batches
-
-__all__ = ["Options", "main", "monte_carlo_returns", "pretrain_critic", "split_by_prompt"]
-
-SAMPLING = ("engine", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-            "max_turns", "max_observation_tokens")  # the generation settings the buffer depends on
-BUFFER_FIELDS = (
-    "input_ids",
-    "attention_mask",
-    "response_mask",
-    "group_ids",
-    "truncated",
-    "scores",
-    "correct",
+from vapo_lightning.updates import (
+    DataParallel,
+    adamw_with_warmup,
+    compute_values,
+    mini_batches,
+    update_critic,
 )
+
+__all__ = ["Options", "improved", "main", "pretrain_critic", "split_by_prompt", "stopped"]
 
 
 @dataclass
@@ -92,18 +72,6 @@ class Options:
     chunk_prompts: int = 16  # prompts sampled (and saved) at a time
     seed: int = 0
     buffer: str | None = None  # the buffer's folder (None: <out>/buffer), e.g. a committed one
-
-
-# --------------------------------------------------------------------------- pure parts
-
-
-def monte_carlo_returns(
-    scores: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
-) -> torch.Tensor:
-    """(B, T) the λ = 1 return G_t = Σ_k γ^k r_{t+k} of the sparse reward (R on the last
-    response token, §4.1): R at every token when γ = 1."""
-    rewards = core.sparse_rewards(scores, mask)
-    return core.gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[1]
 
 
 def split_by_prompt(num_prompts: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
@@ -133,194 +101,7 @@ def improved(history: list[dict[str, float]], min_delta: float) -> int:
     return best
 
 
-# --------------------------------------------------------------------------- the buffer
-
-
-class Buffer:
-    """Answers to the chosen prompts, in chunk files under ``<out>/buffer``; `meta.json`
-    records what sampled them, and a buffer sampled otherwise is refused, never overwritten."""
-
-    def __init__(self, root: Path, meta: dict[str, Any]) -> None:
-        self.root, self.meta = root, meta
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / "meta.json"
-        if path.exists():
-            found = json.loads(path.read_text())
-            if found["fingerprint"] != meta["fingerprint"]:
-                changed = sorted(
-                    k for k in meta["settings"] if found["settings"].get(k) != meta["settings"][k]
-                )
-                raise SetupError(
-                    f"{self.root}: a buffer sampled with other settings ({', '.join(changed)} differ); "
-                    "give another --out, or delete that folder to sample anew"
-                )
-        else:
-            _write_atomically(path, json.dumps(meta, indent=1).encode())
-
-    def chunk_path(self, i: int) -> Path:
-        return self.root / f"chunk_{i:05d}.pt"
-
-    def has(self, i: int) -> bool:
-        return self.chunk_path(i).exists()
-
-    def save(self, i: int, r: Rollout, prompt_index: list[int], seconds: float) -> None:
-        data = {k: getattr(r, k).cpu() for k in BUFFER_FIELDS}
-        data["input_ids"] = data["input_ids"].int()  # (compact on disk: a few MB for thousands)
-        data["attention_mask"] = data["attention_mask"].bool()
-        data["group_ids"] = torch.tensor(prompt_index)[
-            r.group_ids.cpu()
-        ]  # the prompt's index in the data
-        data["seconds"] = seconds
-        path = self.chunk_path(i)
-        torch.save(data, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)  # a killed save leaves no half chunk
-
-    def load(self, chunks: int) -> tuple[Rollout, float]:
-        """Every chunk as one rollout (group ids: the prompts' indices), and the seconds their
-        sampling and scoring took."""
-        parts, seconds = [], 0.0
-        for i in range(chunks):
-            data = torch.load(self.chunk_path(i), weights_only=True)
-            seconds += float(data.pop("seconds"))
-            data["input_ids"], data["attention_mask"] = data["input_ids"].long(), data["attention_mask"].long()
-            parts.append(Rollout(**{k: data[k] for k in BUFFER_FIELDS if k not in ("scores", "correct")},
-                                 scores=data["scores"], correct=data["correct"]))  # fmt: skip
-        r = cat_rollouts(parts)
-        r.group_ids = torch.cat([p.group_ids for p in parts])  # (cat_rollouts renumbers groups)
-        return r, seconds
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- the command
-
-
-@dataclass
-class Setup:
-    """What the run's config gives the pretraining (`from_config`)."""
-
-    module: Any  # VAPOModule, models not built
-    rows: list[dict]
-    rewards: list[RewardCallback]
-    precision: str
-    device: torch.device
-    settings: dict[str, Any]  # what decides the buffer's content (its fingerprint)
-
-
-def from_config(args: list[str]) -> Setup:
-    """The run's module, training prompts and reward callbacks from ``vapo fit``'s own config
-    and flags (the same one-line errors), without starting a run."""
-    from vapo_lightning.cli import run_cli
-
-    argv, sys.argv = (
-        sys.argv,
-        [sys.argv[0], *args],
-    )  # (Lightning warns when given args and sys.argv)
-    try:
-        cli = run_cli(None, run=False)
-    finally:
-        sys.argv = argv
-    module, dm, trainer = cli.model, cli.datamodule, cli.trainer
-    rows = dm.load_rows("train", module.tokenizer)
-    rewards = [cb for cb in trainer.callbacks if isinstance(cb, RewardCallback)]
-    if not rewards:
-        raise SetupError("trainer.callbacks: no reward callback to score the buffer with")
-    if trainer.world_size > 1:
-        raise SetupError(
-            "vapo pretrain-critic runs in one process: leave trainer.devices / num_nodes at 1"
-        )
-    spec, gen = module.policy_spec, module.gen
-    settings = {  # what decides the answers and their scores, nothing else
-        "policy": {"name_or_path": spec.name_or_path, "config": spec.config, "tokenizer": spec.tokenizer},
-        "generation": {k: getattr(gen, k) for k in SAMPLING},
-        "data.train": str(dm.hparams.train),
-        "prompts": [
-            hashlib.sha256(json.dumps(r["prompt_ids"]).encode()).hexdigest()[:16] for r in rows
-        ],
-        "rewards": [
-            f"{type(cb).__module__}.{type(cb).__qualname__}(weight={cb.weight})" for cb in rewards
-        ],
-    }
-    for cb in rewards:  # (a sandbox pool, worker processes: closed by `close`)
-        cb.setup(trainer, module, "fit")
-    return Setup(
-        module, rows, rewards, str(trainer.precision), trainer.strategy.root_device, settings
-    )
-
-
-def autocast(precision: str, device: torch.device) -> AbstractContextManager:
-    """The forward context of Lightning's mixed precision (`bf16-mixed`, `16-mixed`)."""
-    if precision.endswith("-mixed"):
-        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-        return torch.autocast(device.type, dtype=dtype)
-    return nullcontext()
-
-
-def progress() -> Progress:
-    """A rich bar on a terminal; written to a file or a pipe (a run in the background), one
-    plain line per chunk and per epoch instead (`say`)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), disable=not sys.stderr.isatty())  # fmt: skip
-
-
-def say(line: str) -> None:
-    """A progress line where no bar shows (stderr not a terminal)."""
-    if not sys.stderr.isatty():
-        print(f"[{datetime.datetime.now():%H:%M:%S}] {line}", file=sys.stderr, flush=True)
-
-
-def sample_buffer(s: Setup, opts: Options, out: Path) -> tuple[Rollout, float, list[int]]:
-    """The buffer (sampled, or read where it already is): one rollout over the chosen
-    prompts, the seconds its sampling took, and the prompts' indices."""
-    chosen = torch.randperm(
-        len(s.rows), generator=torch.Generator().manual_seed(opts.seed)
-    ).tolist()
-    chosen = sorted(chosen[: opts.prompts] if opts.prompts else chosen)
-    gen = replace(s.module.gen, n=opts.samples_per_prompt)
-    settings = {**s.settings, "chosen": chosen, "samples_per_prompt": opts.samples_per_prompt,
-                "seed": opts.seed, "chunk_prompts": opts.chunk_prompts}  # fmt: skip
-    fingerprint = hashlib.sha256(
-        json.dumps(settings, sort_keys=True, default=str).encode()
-    ).hexdigest()
-    buffer = Buffer(Path(opts.buffer) if opts.buffer else out / "buffer", {"fingerprint": fingerprint, "settings": settings})
-    chunks = [chosen[i : i + opts.chunk_prompts] for i in range(0, len(chosen), opts.chunk_prompts)]
-    todo = [i for i in range(len(chunks)) if not buffer.has(i)]
-    if todo:
-        policy = s.module.policy
-        longest = max(len(s.rows[i]["prompt_ids"]) for i in chosen) + gen.max_new_tokens
-        engine = make_engine(gen, policy, s.module.tokenizer, s.module.tools, max_model_len=longest,
-                             precision=s.precision, local_rank=0)  # fmt: skip
-        try:
-            with progress() as bar:
-                task = bar.add_task(
-                    "sampling the buffer", total=len(chunks), completed=len(chunks) - len(todo)
-                )
-                for i in todo:
-                    start = time.perf_counter()
-                    with torch.random.fork_rng(
-                        devices=[s.device] if s.device.type == "cuda" else []
-                    ):
-                        torch.manual_seed(opts.seed * 1_000_003 + i)
-                        with autocast(s.precision, s.device), torch.no_grad():
-                            engine.sync()
-                            r = engine.sample(
-                                [s.rows[j] for j in chunks[i]], gen, reproducible=True
-                            )
-                    outcome = combine_rewards(s.rewards, r.samples)
-                    r.scores = torch.tensor(outcome.rewards, dtype=torch.float32)
-                    r.correct = torch.tensor(outcome.correct(s.rewards))
-                    buffer.save(i, r, chunks[i], time.perf_counter() - start)
-                    bar.advance(task)
-                    say(f"buffer chunk {i + 1}/{len(chunks)}: {len(r)} responses, "
-                        f"{time.perf_counter() - start:.0f} s, {100 * float(r.correct.float().mean()):.0f} % correct")  # fmt: skip
-        finally:
-            engine.close()
-    r, seconds = buffer.load(len(chunks))
-    return r, seconds, chosen
 
 
 def pretrain_critic(argv: list[str], opts: Options) -> dict[str, Any]:
@@ -336,40 +117,31 @@ def pretrain_critic(argv: list[str], opts: Options) -> dict[str, Any]:
             cb.close()
 
 
-def _pretrain(
-    s: Setup, argv: list[str], opts: Options, out: Path, started: float
-) -> dict[str, Any]:
-    module, algo, optim = s.module, s.module.algo, s.module.optim
-    if not algo.uses_critic:
+def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: float) -> dict[str, Any]:
+    module, optim = s.module, s.module.optim
+    if not module.algo.uses_critic:
         raise SetupError("model.algorithm.advantage='group' has no critic to pretrain")
+    # The critic's regression: the λ = γ = 1 return as the target, no value clip (it bounds
+    # a step against V_old, which a fixed target does not need), one step per mini-batch.
+    algo = replace(module.algo, value_clip=None, critic_updates_per_step=1)
     torch.manual_seed(opts.seed)
     module.policy = build_policy(module.policy_spec, module.tokenizer).to(s.device)
     module.critic = build_critic(module.critic_spec, module.policy, module.tokenizer).to(s.device)
-    module.policy, module.critic = add_adapters(
-        module.policy, module.critic, module.policy_spec, module.critic_spec
-    )
-    buffer, sample_seconds, chosen = sample_buffer(s, opts, out)
+    module.policy, module.critic = add_adapters(module.policy, module.critic, module.policy_spec, module.critic_spec)
+    folder = Path(opts.buffer) if opts.buffer else out / "buffer"
+    buffer, sample_seconds, chosen = sample_buffer(s, folder, opts.prompts, opts.samples_per_prompt,
+                                                   opts.chunk_prompts, opts.seed)  # fmt: skip
     module.policy = None  # the critic trains alone from here
     critic = module.critic
 
     _, held_prompts = split_by_prompt(len(chosen), opts.held_out, opts.seed)
     in_held = torch.isin(buffer.group_ids, torch.tensor([chosen[i] for i in held_prompts]))
-    train, held = (
-        buffer.select(torch.nonzero(~in_held)[:, 0]),
-        buffer.select(torch.nonzero(in_held)[:, 0]),
-    )
+    train, held = buffer.select(torch.nonzero(~in_held)[:, 0]), buffer.select(torch.nonzero(in_held)[:, 0])
     for part in (train, held):
         part.returns = monte_carlo_returns(part.scores, part.response_mask, algo.gamma)
-        part.pack = pack_size(part.group_ids, algo)
-        part.shared_start = algo.share_prompts
+        part.pack, part.shared_start = pack_size(part.group_ids, algo), algo.share_prompts
 
-    params = [p for p in critic.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params, lr=optim.critic_lr, betas=optim.betas, weight_decay=optim.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: min(1.0, (step + 1) / (optim.warmup_steps + 1))
-    )
+    opt, sched = adamw_with_warmup([p for p in critic.parameters() if p.requires_grad], optim.critic_lr, optim)
     state_path, history = out / "state.pt", []
     if state_path.exists():  # a killed call: go on after its last whole epoch
         state = torch.load(state_path, weights_only=False)
@@ -379,11 +151,9 @@ def _pretrain(
         history = state["history"]
 
     def score(epoch: int, train_loss: float, seconds: float) -> dict[str, float]:
-        with autocast(s.precision, s.device):
+        with s.forward_context():
             values = compute_values(critic, held, algo.micro_batch_size)
-        checks = check_critic(
-            values, held.returns, held.scores, held.correct, held.group_ids, held.response_mask
-        )
+        checks = check_critic(values, held.returns, held.scores, held.correct, held.group_ids, held.response_mask)
         return {"epoch": epoch, "train/value_loss": train_loss, **{f"held_out/{k}": v for k, v in checks.items()},
                 "minutes": seconds / 60}  # fmt: skip
 
@@ -399,23 +169,15 @@ def _pretrain(
             if len(batches) == 1:  # (one mini-batch comes in order: shuffle it too)
                 batches = [torch.randperm(len(train))]
             bar.update(task, total=len(batches), completed=0, description=f"critic epoch {epoch}")
-            critic.train()
-            loss_sum = tokens = 0.0
+            losses = []
             for index in batches:
-                n_tokens = train.response_mask[index].sum()
-                for _, micro in micro_batches(train, algo.micro_batch_size, index):
-                    with autocast(s.precision, s.device):
-                        values = critic_values(critic, micro)
-                    loss, _ = core.value_loss(
-                        values, values.detach(), micro.returns, micro.response_mask, n_tokens, None
-                    )
-                    loss.backward()
-                    loss_sum += float(loss.detach()) * float(n_tokens)
-                clip_and_step(opt, critic, optim.max_grad_norm)
+                with s.forward_context():
+                    stats = update_critic(critic, opt, train, [index], lambda micro: micro.returns, algo,
+                                          optim.max_grad_norm, DataParallel())  # fmt: skip
                 sched.step()
-                tokens += float(n_tokens)
+                losses += stats["critic/vf_loss"]
                 bar.advance(task)
-            history.append(score(epoch, loss_sum / max(tokens, 1), time.perf_counter() - start))
+            history.append(score(epoch, sum(losses) / len(losses), time.perf_counter() - start))
             if improved(history, opts.min_delta) == epoch:
                 save_pretrained(critic, module.tokenizer, out / "critic", True)
             torch.save({"critic": critic.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
@@ -434,16 +196,11 @@ def _pretrain(
         "machine": _machine(),
         "options": asdict(opts),
         "buffer": {
-            "prompts": len(chosen),
-            "responses": len(buffer),
-            "training_responses": len(train),
-            "held_out_responses": len(held),
-            "held_out_prompts": len(held_prompts),
-            "correct": float(buffer.correct.float().mean()),
-            "mean_reward": float(buffer.scores.mean()),
+            "prompts": len(chosen), "responses": len(buffer), "training_responses": len(train),
+            "held_out_responses": len(held), "held_out_prompts": len(held_prompts),
+            "correct": float(buffer.correct.float().mean()), "mean_reward": float(buffer.scores.mean()),
             "mean_response_tokens": float(buffer.response_lengths.float().mean()),
-            "truncated": float(buffer.truncated.float().mean()),
-            "sampling_minutes": sample_seconds / 60,
+            "truncated": float(buffer.truncated.float().mean()), "sampling_minutes": sample_seconds / 60,
         },
         "epochs": history,
         "best_epoch": best,
@@ -482,6 +239,7 @@ def render(report: dict[str, Any]) -> str:
         f"sampled and scored in {b['sampling_minutes']:.1f} min.  ",
         f"Stopped: {report['stopped']}; the critic written ({report['critic']}) is epoch {report['best_epoch']}'s.",
         "",
+        "Train value loss: the mean over the epoch's mini-batches of their per-token 0.5 (V - R)². "
         "Held-out: the responses to prompts the critic never trained on. Explained variance against the "
         "λ = γ = 1 return (the final reward at every token); by the tenth of the response the token lies in; "
         "calibration: correlation over prompts of V(s_0) with the prompt's success rate; baseline shares: the "

@@ -18,8 +18,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from vapo_lightning.advantages import monte_carlo_returns
 from vapo_lightning.critic_checks import check_critic
-from vapo_lightning.critic_pretraining import monte_carlo_returns
 from vapo_lightning.packing import pack_size
 from vapo_lightning.rollout import Rollout
 from vapo_lightning.updates import compute_values
