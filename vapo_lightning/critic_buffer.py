@@ -38,7 +38,7 @@ from vapo_lightning.rollout import Rollout, cat_rollouts
 __all__ = ["BUFFER_FIELDS", "Buffer", "Setup", "from_config", "progress", "sample_buffer", "say"]
 
 SAMPLING = ("engine", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-            "max_turns", "max_observation_tokens")  # the generation settings the buffer depends on  # fmt: skip
+            "max_turns", "max_observation_tokens")  # fmt: skip (the generation settings the buffer depends on)
 BUFFER_FIELDS = ("input_ids", "attention_mask", "response_mask", "group_ids", "truncated", "scores", "correct")
 
 

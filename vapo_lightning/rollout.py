@@ -309,15 +309,16 @@ def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:
 
 def _dense_packs_pay(model: PreTrainedModel, r: Rollout) -> bool:
     """Whether dense-mask packs of `r.pack` answers cost `model` less work than rows, at this
-    micro-batch's mean prompt and answer lengths (`packing.dense_packing_saves_work`)."""
+    micro-batch's prompt and answer widths, which the dense mask computes over whatever the
+    real lengths (`packing.dense_packing_saves_work`; shapes only: no device sync)."""
     cfg = model.config
     layers, hidden = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "hidden_size", None)
     if layers is None or hidden is None:
         return True
-    prompt = float(r.attention_mask[:, : r.prompt_length].sum(-1).float().mean())
-    answer = float(r.response_extent.float().mean())
-    params = sum(p.numel() for p in model.parameters())
-    return packing.dense_packing_saves_work(prompt, answer, r.pack, params, layers, hidden)
+    if "_vapo_parameters" not in model.__dict__:  # (counted once per model)
+        model.__dict__["_vapo_parameters"] = sum(p.numel() for p in model.parameters())
+    params = model.__dict__["_vapo_parameters"]
+    return packing.dense_packing_saves_work(r.prompt_length, r.response_mask.shape[1], r.pack, params, layers, hidden)
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:
