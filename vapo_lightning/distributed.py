@@ -24,6 +24,7 @@ gradient equals the single-process gradient of the same global batch.
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import json
 import os
@@ -33,7 +34,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from torch import nn
 
@@ -52,6 +52,26 @@ __all__ = [
 ]
 
 MODES = ("ddp", "fsdp")
+
+
+def destroy_process_groups() -> None:
+    """Destroys every process group while the interpreter is alive, at exit.
+
+    Lightning does it for NCCL only. A gloo group left to the interpreter's finalisation may
+    abort the finished run ("terminate called without an active exception", exit -6;
+    pytorch/pytorch#190489). `destroy_process_group` alone does not free the groups: each
+    `DeviceMesh` keeps its groups in `_pg_registry`, and DTensor's sharding-propagation and
+    redistribution caches keep the meshes alive, so the groups' threads would still run into
+    finalisation. The meshes let go of them here, and the groups are freed before exit.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for mesh in (obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)):
+        getattr(mesh, "_pg_registry", {}).clear()
+    gc.collect()
 
 
 class VAPOStrategy(ModelParallelStrategy):
@@ -116,12 +136,8 @@ class VAPOStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
-        # Lightning destroys the process group at exit for NCCL only. A gloo group left to the
-        # interpreter's finalisation may abort the finished run ("terminate called without an
-        # active exception", exit -6; pytorch/pytorch#190489), so ours is destroyed while the
-        # interpreter is alive, whatever the backend. Registered once; a no-op when destroyed.
-        atexit.unregister(_destroy_dist_connection)
-        atexit.register(_destroy_dist_connection)
+        atexit.unregister(destroy_process_groups)  # registered once
+        atexit.register(destroy_process_groups)
 
     @property
     def dp_mesh(self) -> Any:
