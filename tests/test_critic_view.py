@@ -17,7 +17,7 @@ import torch
 from tests.helpers import scalars, tiny_data, tiny_module, tiny_trainer
 from tests.test_tools import rollout_with_observations
 from vapo_lightning.config import Algorithm
-from vapo_lightning.critic_view import CriticView, pick_rows, token_views
+from vapo_lightning.critic_view import CriticView, TokenView, figure, pick_rows, token_views
 from vapo_lightning.models import load_tokenizer
 from vapo_lightning.rollout import critic_values
 
@@ -79,6 +79,34 @@ def test_pick_rows_shows_a_wrong_answer_when_there_is_one():
     assert pick_rows(torch.tensor([True, True, True, False, True]), 3) == [0, 1, 3]
     assert pick_rows(torch.tensor([True, False, True]), 2) == [0, 1]
     assert pick_rows(torch.tensor([True, True]), 4) == [0, 1]
+
+
+def test_the_picture_of_a_long_wrong_answer_holds_its_last_token_and_its_drop():
+    """A 128-token wrong answer: the reward enters the TD error at token 127 and V falls the
+    most at token 108; both are drawn (and labelled), as `critic_view.md` lists them."""
+    import matplotlib.pyplot as plt
+
+    n, drop = 128, 108
+    value = [0.5 - 0.001 * t - (0.3 if t >= drop else 0.0) for t in range(n)]
+    view = TokenView(prompt="p", response="r", reward=-1.0, correct=False,
+                     tokens=[f"<{t}>" for t in range(n)], action=[True] * n, value=value,
+                     td_error=[0.0] * (n - 1) + [-1.0 - value[-1]], advantage=[0.1] * n, drop=drop)  # fmt: skip
+    fig = figure(view)
+    try:
+        for ax in fig.axes:
+            curves = [line for line in ax.lines if len(line.get_xdata()) == n]
+            assert curves and list(curves[0].get_xdata()) == list(range(n))
+            dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+            assert [list(line.get_xdata()) for line in dashed] == [[drop, drop]]
+            assert ax.get_xlim()[1] > n - 1
+        star = [line for line in fig.axes[1].lines if line.get_marker() == "*"]
+        assert [list(line.get_xdata()) for line in star] == [[n - 1]]
+        assert [list(line.get_ydata()) for line in star] == [[view.td_error[-1]]]
+        labels = [t.get_text() for t in fig.axes[-1].get_xticklabels()]
+        assert "<127>" in labels and "<108>" in labels and len(labels) <= 96 + 2
+        assert f"token {drop}" in fig.axes[0].get_title()
+    finally:
+        plt.close(fig)
 
 
 def test_the_view_draws_the_values_and_advantages_the_update_used(tok, tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,27 +102,43 @@ def pick_rows(correct: Tensor, k: int) -> list[int]:
     return rows
 
 
-def figure(view: TokenView, max_tokens: int = 96) -> Any:
-    """V, TD error and advantage over the response's tokens (the first `max_tokens`)."""
+def figure(view: TokenView, max_labels: int = 96) -> Any:
+    """V, TD error and advantage over every token of the response.
+
+    A sparse-reward critic's signal sits at the end of the answer (the reward enters the TD
+    error at the last action token), so the whole answer is drawn; past `max_labels` tokens
+    only every k-th token is labelled, with the largest drop of V and the last action token
+    always among the labels. The reward is marked where it enters.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = min(len(view.tokens), max_tokens)
-    fig, axes = plt.subplots(3, 1, figsize=(max(6.0, 0.16 * n + 2), 6), sharex=True)
+    n = len(view.tokens)
+    last = max((t for t in range(n) if view.action[t]), default=None)  # where the reward enters
+    fig, axes = plt.subplots(3, 1, figsize=(0.16 * min(n, max_labels) + 2.5, 6), sharex=True)
     series = [("V(s_t)", view.value, "tab:blue"), ("TD error", view.td_error, "tab:orange"),
               ("advantage", view.advantage, "tab:green")]  # fmt: skip
     for ax, (name, ys, color) in zip(axes, series):
-        ax.plot(range(n), ys[:n], marker=".", color=color, lw=1)
+        ax.plot(range(n), ys, marker="." if n <= max_labels else None, color=color, lw=1)
         ax.axhline(0, color="grey", lw=0.5)
         ax.set_ylabel(name)
-        if view.drop is not None and view.drop < n:
+        if view.drop is not None:
             ax.axvline(view.drop, color="red", lw=0.8, ls="--")
-    axes[-1].set_xticks(range(n))
-    axes[-1].set_xticklabels([t.replace("\n", "\\n") for t in view.tokens[:n]], rotation=90, fontsize=6)
-    verdict = "right" if view.correct else "wrong (dashed: largest drop of V)"
-    axes[0].set_title(f"reward {view.reward:+.2f}, {verdict}", fontsize=9)
+    if last is not None:
+        axes[1].plot([last], [view.td_error[last]], marker="*", ms=10, color="black", ls="none")
+        axes[1].annotate(f"reward {view.reward:+.2f}", (last, view.td_error[last]), fontsize=7,
+                         xytext=(-4, 6), textcoords="offset points", ha="right")  # fmt: skip
+    every = math.ceil(n / max_labels) if n else 1
+    ticks = sorted(set(range(0, n, every)) | {t for t in (view.drop, last) if t is not None})
+    axes[-1].set_xlim(-0.5, n - 0.5)
+    axes[-1].set_xticks(ticks)
+    axes[-1].set_xticklabels([view.tokens[t].replace("\n", "\\n") for t in ticks], rotation=90, fontsize=6)
+    shown = "" if every == 1 else f", a label every {every} tokens"
+    drop = "" if view.drop is None else f" (dashed: largest drop of V, token {view.drop})"
+    verdict = "right" if view.correct else f"wrong{drop}"
+    axes[0].set_title(f"reward {view.reward:+.2f}, {verdict}; {n} tokens{shown}", fontsize=9)
     fig.tight_layout()
     return fig
 
