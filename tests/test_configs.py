@@ -69,3 +69,16 @@ def test_the_defaults_run_together():
     batch, algo = prompts * Generation().n, Algorithm()
     assert batch % algo.mini_batch_size == 0 and batch // algo.mini_batch_size > 1
     assert algo.mini_batch_size % algo.micro_batch_size == 0
+
+
+def test_a_yaml_layer_adds_a_reward_without_restating_the_callbacks(tmp_path):
+    """`callbacks+:` in a layer appends to the earlier layers' list (`callbacks:` replaces it)."""
+    layer = tmp_path / "overlong.yaml"
+    layer.write_text(
+        "trainer:\n  callbacks+:\n    - class_path: vapo_lightning.rewards.overlong.OverlongPenalty\n"
+        "      init_args: {max_length: 192, cache_length: 32}\n"
+    )
+    base = [cb["class_path"] for cb in print_config("fit", "-c", "configs/smollm2.yaml")["trainer"]["callbacks"]]
+    layered = print_config("fit", "-c", "configs/smollm2.yaml", "-c", str(layer))["trainer"]["callbacks"]
+    assert [cb["class_path"] for cb in layered] == [*base, "vapo_lightning.rewards.overlong.OverlongPenalty"]
+    assert layered[-1]["init_args"]["cache_length"] == 32

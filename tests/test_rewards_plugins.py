@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 
 from vapo_lightning.rewards import RewardCallback, RewardError, Sample, combine_rewards
-from vapo_lightning.rewards.base import SampleError
+from vapo_lightning.rewards.base import SampleError, check_callbacks
 from vapo_lightning.rewards.format import FormatReward
 from vapo_lightning.rewards.overlong import OverlongPenalty
 from vapo_lightning.rewards.sandbox_fusion import SandboxFusionReward
@@ -79,6 +79,13 @@ def test_failing_rewards_abort_when_configured(values):
 def test_no_reward_callback_is_an_error():
     with pytest.raises(RewardError, match="no reward callback"):
         combine_rewards([], SAMPLES)
+
+
+def test_a_reward_class_listed_twice_is_warned(recwarn):
+    check_callbacks([Fixed([1.0]), FormatReward(), OverlongPenalty(max_length=8, cache_length=2)])
+    assert not [w for w in recwarn if "listed" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"Fixed is listed 2 times, so its reward is added 2 times"):
+        check_callbacks([Fixed([1.0]), FormatReward(), Fixed([0.5])])
 
 
 class Hang(RewardCallback):

@@ -19,12 +19,14 @@ import math
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = [
     "RewardCallback",
@@ -334,7 +336,17 @@ def score_rollout(r: Any, callbacks: Sequence[RewardCallback], device: Any = Non
 
 def check_callbacks(callbacks: Sequence[Any]) -> None:
     """A callback with a `score` method that is no `RewardCallback` would be skipped without a
-    word (its reward never reaching the sum): refuse it before any work."""
+    word (its reward never reaching the sum): refuse it before any work. A reward class listed
+    twice counts twice (a config layer's `callbacks:` list replaces the earlier layers' list,
+    so restating it is the easy way to repeat one): say so."""
+    repeated = Counter(type(cb).__qualname__ for cb in callbacks if isinstance(cb, RewardCallback))
+    for name, times in repeated.items():
+        if times > 1:
+            rank_zero_warn(
+                f"trainer.callbacks: {name} is listed {times} times, so its reward is added {times} "
+                "times; to add a reward over a config's list without restating it, use "
+                "`callbacks+:` in a YAML layer or --trainer.callbacks+= on the command line"
+            )
     for cb in callbacks:
         if callable(getattr(cb, "score", None)) and not isinstance(cb, RewardCallback):
             raise TypeError(
