@@ -38,6 +38,26 @@ def test_critic_from_policy_weights_from_a_causal_lm_path_and_from_a_saved_criti
     assert isinstance(reloaded, type(AutoModelForTokenClassification.from_config(critic.config)))
 
 
+def test_a_critic_from_a_language_model_says_its_head_is_new_in_one_line(tmp_path, capfd, caplog):
+    """transformers' table of missing keys (`score.bias | MISSING`) is what a fresh value head
+    looks like: one line says so instead; a reloaded critic says nothing."""
+    import logging
+
+    tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
+    policy = build_policy(ModelSpec(config=TINY_LLAMA, tokenizer=str(tmp_path / "tok")), tok)
+    policy.save_pretrained(tmp_path / "policy")
+    with caplog.at_level(logging.INFO):
+        critic = build_critic(ModelSpec(name_or_path=str(tmp_path / "policy")), None, tok)
+    said = [r.getMessage() for r in caplog.records if "model.critic" in r.getMessage()]
+    assert said == [f"model.critic: {tmp_path / 'policy'}'s backbone with a fresh value head (score.bias, score.weight)"]
+    assert "LOAD REPORT" not in capfd.readouterr().err
+    critic.save_pretrained(tmp_path / "critic")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        build_critic(ModelSpec(name_or_path=str(tmp_path / "critic")), None, tok)
+    assert not [r for r in caplog.records if "model.critic" in r.getMessage()]
+
+
 def test_llama_without_classifier_dropout_in_its_config_loads_as_critic(tmp_path):
     tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
     cfg = LlamaConfig(

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -183,6 +184,42 @@ def check_critic_tokenizer(spec: ModelSpec, tok: PreTrainedTokenizerBase) -> Non
         )
 
 
+VALUE_HEADS = ("score", "classifier")  # AutoModelForTokenClassification's head, by family
+
+
+@contextlib.contextmanager
+def _without_load_report():
+    """transformers' table of missing keys, which for a critic loaded from a language model
+    lists the value head that is expected to be new."""
+    report = logging.getLogger("transformers.modeling_utils")
+    only_report = _NotTheLoadReport()  # (a quieter level would turn on transformers' TP checks)
+    report.addFilter(only_report)
+    try:
+        yield
+    finally:
+        report.removeFilter(only_report)
+
+
+class _NotTheLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+def _say_what_loaded(source: str, info: dict[str, list[str]]) -> bool:
+    """One line on a critic loaded from `source`: a fresh value head is expected (a language
+    model or backbone has none) and said once; any other missing weight is warned about. True
+    when the head is fresh."""
+    missing = list(info.get("missing_keys", []))
+    head = [k for k in missing if k.split(".")[0] in VALUE_HEADS]
+    other = [k for k in missing if k not in head]
+    if head:
+        rank_zero_info(f"model.critic: {source}'s backbone with a fresh value head ({', '.join(sorted(head))})")
+    if other:
+        rank_zero_warn(f"model.critic: {len(other)} weights missing from {source} were initialised "
+                       f"at random: {', '.join(sorted(other)[:8])}{' ...' if len(other) > 8 else ''}")  # fmt: skip
+    return bool(head)
+
+
 def build_critic(
     spec: ModelSpec | None,
     policy: PreTrainedModel,
@@ -207,11 +244,11 @@ def build_critic(
             model.eval()  # as from_pretrained leaves it
             fresh_head = False  # rank 0 decides, and initialises it
         else:
-            model, info = AutoModelForTokenClassification.from_pretrained(
-                spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True, **_attention(spec)
-            )
-            head = ("score", "classifier")
-            fresh_head = any(k.split(".")[0] in head for k in info["missing_keys"])
+            with _without_load_report():  # said in one line below
+                model, info = AutoModelForTokenClassification.from_pretrained(
+                    spec.name_or_path, config=cfg, dtype=torch.float32, output_loading_info=True, **_attention(spec)
+                )
+            fresh_head = _say_what_loaded(spec.name_or_path, info)
     else:
         from_policy = spec is None or spec.config is None
         cfg = copy.deepcopy(policy.config if from_policy else spec.hf_config())
