@@ -376,10 +376,18 @@ def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 def val_points(run_dir: Path) -> list[float]:
     """val/accuracy of each validation of a run, in the order they ran (the fit's, then the
-    final `vapo validate`'s): not merged by step, as the two processes count steps apart."""
+    final `vapo validate`'s, which logs under `validate/`): not merged by step, as the two
+    processes count steps apart."""
     points = []
-    for path in sorted(glob.glob(f"{run_dir}/lightning_logs/version_*/events.out.tfevents.*"),
-                       key=lambda p: int(Path(p).parent.name.split("_")[1])):  # fmt: skip
+    def version(path: str) -> int:
+        return int(Path(path).parent.name.split("_")[1])
+
+    fit_then_validate = [
+        path
+        for folder in ("lightning_logs", "validate")
+        for path in sorted(glob.glob(f"{run_dir}/{folder}/version_*/events.out.tfevents.*"), key=version)
+    ]
+    for path in fit_then_validate:
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
         if "val/accuracy" in acc.Tags()["scalars"]:

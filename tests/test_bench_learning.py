@@ -220,7 +220,7 @@ def _fake_run(task, seed_acc):
             fit.add_scalar("rollout/accuracy", 0.3 + step / 100, step)
             fit.add_scalar("response_length/mean", 100 + step, step)
         fit.close()
-        validate = SummaryWriter(run_dir / "lightning_logs/version_1")
+        validate = SummaryWriter(run_dir / "validate/version_0")
         validate.add_scalar("val/accuracy", seed_acc + 0.01, 0)
         validate.close()
         rows = B.read_jsonl(B.ROOT / t.val)[:3]

@@ -40,17 +40,25 @@ def test_tiny_cpu_fit_with_every_callback_and_a_plugin(tmp_path):
 
 
 @pytest.mark.slow
-def test_validate_scores_a_checkpoint(tmp_path):
+def test_validate_scores_a_checkpoint_beside_the_run_it_came_from(tmp_path, recwarn):
+    """With the training config: it logs under `validate/`, writes no checkpoint and says
+    nothing about the checkpoint folder; the run's resumed fit logs on in its own version_0."""
     args = ["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
             "--trainer.enable_progress_bar=false", "--model.val_before_train=false"]  # fmt: skip
     main(["fit", *args, "--trainer.max_steps=1"])
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    saved = ckpt.stat().st_mtime_ns
+    recwarn.clear()
     main(["validate", *args, f"--ckpt_path={ckpt}"])
-    events = sorted(glob.glob(f"{tmp_path}/lightning_logs/version_1/events.out.tfevents.*"))
+    assert not [w for w in recwarn if "dirpath" in str(w.message)], [str(w.message) for w in recwarn]
+    assert ckpt.stat().st_mtime_ns == saved
+    events = sorted(glob.glob(f"{tmp_path}/validate/version_0/events.out.tfevents.*"))
     acc = EventAccumulator(events[-1])
     acc.Reload()
     (value,) = [e.value for e in acc.Scalars("val/accuracy")]
     assert 0.0 <= value <= 1.0
+    main(["fit", *args, "--trainer.max_steps=2", "--ckpt_path=last"])
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["version_0"]
 
 
 @pytest.mark.slow
@@ -60,7 +68,7 @@ def test_validate_needs_no_training_file_and_fit_says_it_does(tmp_path):
     args = ["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
             "--trainer.enable_progress_bar=false", "--data.train=null"]  # fmt: skip
     main(["validate", *args])
-    (event,) = glob.glob(f"{tmp_path}/lightning_logs/version_0/events.out.tfevents.*")
+    (event,) = glob.glob(f"{tmp_path}/validate/version_0/events.out.tfevents.*")
     acc = EventAccumulator(event)
     acc.Reload()
     (value,) = [e.value for e in acc.Scalars("val/accuracy")]

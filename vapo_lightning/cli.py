@@ -20,8 +20,9 @@ from typing import Any, NoReturn
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from vapo_lightning.callbacks import StepLog, TrainingSamples, progress_bar
@@ -230,6 +231,15 @@ class VAPOCLI(_OwnProgs, LightningCLI):
             callbacks.append(progress_bar())
         if not any(isinstance(cb, TrainingSamples) for cb in callbacks):
             callbacks.append(TrainingSamples())  # a few scored responses per step, to read
+        if self._sub_config()[0] == "validate":  # (and `vapo inspect`)
+            # Scores a checkpoint and writes none (a training config's ModelCheckpoint would
+            # only warn that its folder changed), and logs under `validate/`, so the run's own
+            # `lightning_logs/version_N` stays the latest one a resumed fit logs on in.
+            callbacks = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+            kwargs.setdefault("enable_checkpointing", False)
+            if config.get("logger") in (None, True):
+                root = config.get("default_root_dir") or TRAINER_DEFAULTS["default_root_dir"]
+                kwargs.setdefault("logger", TensorBoardLogger(root, name="validate"))
         kwargs = {"strategy": strategy, "plugins": plugins, "callbacks": callbacks, **kwargs}
         return super().instantiate_trainer(**kwargs)
 
