@@ -781,6 +781,7 @@ def report(
         out += ["", f"By difficulty, {', '.join(stale)}: the average of the start and the final "
                     "validation (summaries made before the two were told apart); the overall "
                     "final % is right."]  # fmt: skip
+    out += per_seed(rows)
     out += by_length(task, rows)
     out += samples_and_critics(task, rows)
     starts = [b for r in rows for b in r["start_buckets"]]
@@ -801,6 +802,19 @@ def report(
         out.insert(-2, "DAPO's rollout accuracy and length are over the groups its dynamic "
                        "sampling keeps: its curves are not comparable with the other rows.\n")  # fmt: skip
     return "\n".join(out)
+
+
+def per_seed(rows: list[dict]) -> list[str]:
+    """Each seed's final `val/accuracy` and minutes, so that a reading can quote one seed."""
+    if any(len(r.get("seed_ids", ())) != len(r["final"]) for r in rows):
+        return []
+    out = ["", "Each seed's final `val/accuracy` and minutes per run:", "",
+           "| run | seeds | final % | minutes |", "|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['name']} | {', '.join(map(str, r['seed_ids']))} "
+                   f"| {', '.join(f'{100 * x:.1f}' for x in r['final'])} "
+                   f"| {', '.join(f'{m:.0f}' for m in r['minutes'])} |")  # fmt: skip
+    return out
 
 
 def by_length(task: Task, rows: list[dict]) -> list[str]:
@@ -895,6 +909,8 @@ def main() -> None:
     rows = [collect(task, n, layer, paper, [summaries[n, s] for s in args.seeds
                                             if (n, s) in summaries])
             for n, layer, paper in runs]  # fmt: skip
+    for r in rows:
+        r["seed_ids"] = [s for s in args.seeds if (r["name"], s) in summaries]
     rows = [r for r in rows if r["seeds"]]
     command = " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]])
     png = out.with_name(out.stem + "_curves.png")
