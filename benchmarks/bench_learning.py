@@ -435,6 +435,16 @@ def ci95(xs: list[float]) -> str:
     return f"{100 * m:.1f} ± {100 * half:.1f}"
 
 
+def holm(raw: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjustment (Holm 1979): the i-th smallest of m p-values times
+    (m - i + 1), made monotone, capped at 1."""
+    adjusted, running = {}, 0.0
+    for i, (name, p) in enumerate(sorted(raw.items(), key=lambda kv: kv[1])):
+        running = max(running, min(1.0, (len(raw) - i) * p))
+        adjusted[name] = running
+    return adjusted
+
+
 def welch_holm(
     reference: list[float], rows: dict[str, list[float]]
 ) -> dict[str, tuple[float, float]]:
@@ -444,10 +454,7 @@ def welch_holm(
 
     raw = {n: float(stats.ttest_ind(xs, reference, equal_var=False).pvalue) for n, xs in rows.items()
            if len(xs) > 1 and len(reference) > 1}  # fmt: skip
-    adjusted, running = {}, 0.0
-    for i, (name, p) in enumerate(sorted(raw.items(), key=lambda kv: kv[1])):
-        running = max(running, min(1.0, (len(raw) - i) * p))
-        adjusted[name] = running
+    adjusted = holm(raw)
     return {
         n: (statistics.mean(rows[n]) - statistics.mean(reference), adjusted.get(n, math.nan))
         for n in rows
