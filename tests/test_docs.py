@@ -256,16 +256,27 @@ def named_files(page: Path, text: str) -> list[Path]:
 SETTINGS = (".yaml", ".py")  # a setting is quoted from the config or the code that sets it
 
 
-def contains(source: str, number: str) -> bool:
+SAME_UNIT = {"min": "(?:min|minutes)", "minutes": "(?:min|minutes)", "×": "[×x]", "x": "[×x]"}
+
+
+def contains(source: str, number: str, unit: str | None = None) -> bool:
     """`number` written in `source` as a whole number (`3.37` not in `13.37` or `3.375`; `300`
     in `300.0`), or, when it has decimals, rounded from a more precise number there (`0.36`
-    from `0.357`)."""
+    from `0.357`). A whole number with a `unit` (small ones match by chance) must stand with
+    that unit in `source` or in one of its table rows."""
     plain = number.replace(",", "")
-    forms = {number, plain, f"{float(plain):,.{len(plain.partition('.')[2])}f}"}
-    trailing = r"\.?0*" if "." not in plain else "0*"  # 300 = 300.0, 3.1 = 3.10
-    if any(re.search(rf"(?<![\d.]){re.escape(f)}{trailing}(?!\.?\d)", source) for f in forms):
-        return True
     decimals = len(plain.partition(".")[2])
+    forms = {number, plain, f"{float(plain):,.{decimals}f}"}
+    trailing = "0*" if decimals else r"(?:\.0+)?"  # 300 = 300.0, 3.1 = 3.10
+    tokens = [rf"(?<![\d.]){re.escape(f)}{trailing}(?!\.?\d)" for f in forms]
+    if unit and not decimals:
+        after = SAME_UNIT.get(unit, re.escape(unit))
+        return any(
+            re.search(rf"{t}\s?{after}", source) or re.search(rf"^\|.*{t}", source, re.MULTILINE)
+            for t in tokens
+        )
+    if any(re.search(t, source) for t in tokens):
+        return True
     if not decimals:
         return False
     for found in re.findall(
@@ -276,12 +287,13 @@ def contains(source: str, number: str) -> bool:
     return False
 
 
-def figures(text: str) -> list[str]:
+def figures(text: str) -> list[tuple[str, str | None]]:
+    """(number, unit) of each figure in `text`; a p-value's unit is None."""
     text = CODE_SPAN.sub("", LINK.sub(lambda m: m.group(0).split("](")[0], text))
     found = []
     for m in FIGURE.finditer(text):
-        found += [n for n in (m.group("low"), m.group("num")) if n]
-    found += [m.group("num") for m in P_VALUE.finditer(text)]
+        found += [(n, m.group("unit")) for n in (m.group("low"), m.group("num")) if n]
+    found += [(m.group("num"), None) for m in P_VALUE.finditer(text)]
     return found
 
 
@@ -289,16 +301,18 @@ def unbacked_figures(page: Path, text: str) -> list[str]:
     """Each figure of `text` that no file its block names holds, with the start of its block."""
     problems = []
     for block, context in blocks(text):
-        numbers = figures(block)
-        if not numbers:
+        found = figures(block)
+        if not found:
             continue
-        files = named_files(page, block) + named_files(page, context)
-        sources = "\n".join(f.read_text(errors="replace") for f in dict.fromkeys(files))
+        files = list(dict.fromkeys(named_files(page, block) + named_files(page, context)))
+        sources = "\n".join(f.read_text(errors="replace") for f in files)
         where = " ".join(block.split())[:70]
         if not files:
-            problems.append(f"{numbers} in {where!r}: names no file")
+            problems.append(f"{[n for n, _ in found]} in {where!r}: names no file")
             continue
-        problems += [f"{n} in {where!r}" for n in numbers if not contains(sources, n)]
+        settings = any(f.suffix in SETTINGS for f in files)  # a config writes no units
+        problems += [f"{n} in {where!r}" for n, unit in found
+                     if not contains(sources, n, None if settings else unit)]  # fmt: skip
     return problems
 
 
@@ -332,3 +346,6 @@ def test_a_rounded_figure_matches_only_its_rounding():
     assert not contains("p = 0.357", "0.35") and not contains("3.37 ms", "3.3")
     assert contains("3.37 ms", "3.37") and not contains("13.37 ms", "3.37")
     assert not contains("3.375", "3.37") and not contains("64.7 min", "65")
+    # a whole number with a unit stands with that unit, or in a table row
+    assert contains("took 20 s", "20", "s") and contains("| 7 | 20 |", "20", "s")
+    assert not contains("at step 20, 3.1 s", "20", "s") and contains("5.0 min", "5", "minutes")
