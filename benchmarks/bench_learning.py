@@ -800,7 +800,7 @@ def report(
         ordering_vs_paper(rows),
         "",
         *reading(rows, tests, lo_hi),
-        *([f"Why, as far as the runs show, with the critic's ceiling and each row's stability: "
+        *([f"The study's section in RESULTS.md, with its command, machine and reading: "
            f"[RESULTS.md](../RESULTS.md#{task.reading}).\n"] if task.reading else []),
         f"![rollout accuracy and response length vs policy-update step]({png})",
         "",
