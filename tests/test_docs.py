@@ -187,14 +187,15 @@ def test_slug_matches_githubs_anchors():
 
 # --- Every quoted figure names its file -----------------------------------------------------
 #
-# A figure is a number with a unit of measurement (%, ms, s, min, minutes, hours, GiB, GB, MiB, MB, tokens/s,
+# A figure is a number with a unit (%, ms, s, min, minutes, hours, GiB, GB, MiB, MB, tokens/s,
 # a ratio written with × or x) or a p-value (`p = 0.015`). The convention: each paragraph, list
-# item or table row that quotes one names the file it comes from, by a link or a repository path
-# in backticks, a results file in `benchmarks/results/` (or, for a setting, the config or source
-# file that sets it); a table or a list may name it once, in the paragraph that introduces it,
-# and a section once, in a paragraph that starts with "Source:" or "Full output:".
-# The figure's number must then appear in one of those files, as written. Code spans and
-# fenced blocks (commands, configs) are not quotes.
+# item or table row that quotes one names the file it comes from, by a link or a repository
+# path in backticks: a results file in `benchmarks/results/`, or for a setting the config or
+# source file that sets it. A table or a list may name it once, in the paragraph that
+# introduces it, and a section once, in a paragraph that starts with "Source:" or "Full
+# output:". The figure's number must be in one of those files, as written or rounded from a
+# more precise number there; a whole number with its unit, or in a table row. Code spans,
+# fenced and indented blocks (commands, configs, worked calculations) are not quotes.
 
 QUOTED_PAGES = [
     ROOT / "README.md",
