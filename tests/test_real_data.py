@@ -1,5 +1,6 @@
-"""Real data for GPU runs: `vapo_lightning.datasets_math` turns the public math sets (the copies
-in ../shared/data and hand-made GSM8K / MATH / DAPO-style files) into rows PromptDataModule
+"""Real data for GPU runs: `vapo_lightning.datasets_math` turns the public math sets (samples
+committed in tests/data/eval_sets, the full copies in ../shared/data where present, and
+hand-made GSM8K / MATH / DAPO-style files) into rows PromptDataModule
 loads, with the gold answers the math reward accepts; the GPU configs read what the prepare
 commands in their headers write."""
 
@@ -22,6 +23,7 @@ from vapo_lightning.rewards.base import Sample
 from vapo_lightning.rewards.math import MathReward
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SAMPLES = Path(__file__).resolve().parent / "data" / "eval_sets"  # in every clone
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 needs_data = pytest.mark.skipif(
     not (DATA / "aime2024.json").exists(), reason=f"reference eval sets not found in {DATA}"
@@ -70,23 +72,26 @@ def prepare(tmp_path, tokenizer):
 # --------------------------------------------------------------- the shared eval sets
 
 
-@needs_data
-@pytest.mark.parametrize(
-    ("fmt", "file", "count", "known"),
-    [
-        ("gsm8k", "gsm8k_test.jsonl", 1319, {0: "18", 1: "3", 146: "2125", 201: "114200"}),
-        ("aime2024", "aime2024.json", 30, {0: "204", 1: "25", 2: "809"}),
-        ("amc", "amc.json", 83, {0: "142", 1: "144", 2: "81"}),
-        ("math500", "math500.json", 500, {0: "\\left( 3, \\frac{\\pi}{2} \\right)", 1: "p - q"}),
-    ],
-)
-def test_shared_eval_sets_convert_and_load(prepare, fmt, file, count, known):
-    rows = prepare(fmt, DATA / file)
-    assert len(rows) == count
+SETS = {  # fmt: (file, known ground truths by row in the full set)
+    "gsm8k": ("gsm8k_test.jsonl", {0: "18", 1: "3", 146: "2125", 201: "114200"}),
+    "aime2024": ("aime2024.json", {0: "204", 1: "25", 2: "809"}),
+    "amc": ("amc.json", {0: "142", 1: "144", 2: "81"}),
+    "math500": ("math500.json", {0: "\\left( 3, \\frac{\\pi}{2} \\right)", 1: "p - q"}),
+}
+FULL_COUNTS = {"gsm8k": 1319, "aime2024": 30, "amc": 83, "math500": 500}
+# the committed GSM8K sample holds rows 0-39, then rows 146 and 201 (tests/data/eval_sets)
+SAMPLE_ROW = {"gsm8k": {146: 40, 201: 41}}
+
+
+def check_eval_set(prepare, fmt: str, folder: Path) -> list[dict]:
+    file, known = SETS[fmt]
+    rows = prepare(fmt, folder / file)
+    _, first = next(iter(read_rows(str(folder / file))))
     for i, answer in known.items():
-        assert rows[i]["ground_truth"] == answer, i
+        i = i if folder == DATA else SAMPLE_ROW.get(fmt, {}).get(i, i)
+        if i < len(rows):
+            assert rows[i]["ground_truth"] == answer, i
     assert {r["data_source"] for r in rows} == {fmt}
-    _, first = next(iter(read_rows(str(DATA / file))))
     question = "question" if fmt == "gsm8k" else "problem"
     assert rows[0]["prompt_text"].count(first[question].strip()) == 1  # the bare problem, once
     if fmt == "gsm8k":  # every answer: a plain integer, no commas left
@@ -98,11 +103,26 @@ def test_shared_eval_sets_convert_and_load(prepare, fmt, file, count, known):
             "problem_number": 1,
             "difficulty": 2.0,
         }
+    return rows
+
+
+@pytest.mark.parametrize("fmt", sorted(SETS))
+def test_eval_set_samples_convert_and_load(prepare, fmt):
+    rows = check_eval_set(prepare, fmt, SAMPLES)
+    assert len(rows) == len(list(read_rows(str(SAMPLES / SETS[fmt][0]))))
+    assert all(i in range(len(rows)) for i in [SAMPLE_ROW.get(fmt, {}).get(i, i) for i in SETS[fmt][1]])
 
 
 @needs_data
+@pytest.mark.parametrize("fmt", sorted(SETS))
+def test_shared_eval_sets_convert_and_load(prepare, fmt):
+    assert len(check_eval_set(prepare, fmt, DATA)) == FULL_COUNTS[fmt]
+
+
 def test_aime_gold_answers_score_with_the_math_reward(prepare):
-    rows = prepare("aime2024", DATA / "aime2024.json")
+    folder = DATA if (DATA / "aime2024.json").exists() else SAMPLES
+    rows = prepare("aime2024", folder / "aime2024.json")
+    n = len(rows)
     reward = MathReward(correct_reward=1.0, wrong_reward=0.0, num_workers=1)
     try:
 
@@ -115,9 +135,9 @@ def test_aime_gold_answers_score_with_the_math_reward(prepare):
             return reward.score(samples)
 
         golds = [r["ground_truth"] for r in rows]
-        assert scores(golds) == [1.0] * 30
-        assert scores([f"0{g}" for g in golds]) == [1.0] * 30  # AIME's three-digit spelling
-        assert scores([str(int(g) + 1) for g in golds]) == [0.0] * 30
+        assert scores(golds) == [1.0] * n
+        assert scores([f"0{g}" for g in golds]) == [1.0] * n  # AIME's three-digit spelling
+        assert scores([str(int(g) + 1) for g in golds]) == [0.0] * n
     finally:
         reward.close()
 
