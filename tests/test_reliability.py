@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,3 +80,41 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert all(count > 30 for count in per_step.values()), (
         per_step
     )  # every resumed step, all metrics
+
+
+SAVE_EVERY_100 = """
+trainer:
+  callbacks:
+    - class_path: vapo_lightning.rewards.math.MathReward
+      init_args: {num_workers: 1}
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {save_last: true, every_n_train_steps: 100, save_top_k: 0}
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_step_in_progress_and_keeps_it_in_last_ckpt(tmp_path):
+    """What a scheduler sends to stop a job: the run finishes its rollout step, writes
+    `last.ckpt` for it though the config saves every 100 steps, and exits 143 (not 0); the
+    resumed run starts after that step."""
+    layer = tmp_path / "every100.yaml"
+    layer.write_text(SAVE_EVERY_100)
+    root = tmp_path / "run"
+    victim = vapo_fit(root, "-c", str(layer), "--trainer.max_steps=50")
+    lines = []
+    for raw in victim.stdout:  # stdout is a pipe: one StepLog line per rollout step
+        lines.append(raw.decode())
+        if "step 2/50" in lines[-1]:
+            victim.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + victim.communicate(timeout=600)[0].decode()
+    assert victim.returncode == 128 + signal.SIGTERM, out[-3000:]
+    stopped_at = max(int(m) for m in re.findall(r"step (\d+)/50", out))
+    assert 2 <= stopped_at < 50
+    last = root / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(last) == stopped_at, out[-3000:]
+
+    resumed = vapo_fit(root, "-c", str(layer), f"--trainer.max_steps={stopped_at + 1}", "--ckpt_path=last")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out.decode()[-3000:]
+    assert f"step {stopped_at + 1}/{stopped_at + 1}" in out.decode()

@@ -6,7 +6,9 @@ checkpoints live on another file system the move is a copy, and a full disk leav
 syncs it and renames it over the target, so a failed write leaves the previous checkpoint
 as it was. The CLI installs it unless the run brings its own `CheckpointIO`.
 
-A resumed run logs on in its TensorBoard folder (`continue_logging`).
+A resumed run logs on in its TensorBoard folder (`continue_logging`). SIGTERM, what a scheduler
+sends to stop or preempt a job, ends the run after the rollout step in progress, with that
+step's checkpoint written (`CheckpointOnSigterm`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointError",
+    "CheckpointOnSigterm",
     "checkpoint_seconds",
     "continue_logging",
     "rank_rng_states",
@@ -162,3 +165,28 @@ def checkpoint_seconds(trainer: L.Trainer) -> float | None:
     where another writer saves (a sharded ``fsdp`` checkpoint, a run's own `CheckpointIO`)."""
     io = trainer.strategy.checkpoint_io
     return io.take_seconds() if isinstance(io, AtomicCheckpointIO) else None
+
+
+class CheckpointOnSigterm(L.Callback):
+    """Writes `last.ckpt` at the end of the rollout step during which the run got SIGTERM.
+
+    Lightning lets that step finish (minutes on a CPU) and then stops the run; without this,
+    everything since the `ModelCheckpoint`'s last save (every 10 steps in a real-model config)
+    would be lost to a scheduler's stop or preemption. The save is the `ModelCheckpoint`'s
+    `last.ckpt` (one with `save_last`), skipped when that callback saves this step anyway. The
+    decision is rank 0's, as Lightning's own stop is (a sharded save is collective).
+    """
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        stopping = bool(getattr(trainer, "received_sigterm", False))
+        if trainer.world_size > 1:
+            stopping = bool(trainer.strategy.broadcast(stopping, src=0))
+        keeper = next((cb for cb in trainer.checkpoint_callbacks if getattr(cb, "save_last", False)), None)
+        if not stopping or keeper is None or keeper.dirpath is None:
+            return
+        every = getattr(keeper, "_every_n_train_steps", 0)
+        if every and trainer.global_step % every == 0:
+            return  # its own save of this step follows
+        last = Path(keeper.dirpath) / f"{keeper.CHECKPOINT_NAME_LAST}{keeper.FILE_EXTENSION}"
+        trainer.save_checkpoint(last)

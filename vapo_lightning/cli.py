@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import sys
 import typing
 import zipfile
@@ -24,9 +25,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vapo_lightning.callbacks import StepLog, TrainingSamples, progress_bar
-from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError, continue_logging
+from vapo_lightning.checkpoint import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    CheckpointOnSigterm,
+    continue_logging,
+)
 from vapo_lightning.config import SetupError
 from vapo_lightning.console import quiet_lightning
 from vapo_lightning.data import DataError, PromptDataModule
@@ -231,6 +238,8 @@ class VAPOCLI(_OwnProgs, LightningCLI):
             callbacks.append(progress_bar())
         if not any(isinstance(cb, TrainingSamples) for cb in callbacks):
             callbacks.append(TrainingSamples())  # a few scored responses per step, to read
+        if not any(isinstance(cb, CheckpointOnSigterm) for cb in callbacks):
+            callbacks.append(CheckpointOnSigterm())  # a stopped job keeps the step it finished
         if self._sub_config()[0] == "validate":  # (and `vapo inspect`)
             # Scores a checkpoint and writes none (a training config's ModelCheckpoint would
             # only warn that its folder changed), and logs under `validate/`, so the run's own
@@ -322,6 +331,8 @@ def main(args: list[str] | None = None) -> None:
             run_cli(argv if args is not None else None)
     except (CheckpointError, DataError, RewardError, EngineSetupError, SetupError) as err:  # names the culprit
         sys.exit(f"vapo: error: {err}")
+    except SIGTERMException:  # stopped after a whole step (and its checkpoint): not a success
+        sys.exit(128 + signal.SIGTERM)
 
 
 def run_cli(args: list[str] | None, run: bool = True) -> VAPOCLI:
