@@ -100,3 +100,29 @@ def test_a_fit_writing_to_a_file_logs_one_line_per_step(tmp_path):
     assert [line.split("] step ")[1].split()[0] for line in lines] == ["1/3", "2/3", "3/3"]
     assert all(" s  reward " in line and "accuracy" in line and "length" in line and "gen " in line for line in lines)
     assert "value pretraining" in lines[0] and "value pretraining" not in lines[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ckpt", ["last", "file"])
+def test_a_resumed_fit_takes_the_configs_model_keys_and_says_which_changed(tmp_path, recwarn, ckpt):
+    """Lightning put a checkpoint file's hyper-parameters over the command line (not for
+    `last`): the config wins either way, and each changed key is named; a learning rate is
+    said to have no effect (the optimiser state comes from the checkpoint)."""
+    import yaml
+
+    args = ["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false", "--model.val_before_train=false",
+            "--model.generation.max_new_tokens=8"]  # fmt: skip
+    main(["fit", *args, "--trainer.max_steps=1"])
+    recwarn.clear()
+    path = "last" if ckpt == "last" else str(tmp_path / "checkpoints" / "last.ckpt")
+    main(["fit", *args, "--trainer.max_steps=2", f"--ckpt_path={path}", "--model.algorithm.clip_high=0.4",
+          "--model.optim.actor_lr=0.4"])  # fmt: skip
+    said = sorted(str(w.message) for w in recwarn if str(w.message).startswith("model."))
+    assert said == [
+        "model.algorithm.clip_high: 0.4 from the config, where the checkpoint's run had 0.28",
+        "model.optim.actor_lr: 0.4 from the config, where the checkpoint's run had 0.001; no effect on "
+        "a resumed fit: the optimisers and their schedules are restored from the checkpoint",
+    ]
+    used = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
+    assert used["model"]["algorithm"]["clip_high"] == 0.4

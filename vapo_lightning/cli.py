@@ -19,12 +19,14 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from jsonargparse import set_parsing_settings
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from vapo_lightning.callbacks import StepLog, TrainingSamples, progress_bar
@@ -163,6 +165,25 @@ def check_checkpoint_path(ckpt_path: str | None, resume: bool = False) -> None:
         )
 
 
+RESTORED = "; no effect on a resumed fit: the optimisers and their schedules are restored from the checkpoint"
+
+
+def changed_keys(saved: dict[str, Any], config: dict[str, Any], prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose value differs between a checkpoint's hyper-parameters and the config,
+    as (checkpoint's, config's); keys only one side has are left out (a newer version's), and
+    so are keys the config leaves to None (resolved when the module is built)."""
+    changed = {}
+    for key in saved.keys() & config.keys():
+        was, now = saved[key], config[key]
+        if now is None:
+            continue
+        if isinstance(was, dict) and isinstance(now, dict):
+            changed |= changed_keys(was, now, f"{prefix}{key}.")
+        elif was != now and not (isinstance(was, (list, tuple)) and list(was) == list(now or [])):
+            changed[f"{prefix}{key}"] = (was, now)
+    return dict(sorted(changed.items()))
+
+
 def holds_optimizer_state(path: Path) -> bool:
     """Whether a torch checkpoint file has Lightning's ``optimizer_states`` key, read from
     its pickled index (a few kB), not by loading its tensors."""
@@ -205,13 +226,24 @@ class VAPOCLI(_OwnProgs, LightningCLI):
         parser.error(str(err))
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning reads the checkpoint's hyper-parameters here, before anything else."""
+        """Lightning would put a checkpoint file's model hyper-parameters over the config and
+        the command line here (for `--ckpt_path FILE`, not for `last`), silently. The config
+        and command line win, for every checkpoint; the model keys that differ from the
+        checkpoint's run are said."""
         config = self._sub_config()[1]
         try:
             check_checkpoint_path(config.get("ckpt_path"), resume=self._sub_config()[0] == "fit")
         except UsageError as err:
             self._config_error(err)
-        super()._parse_ckpt_path()
+        path = config.get("ckpt_path")
+        if path == "last":
+            root = config.get("trainer", {}).get("default_root_dir") or TRAINER_DEFAULTS["default_root_dir"]
+            path = os.path.join(root, "checkpoints", "last.ckpt")
+        if path and Path(path).is_file():
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("hyper_parameters", {})
+            for key, (was, now) in changed_keys(saved, config.get("model").as_dict()).items():
+                rank_zero_warn(f"model.{key}: {now!r} from the config, where the checkpoint's run had {was!r}"
+                               + (RESTORED if key.startswith("optim.") else ""))  # fmt: skip
 
     def before_instantiate_classes(self) -> None:
         config = self._sub_config()[1]
