@@ -538,11 +538,15 @@ def test_zero_spread_share_edges():
 
 
 def test_on_the_cpu_the_token_kernels_work_in_chunks_that_fit_a_cache():
-    """About 2^20 logits a chunk on the CPU (21 rows of a 49,152-token vocabulary), 4,096 rows
-    on other devices; by default the kernels take that size and give the one-chunk values."""
+    """About 2^20 logits a chunk on the CPU (21 rows of a 49,152-token vocabulary), 2^26 on
+    other devices, whatever the vocabulary (a fixed 4,096 rows of Qwen2.5's 152,064 tokens
+    was a 2.5 GB fp32 temporary); by default the kernels take that size and give the
+    one-chunk values."""
     assert chunk_rows_for(torch.empty(0, 49152)) == 21
     assert chunk_rows_for(torch.empty(0, 50)) == 2**20 // 50
-    assert chunk_rows_for(torch.empty(0, 49152, device="meta")) == 4096
+    for vocab in (49152, 152064, 262144):  # SmolLM2, Qwen2.5, Gemma 3
+        rows = chunk_rows_for(torch.empty(0, vocab, device="meta"))  # (any device but the CPU)
+        assert rows * vocab * 4 <= 256 * 2**20 < (rows + 1) * vocab * 4
     logits = torch.randn(3, 7, 2**18).bfloat16()  # 4 rows a chunk by default: 21 rows in 6
     labels = torch.randint(0, 2**18, (3, 7))
     whole = (core.logprobs_from_logits(logits, labels, 0.7, 21), core.entropy_from_logits(logits, 0.7, 21))
