@@ -18,3 +18,19 @@ def tok(tmp_path_factory):
     from tests.helpers import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+# The slow tiers, by file: `pytest -m "not slow and not sandbox and not vllm and not real_model"`
+# is the fast loop (tests/README.md); CI runs everything.
+TIERS = {
+    "sandbox": ("test_sandbox_", "test_code_reward", "test_code_quickstart"),
+    "vllm": ("test_vllm_",),
+    "real_model": ("test_real_model", "test_real_data", "test_gguf"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, prefixes in TIERS.items():
+            if item.path.name.startswith(prefixes):
+                item.add_marker(marker)
