@@ -21,6 +21,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PAGES = sorted(
     [
         ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
         *(ROOT / "docs").glob("*.md"),
         ROOT / "benchmarks" / "RESULTS.md",
         ROOT / "benchmarks" / "probes" / "README.md",
