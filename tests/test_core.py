@@ -481,6 +481,10 @@ def test_actor_loss_matches_reference(agg):
     assert math.isclose(stats["kl_loss"].item(), float(kl), rel_tol=1e-4)
     bare, bare_stats = core.actor_loss(lp, old, adv, mask, correct, norm, n_correct, agg=agg, nll_coef=0.0)
     assert math.isclose(bare.item(), pg, rel_tol=1e-5) and "nll_loss" not in bare_stats
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs the entropy"):
+        core.actor_loss(lp, old, adv, mask, correct, norm, n_correct, agg=agg, entropy_coef=0.01)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs the reference"):
+        core.actor_loss(lp, old, adv, mask, correct, norm, n_correct, agg=agg, kl_coef=0.05)
 
 
 def test_observation_tokens_are_not_steps():

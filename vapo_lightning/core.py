@@ -399,8 +399,12 @@ def actor_loss(
         nll = nll_loss(logprobs, response_mask, correct, n_correct_tokens)
         loss, stats["nll_loss"] = loss + nll_coef * nll, nll.detach()
     if entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("actor_loss: entropy_coef > 0 needs the entropy")
         loss = loss - entropy_coef * aggregate(entropy, response_mask, agg, normalizer)
     if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("actor_loss: kl_coef > 0 needs the reference policy's log-probs")
         kl = aggregate(kl_penalty(logprobs, ref_logprobs), response_mask, agg, normalizer)
         loss, stats["kl_loss"] = loss + kl_coef * kl, kl.detach()
     return loss, stats
