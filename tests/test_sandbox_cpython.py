@@ -83,3 +83,20 @@ sys.exit(0)
 @pytest.mark.parametrize("stdin", ["7\n", ""])
 def test_a_program_ends_as_cpython_ends_it(pool, tmp_path, name, stdin):
     assert_as_cpython(pool, tmp_path, ENDINGS[name], stdin)
+
+
+DEV_LINKS = """
+import os
+text = open("/dev/stdin").read()
+print("read", len(text), flush=True)
+with open("/dev/stdout", "a") as out:
+    out.write(text.upper())
+print(sorted(set(os.listdir("/dev/fd")) & {"0", "1", "2"}))
+with open("/dev/stderr", "w") as err:
+    err.write("to stderr\\n")
+"""
+
+
+@pytest.mark.parametrize("stdin", ["abc\ndef\n", ""])
+def test_dev_stdin_stdout_and_fd_are_there(pool, tmp_path, stdin):
+    assert_as_cpython(pool, tmp_path, DEV_LINKS, stdin)

@@ -5,7 +5,8 @@ journald's /dev/log, a database's, a container runtime's) one `connect()` away: 
 does not cover connecting to a socket by path, and the seccomp filter allows AF_UNIX (for
 multiprocessing). So each sandbox, in its own mount namespace, builds a fresh tmpfs root
 with the system's libraries and programs (/usr, /lib, /bin, ...), the interpreter's prefix,
-the stdlib folders, four devices, a fresh /proc, and the run's own /tmp and /dev/shm;
+the stdlib folders, four read-only devices and the standard streams' links, a fresh /proc
+(its host-wide files hidden), and the run's own /tmp and /dev/shm;
 `pivot_root` makes it the root and the host's tree is detached. The server plans it once at
 start (`plan`); each sandbox builds it before its uid drop. Named sockets that live below
 these folders (none do on the usual layouts) are reachable still.
@@ -33,6 +34,19 @@ hides the host's /tmp from this namespace only)."""
 _OWN = ("/tmp", "/dev/shm", "/proc")
 """The run's own folders, mounted fresh in its root."""
 
+LINKS = {
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
+}
+"""The standard streams' links, made in every root (the host's own point into its /proc)."""
+
+HIDDEN = ("/proc/locks", "/proc/loadavg", "/proc/meminfo", "/proc/sys/fs/file-nr")
+"""Files of the run's fresh /proc that show the whole host (every file lock, the task count
+and load, the memory, the open files), so that concurrent runs could signal each other
+through them: each reads as an empty file."""
+
 
 def plan(paths: list[str], devices: list[str]) -> tuple[list[str], list[tuple[str, str, str]]]:
     """In the server, at start: what each sandbox's root will hold. Returns the folders to
@@ -48,6 +62,7 @@ def plan(paths: list[str], devices: list[str]) -> tuple[list[str], list[tuple[st
         else:
             kind = "dev" if p in devices else ("dir" if os.path.isdir(p) else "file")
             entries.append((kind, p, ""))
+    entries += [("link", p, target) for p, target in LINKS.items()]
     folders = {"/.old", *_OWN} | {p for kind, p, _ in entries if kind == "dir"}
     for p in [*folders, *(p for _, p, _ in entries)]:
         while (p := os.path.dirname(p)) != "/":
@@ -79,6 +94,7 @@ def build(layout: tuple[list[str], list[tuple[str, str, str]]], tmp_bytes: int, 
     L.mount("tmpfs", f"{STAGE}/tmp", "tmpfs", opts, f"size={tmp_bytes},mode=1777")
     L.mount("tmpfs", f"{STAGE}/dev/shm", "tmpfs", opts | L.MS_NOEXEC, f"size={tmp_bytes},mode=1777")
     L.mount("proc", f"{STAGE}/proc", "proc", opts | L.MS_NOEXEC)
+    _hide(HIDDEN)
     try:
         _pivot_root(STAGE, f"{STAGE}/.old")
     except OSError as err:  # e.g. a root on initramfs: `private_folders` instead
@@ -106,9 +122,22 @@ def private_folders(tmp_bytes: int) -> None:
     L.mount("proc", "/proc", "proc", opts | L.MS_NOEXEC)
 
 
+def _hide(paths: tuple[str, ...]) -> None:
+    """Bind-mounts an empty read-only file over each of `paths` in the staged /proc (before
+    the pivot: a program cannot unmount them, as it cannot unmount anything of its root)."""
+    empty = f"{STAGE}/.empty"
+    os.close(os.open(empty, os.O_CREAT | os.O_WRONLY, 0o444))
+    for path in paths:
+        if os.path.exists(STAGE + path):
+            L.mount(empty, STAGE + path, None, L.MS_BIND)
+            _remount_read_only(STAGE + path)
+    os.unlink(empty)  # (the mounts keep its inode)
+
+
 def _bind(kind: str, path: str, target: str, read_only: bool) -> bool:
     """Bind-mounts `path` at `target` (a folder `plan` listed, or a file made here); False
-    when the sandbox uid cannot reach it."""
+    when the sandbox uid cannot reach it. A device is made read-only on every path (reads
+    and writes of /dev/null still work; its times, the host's, can no longer be set)."""
     if kind != "dir":
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
     try:
@@ -117,10 +146,22 @@ def _bind(kind: str, path: str, target: str, read_only: bool) -> bool:
         if read_only:  # root: a real failure
             raise
         return False  # unreachable to this uid: left out (an empty folder)
-    if read_only and kind != "dev":
+    if kind == "dev":
+        _remount_read_only(target)
+    elif read_only:
         flags = L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | L.MS_NOSUID | L.MS_NODEV
         L.mount("none", target, None, flags)
     return True
+
+
+_KEPT_FLAGS = L.MS_NOSUID | L.MS_NODEV | L.MS_NOEXEC | 1024 | 2048 | 4096
+"""A mount's flags that a read-only remount keeps (nosuid, nodev, noexec, noatime,
+nodiratime, relatime: in a user namespace the kernel refuses to clear the host's)."""
+
+
+def _remount_read_only(target: str) -> None:
+    flags = os.statvfs(target).f_flag & _KEPT_FLAGS  # (statvfs's ST_* bits are MS_*'s)
+    L.mount("none", target, None, L.MS_BIND | L.MS_REMOUNT | L.MS_RDONLY | flags)
 
 
 def _pivot_root(new_root: str, put_old: str) -> None:

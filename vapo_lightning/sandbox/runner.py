@@ -146,7 +146,9 @@ def _run_program(code: str, path: str, stdin_path: str, stdout_path: str) -> Non
     fd = os.open(stdin_path, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-    fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # Appended to, so that what the program writes through /dev/stdout (a second open file
+    # of its own) follows what it printed, as it would in a pipe.
+    fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.close(fd)
     atexit._clear()  # (the server's own, if any: not the program's to run)
