@@ -100,3 +100,71 @@ with open("/dev/stderr", "w") as err:
 @pytest.mark.parametrize("stdin", ["abc\ndef\n", ""])
 def test_dev_stdin_stdout_and_fd_are_there(pool, tmp_path, stdin):
     assert_as_cpython(pool, tmp_path, DEV_LINKS, stdin)
+
+
+def passes_in_cpython(tmp_path, code: str, asserts: list[str]) -> bool:
+    """Whether the asserts pass under CPython, after the program."""
+    return reference(tmp_path, code + "\n" + "\n".join(asserts) + "\n").returncode == 0
+
+
+# MBPP's own reference solution of problem 278, and its three tests.
+MBPP_278 = """
+def count_first_elements(test_tup):
+  for count, ele in enumerate(test_tup):
+    if isinstance(ele, tuple):
+      break
+  return (count)
+"""
+MBPP_278_TESTS = [
+    "assert count_first_elements((1, 5, 7, (4, 6), 10) ) == 3",
+    "assert count_first_elements((2, 9, (5, 7), 11) ) == 2",
+    "assert count_first_elements((11, 15, 5, 8, (2, 3), 8) ) == 4",
+]
+# Arguments that are hashed or typed: a tuple as a dict key or set member, a dict's int and
+# tuple keys, a namedtuple-free tuple inside a list.
+TYPED = """
+def f(pairs, table, point):
+    seen = {p for p in pairs}
+    return [len(seen), type(pairs[0]).__name__, table[(1, 2)], table[3], type(point).__name__]
+"""
+TYPED_TESTS = [
+    "assert f([(1, 2), (1, 2), (3, 4)], {(1, 2): 'a', 3: 'b'}, (0, 0)) == [2, 'tuple', 'a', 'b', 'tuple']"
+]
+
+
+@pytest.mark.parametrize(
+    "code, asserts, fn_name",
+    [(MBPP_278, MBPP_278_TESTS, "count_first_elements"), (TYPED, TYPED_TESTS, "f")],
+)
+def test_tuple_and_keyed_arguments_arrive_as_the_assert_passes_them(
+    pool, tmp_path, code, asserts, fn_name
+):
+    from vapo_lightning.sandbox.importers import from_asserts
+
+    assert passes_in_cpython(tmp_path, code, asserts)
+    imported = from_asserts(asserts, fn_name)
+    assert imported.skipped == 0
+    r = pool.evaluate(code, imported.tests, fn_name)
+    assert r.passed == r.total == len(asserts), r
+
+
+def test_an_expected_tuple_is_met_by_the_returned_tuple(pool, tmp_path):
+    code = "def f(n):\n    return (n, [n + 1, (n + 2,)], {'k': (n,)})\n"
+    want = (1, [2, (3,)], {"k": (1,)})
+    assert passes_in_cpython(tmp_path, code, [f"assert f(1) == {want!r}"])
+    tests = [{"input": [1], "output": want}, {"input": [2], "output": want}]
+    r = pool.evaluate(code, tests, "f")
+    assert r.per_test == [True, False], r
+
+
+def test_a_value_nested_900_deep_is_returned(pool, tmp_path):
+    code = "def f(n):\n    v = [0]\n    for _ in range(n - 1):\n        v = [v]\n    return v\n"
+    want: list = [0]
+    for _ in range(899):
+        want = [want]
+    assert passes_in_cpython(
+        tmp_path, code, ["w = [0]", "for _ in range(899): w = [w]", "assert f(900) == w"]
+    )
+    tests = [{"input": [900], "output": want}, {"input": [899], "output": want}]
+    r = pool.evaluate(code, tests, "f")
+    assert r.per_test == [True, False], r

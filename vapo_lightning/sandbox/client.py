@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT as DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.compare import judge
-from vapo_lightning.sandbox.protocol import frame
+from vapo_lightning.sandbox.protocol import encode_args, frame
 
 _EXIT_CODE = re.compile(rb"-?[0-9]{1,9}")
 
@@ -266,7 +266,7 @@ class Pool:
         if fn_name is None:
             inputs = [t["input"] if isinstance(t["input"], str) else "" for t in tests]
         else:
-            inputs = [json.dumps(t["input"]) for t in tests]
+            inputs = [encode_args(t["input"]) for t in tests]
         request = {
             "code": code,
             "inputs": inputs,

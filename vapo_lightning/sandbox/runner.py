@@ -50,8 +50,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def plain(x: object, depth: int = 0) -> object:
-    """`x` as plain JSON data, by exact type (subclasses and custom objects are refused)."""
-    if depth > 200:
+    """`x` as plain JSON data, by exact type (subclasses and custom objects are refused),
+    nested at most `P.MAX_DEPTH` deep."""
+    if depth >= P.MAX_DEPTH:
         raise ValueError("nested too deeply")
     t = type(x)
     if x is None or t is bool or t is int or t is str:
@@ -71,14 +72,18 @@ def plain(x: object, depth: int = 0) -> object:
 
 
 def _encode(value: object) -> str:
-    """JSON of a plain value, ints of any length included: Python's 4,300-digit int-to-str
-    guard protects a server from its input, not a program's own answer."""
-    limit = sys.get_int_max_str_digits()
+    """JSON of a returned value (`plain`), ints of any length included: Python's 4,300-digit
+    int-to-str guard protects a server from its input, not a program's own answer. The
+    recursion limit is raised meanwhile, so that a value `P.MAX_DEPTH` deep is converted
+    however deep the program's own limit or stack (`plain` takes two frames a level)."""
+    digits, frames = sys.get_int_max_str_digits(), sys.getrecursionlimit()
     sys.set_int_max_str_digits(0)
+    sys.setrecursionlimit(frames + 3 * P.MAX_DEPTH)
     try:
-        return json.dumps(value, allow_nan=False, ensure_ascii=False)
+        return json.dumps(plain(value), allow_nan=False, ensure_ascii=False)
     finally:
-        sys.set_int_max_str_digits(limit)
+        sys.set_int_max_str_digits(digits)
+        sys.setrecursionlimit(frames)
 
 
 def _utf8(line: str) -> bytes:
@@ -133,8 +138,8 @@ def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -
         return
     for i, raw in enumerate(inputs):
         try:
-            args = json.loads(raw)
-            line = _utf8(f"{i} R {_encode(plain(fn(*args)))}\n")
+            args = P.decode_args(raw)
+            line = _utf8(f"{i} R {_encode(fn(*args))}\n")
         except BaseException as err:  # includes SystemExit: one test's failure, not the run's
             line = f"{i} E {json.dumps(type(err).__name__)}\n".encode()
         _write_all(res_fd, line)
