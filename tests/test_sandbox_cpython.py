@@ -168,3 +168,30 @@ def test_a_value_nested_900_deep_is_returned(pool, tmp_path):
     tests = [{"input": [900], "output": want}, {"input": [899], "output": want}]
     r = pool.evaluate(code, tests, "f")
     assert r.per_test == [True, False], r
+
+
+THREADS = """
+import sys, threading
+def start(n):
+    stop = threading.Event()
+    started = 0
+    try:
+        for _ in range(n):
+            threading.Thread(target=stop.wait).start()
+            started += 1
+    finally:
+        stop.set()
+    return started
+if __name__ == "__main__":
+    print(start(int(sys.stdin.readline())))
+"""
+
+
+def test_a_run_starts_as_many_threads_as_its_pids_limit_allows(pool, tmp_path):
+    """`Limits.pids` (256) tasks: the runner and 255 threads in function mode; the runner,
+    the program and its 254 threads in stdin mode."""
+    if not {"pids_cgroup", "memory_cgroup"} <= set(pool.layers):
+        pytest.skip("no per-run cgroups: RLIMIT_NPROC (Limits.processes) bounds threads")
+    assert_as_cpython(pool, tmp_path, THREADS, "254\n")
+    r = pool.evaluate(THREADS, [{"input": [255], "output": 255}], "start", 30.0)
+    assert r.passed == 1, r
