@@ -351,3 +351,42 @@ def test_concurrent_runs_see_no_lock_device_time_or_host_counter_of_each_other(v
         pool.close()
     assert sent.passed == 1, sent  # it ran, and /dev/null's times could not be set
     assert received.passed == 1, received  # it saw none of the marks; the counters read empty
+
+
+# Leaves 20,000 hard links (kernel memory) in its /tmp and reports its mount namespace.
+TMP_FILLER = """
+import os
+os.mkdir("/tmp/links")
+open("/tmp/links/0", "w").close()
+for i in range(1, 20000):
+    os.link("/tmp/links/0", f"/tmp/links/{i}")
+print(os.stat("/proc/self/ns/mnt").st_ino)
+"""
+
+
+def _holders_of_mount_ns(ino: int) -> list[str]:
+    """The processes in, or holding a descriptor of, the mount namespace `ino`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}/ns/mnt").st_ino == ino:
+                found.append(pid)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"mnt:[{ino}]":
+                    found.append(f"{pid} (fd {fd})")
+    return found
+
+
+def test_a_runs_tmp_and_its_kernel_memory_go_when_the_run_ends():
+    """A run's mount namespace (and with it the pages and kernel memory its /tmp holds) is
+    torn down once the run has ended, not kept until the server's next run."""
+    pool = Pool(size=1)
+    try:
+        if "minimal_root" not in pool.layers:
+            pytest.skip("no mount namespace of its own on this machine")
+        r = pool.execute(TMP_FILLER, timeout_s=30.0)
+        assert r.status == "ok", r
+        ino = int(r.stdout)
+        assert _wait_for(lambda: not _holders_of_mount_ns(ino), 3.0), _holders_of_mount_ns(ino)
+    finally:
+        pool.close()

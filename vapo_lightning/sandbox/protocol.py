@@ -15,7 +15,7 @@ Server to zygote (a SOCK_SEQPACKET pair): one message per sandbox to fork, the t
 MiB (``=i``) then ``host_dir\\0cgroup\\0...`` (host_dir empty when the sandbox gets a private
 /tmp), with the sandbox's ends of its three pipes (control, result, request) attached; the
 zygote answers with its pid (``=i``), or minus an errno. Server to mount namespace holder (a
-pipe): the pid (``=i``) of each run's sandbox.
+pipe): the pid (``=i``) of each run's sandbox when its run starts, 0 when it has ended.
 
 Sandbox to server, one line each on the control pipe: ``P <pid>`` (C: P2's pid), ``L <JSON
 list>`` (P2: the layers in effect, sent just before the program runs) and ``X <error>`` (a

@@ -52,14 +52,14 @@ if __package__:
     from . import protocol as P
     from . import runner
     from .isolation import SANDBOX_ENV, Isolation
-    from .zygote import Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
+    from .zygote import RELEASE, Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
 else:  # run as a script (`-I` leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cgroups as CG
     import protocol as P
     import runner
     from isolation import SANDBOX_ENV, Isolation
-    from zygote import Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
+    from zygote import RELEASE, Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
 
     del sys.path[0]
 
@@ -132,6 +132,9 @@ class Server:
         watch_fd = sp.p2_fd if watch_pid == sp.p2_pid else os.pidfd_open(sp.c_pid)
         ctl, raw, status, t_ready = self._exchange(sp, P.frame(blob), watch_fd, deadline, cap)
         wait_status = self._end(sp, watch_pid, watch_fd)
+        if self.iso.holder_w is not None:  # its mount namespace goes, /tmp's pages with it
+            with contextlib.suppress(OSError):
+                os.write(self.iso.holder_w, P.pack_pid(RELEASE))
         self.spares.collect()  # (answered by now) all spares known before any leftover is killed
         header = P.parse_ctl(ctl)
         # The program's start: the sandbox's own stamp (`t_ready`, when this loop read its
