@@ -66,7 +66,9 @@ class Limits:
     """Address space per process (RLIMIT_AS; keep >= 1024 for Python's allocator), and with
     the `memory_cgroup` layer the memory of the whole run (all of its processes, memfd, shm
     and /tmp pages; no swap): reaching it, the kernel kills a process of the run, and the
-    run fails (every test) with status ``memory_limit``."""
+    run fails (every test) with status ``memory_limit``. With the memory and pids cgroups,
+    RLIMIT_AS is this plus a thread stack for each of `pids` tasks (the cgroup bounds the
+    memory; the address space must hold the threads' reserved stacks)."""
     file_mb: int = 16
     """Largest file a process may write (RLIMIT_FSIZE)."""
     open_files: int = 128
