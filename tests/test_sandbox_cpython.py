@@ -51,7 +51,9 @@ ENDINGS = {
 import sys, threading
 def main():
     n = int(sys.stdin.readline() or 5)
-    print(sum(range(n)))
+    def depth(k):
+        return 0 if k == 0 else 1 + depth(k - 1)
+    print(depth(200_000) + n)
 threading.stack_size(1 << 26)
 sys.setrecursionlimit(10**6)
 threading.Thread(target=main).start()
