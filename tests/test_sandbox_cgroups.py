@@ -203,3 +203,29 @@ def test_a_folder_still_in_use_is_not_taken_over():
         sleeper.wait()  # a reaped task leaves its cgroup
         os.rmdir(busy)
         os.rmdir(os.path.dirname(busy))
+
+
+def test_a_runs_cgroups_go_only_once_its_last_process_has_left():
+    """The server removes a finished run's cgroups before it replies: a process still in
+    them (here one the test put there) is killed and waited for, and the folders go."""
+    import subprocess
+
+    from vapo_lightning.sandbox.cgroups import RunCgroups
+
+    cgroups = RunCgroups(tag=f"vapo-sandbox-test-{os.getpid()}")
+    if not cgroups.available:
+        cgroups.close()
+        pytest.skip("no cgroups to make here")
+    late = subprocess.Popen(["sleep", "60"])
+    try:
+        made = cgroups.create(64 << 20, 16)
+        for d in made:
+            with open(f"{d}/cgroup.procs", "w") as f:
+                f.write(str(late.pid))
+        cgroups.remove(made)
+        assert late.wait(timeout=5) == -9
+        assert not any(os.path.exists(d) for d in made), made
+    finally:
+        late.kill()
+        late.wait()
+        cgroups.close()

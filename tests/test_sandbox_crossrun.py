@@ -274,3 +274,119 @@ def test_no_host_unix_socket_is_reachable_by_path(tmp_path_factory, via_userns):
         stream.close()
         dgram.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# A colluding pair on two servers: the sender marks what every run could see (an OFD lock on
+# its own file at a secret offset, the times of /dev/null, the host's task, file and memory
+# counters); the receiver, running meanwhile, reports which of the marks it saw.
+SENDER = """
+import fcntl, os, struct, threading, time
+def send(secret, seconds):
+    own = os.open("own", os.O_RDWR | os.O_CREAT)
+    lock = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, secret, 1, 0)
+    fcntl.fcntl(own, fcntl.F_OFD_SETLK, lock)
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait) for _ in range(40)]
+    for t in threads:
+        t.start()
+    files = [os.open("own", os.O_RDONLY) for _ in range(60)]
+    memory = bytearray(64 << 20)
+    touched = set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.utime("/dev/null")
+            touched.add("ok")
+        except OSError as e:
+            touched.add(e.strerror)
+        time.sleep(0.05)
+    stop.set()
+    return sorted(touched)
+"""
+RECEIVER = """
+import os, time
+COUNTERS = ("/proc/loadavg", "/proc/sys/fs/file-nr", "/proc/meminfo")
+def read(path):
+    with open(path) as f:
+        return f.read()
+def receive(secret, seconds):
+    seen = set()
+    first = {p: read(p) for p in COUNTERS}
+    mtime = os.stat("/dev/null").st_mtime_ns
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if f" {secret} {secret}" in read("/proc/locks"):
+            seen.add("lock")
+        if os.stat("/dev/null").st_mtime_ns != mtime:
+            seen.add("/dev/null")
+        seen.update(p for p in COUNTERS if read(p) != first[p])
+        time.sleep(0.02)
+    return sorted(seen) + [p for p in COUNTERS if first[p]]
+"""
+
+
+@pytest.mark.parametrize("via_userns", [False, True])
+def test_concurrent_runs_see_no_lock_device_time_or_host_counter_of_each_other(via_userns):
+    if os.geteuid() != 0 and via_userns:
+        pytest.skip("the user-namespace path of a root server")
+    pool = Pool(size=2, via_userns=via_userns)
+    try:
+        if "minimal_root" not in pool.layers:
+            pytest.skip("no minimal root on this machine")
+        secret = secrets.randbits(40)
+        with ThreadPoolExecutor(2) as ex:
+            sent = ex.submit(
+                pool.evaluate,
+                SENDER,
+                [{"input": [secret, 2.5], "output": ["Read-only file system"]}],
+                "send",
+                30.0,
+            )
+            time.sleep(0.5)
+            received = pool.evaluate(
+                RECEIVER, [{"input": [secret, 1.5], "output": []}], "receive", 30.0
+            )
+            sent = sent.result()
+    finally:
+        pool.close()
+    assert sent.passed == 1, sent  # it ran, and /dev/null's times could not be set
+    assert received.passed == 1, received  # it saw none of the marks; the counters read empty
+
+
+# Leaves 20,000 hard links (kernel memory) in its /tmp and reports its mount namespace.
+TMP_FILLER = """
+import os
+os.mkdir("/tmp/links")
+open("/tmp/links/0", "w").close()
+for i in range(1, 20000):
+    os.link("/tmp/links/0", f"/tmp/links/{i}")
+print(os.stat("/proc/self/ns/mnt").st_ino)
+"""
+
+
+def _holders_of_mount_ns(ino: int) -> list[str]:
+    """The processes in, or holding a descriptor of, the mount namespace `ino`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}/ns/mnt").st_ino == ino:
+                found.append(pid)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"mnt:[{ino}]":
+                    found.append(f"{pid} (fd {fd})")
+    return found
+
+
+def test_a_runs_tmp_and_its_kernel_memory_go_when_the_run_ends():
+    """A run's mount namespace (and with it the pages and kernel memory its /tmp holds) is
+    torn down once the run has ended, not kept until the server's next run."""
+    pool = Pool(size=1)
+    try:
+        if "minimal_root" not in pool.layers:
+            pytest.skip("no mount namespace of its own on this machine")
+        r = pool.execute(TMP_FILLER, timeout_s=30.0)
+        assert r.status == "ok", r
+        ino = int(r.stdout)
+        assert _wait_for(lambda: not _holders_of_mount_ns(ino), 3.0), _holders_of_mount_ns(ino)
+    finally:
+        pool.close()

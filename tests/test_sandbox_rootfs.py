@@ -21,8 +21,10 @@ def test_plan_lists_each_path_once_with_its_parents_first():
     assert f"{prefix}/lib" not in paths  # below the prefix, which is planned
     for i, folder in enumerate(folders):
         assert os.path.dirname(folder) in ("/", *folders[:i]), folder
-    assert {"/tmp", "/dev/shm", "/proc", "/.old"} <= set(folders)
+    assert {"/tmp", "/dev/shm", "/proc"} <= set(folders)
     assert all(kind == "dev" for kind, p, _ in entries if p in DEVICES)
+    links = {p: target for kind, p, target in entries if kind == "link"}
+    assert links["/dev/stdin"] == "/proc/self/fd/0" and links["/dev/fd"] == "/proc/self/fd"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")

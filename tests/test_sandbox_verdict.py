@@ -109,3 +109,49 @@ def test_a_frames_digits_are_read_only_up_to_its_budget(monkeypatch):
         [True, True],
         [None, None],
     )
+
+
+# Forged frames millions of brackets deep, judged by a process whose recursion limit a
+# trainer raised (sympy-based graders do): json's C decoder would overflow the C stack.
+DEEP_FRAMES = """
+import sys
+from vapo_lightning.sandbox.compare import judge
+sys.setrecursionlimit(100_000)
+n = 2_000_000
+fn_tests = [{"input": [], "output": [[1]]}] * 2
+fn = judge(b"0 R " + b"[" * n + b"]" * n + b"\\n1 E " + b"[" * n + b"\\n", fn_tests, "f")
+text = judge(b"0 O 0 " + b"{" * n + b"\\n", [{"input": "", "output": "1"}], None)
+print(fn, text)
+"""
+
+
+def test_a_frame_nested_past_its_budget_fails_before_it_is_decoded():
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    out = subprocess.run(
+        [sys.executable, "-c", DEEP_FRAMES], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out  # (a segfault is -11)
+    deep = "nested too deeply"
+    assert out.stdout.strip() == f"{([False, False], [deep, deep])} {([False], [deep])}", out
+
+
+def test_a_deep_expected_value_is_read_and_compared_at_any_stack_depth():
+    want = [1]
+    for _ in range(compare.MAX_DEPTH - 1):
+        want = [want]
+    frame = b"0 R " + b"[" * compare.MAX_DEPTH + b"1" + b"]" * compare.MAX_DEPTH + b"\n"
+
+    def nested_call(levels: int):  # a trainer's stack, deep below the judge
+        return (
+            nested_call(levels - 1)
+            if levels
+            else judge(frame, [{"input": [], "output": want}], "f")
+        )
+
+    assert nested_call(sys.getrecursionlimit() // 2) == ([True], [None])
+    assert compare.depth(want) == compare.MAX_DEPTH
+    assert same_value([[1, 2]], ((1, 2),)) and not same_value([[1, 2]], ((1, 3),))

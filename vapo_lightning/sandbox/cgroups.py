@@ -23,6 +23,7 @@ server (``python -I -S``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -227,11 +228,15 @@ class RunCgroups:
             pass
         return 0
 
-    def remove(self, dirs: list[str]) -> None:
-        """Removes a finished run's cgroups (its processes are reaped by then)."""
+    def remove(self, dirs: list[str], wait_s: float = 1.0) -> None:
+        """Removes a finished run's cgroups. Its processes are gone by then (the kernel reaps
+        a PID namespace's last process before its pid 1); one still in a folder (the kernel
+        refuses to remove it, EBUSY) is killed and waited for, up to `wait_s`, so that the
+        server replies only once the run's last process has left."""
         for d in reversed(dirs):
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
+            deadline = time.monotonic() + wait_s
+            while not _removed(d) and time.monotonic() < deadline:
+                kill_members(d, rounds=1)
 
     def close(self) -> None:
         if self._cpu_parent is not None:  # (v1) out of the cpu folder, so that it can go
@@ -275,6 +280,15 @@ def _enable(folder: str, controllers: tuple[str, ...]) -> tuple[str, ...]:
                 _write(f"{folder}/cgroup.subtree_control", f"+{c}")
     enabled = _words(f"{folder}/cgroup.subtree_control")
     return tuple(c for c in V2_CONTROLLERS if c in enabled)
+
+
+def _removed(cgroup: str) -> bool:
+    """Removes the folder `cgroup`; False only while a task is still in it."""
+    try:
+        os.rmdir(cgroup)
+    except OSError as err:
+        return err.errno != errno.EBUSY
+    return True
 
 
 def kill_members(cgroup: str, rounds: int = 100) -> None:

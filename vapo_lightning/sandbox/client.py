@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT as DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.compare import judge
-from vapo_lightning.sandbox.protocol import frame
+from vapo_lightning.sandbox.protocol import encode_args, frame
 
 _EXIT_CODE = re.compile(rb"-?[0-9]{1,9}")
 
@@ -66,7 +66,9 @@ class Limits:
     """Address space per process (RLIMIT_AS; keep >= 1024 for Python's allocator), and with
     the `memory_cgroup` layer the memory of the whole run (all of its processes, memfd, shm
     and /tmp pages; no swap): reaching it, the kernel kills a process of the run, and the
-    run fails (every test) with status ``memory_limit``."""
+    run fails (every test) with status ``memory_limit``. With the memory and pids cgroups,
+    RLIMIT_AS is this plus a thread stack for each of `pids` tasks (the cgroup bounds the
+    memory; the address space must hold the threads' reserved stacks)."""
     file_mb: int = 16
     """Largest file a process may write (RLIMIT_FSIZE)."""
     open_files: int = 128
@@ -266,7 +268,7 @@ class Pool:
         if fn_name is None:
             inputs = [t["input"] if isinstance(t["input"], str) else "" for t in tests]
         else:
-            inputs = [json.dumps(t["input"]) for t in tests]
+            inputs = [encode_args(t["input"]) for t in tests]
         request = {
             "code": code,
             "inputs": inputs,

@@ -9,11 +9,16 @@ that test and never raises (only ASCII digits are numbers, invalid UTF-8 is not 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import sys
+import threading
+from array import array
+from itertools import accumulate
 
-from vapo_lightning.sandbox.protocol import json_key
+from vapo_lightning.sandbox.protocol import MAX_DEPTH, json_key
 
 FLOAT_REL_TOL = 1e-9
 """Relative tolerance between a returned float and an expected float (a test may set 'tol'):
@@ -71,9 +76,75 @@ def _int_from_digits(text: str) -> int:
     return sign * (_int_from_digits(digits[:-low]) * 10**low + _int_from_digits(digits[-low:]))
 
 
-def decode(text: str, max_digits: int = DIGITS_SLACK) -> object:
+DEPTH_SLACK = 100
+"""Levels of nesting a frame may have beyond its test's expected value (`depth_budget`)."""
+
+
+class TooDeep(ValueError):
+    """A frame nests deeper than its budget (`decode`)."""
+
+
+def depth(value: object) -> int:
+    """How deeply lists, tuples and dicts nest in `value`: 0 for a number, 1 for ``[1, 2]``."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        x, level = stack.pop()
+        t = type(x)
+        if t is list or t is tuple or t is dict:
+            level += 1
+            deepest = max(deepest, level)
+            stack += [(v, level) for v in (x.values() if t is dict else x)]
+    return deepest
+
+
+def depth_budget(want: object) -> int:
+    """How deeply a frame for `want` may nest: `want`'s depth (at most `MAX_DEPTH`, the most
+    a runner sends) plus `DEPTH_SLACK`. A value equal to `want` never needs more."""
+    return min(depth(want), MAX_DEPTH) + DEPTH_SLACK
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # (as signed bytes: +1, -1)
+
+
+def nesting(text: str) -> int:
+    """How deeply the brackets of a JSON text nest, outside its strings; linear in the text,
+    without recursion (the frame is checked before `json.loads` reads it)."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    if not brackets:
+        return 0
+    return max(accumulate(array("b", brackets.encode("ascii").translate(_STEPS))))
+
+
+_recursion_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _recursion_room(levels: int):
+    """json's decoder takes one level of the recursion limit per nesting level: for a deep
+    frame (within its budget) the limit is raised by `levels` while it is read, so that the
+    caller's own stack depth cannot fail an honest answer (one such read at a time)."""
+    if levels < 200:
+        yield
+        return
+    with _recursion_lock:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit + levels)
+        try:
+            yield
+        finally:
+            sys.setrecursionlimit(limit)
+
+
+def decode(text: str, max_digits: int = DIGITS_SLACK, max_depth: int = DEPTH_SLACK) -> object:
     """One frame's JSON, its numbers read only while their digits stay within `max_digits`
-    (ValueError past it: the test fails)."""
+    (`TooManyDigits` past it) and only if it nests at most `max_depth` deep (`TooDeep`,
+    checked before decoding: json's C decoder, under a recursion limit that a trainer raised,
+    would overflow the C stack on a forged frame a million brackets deep). Either fails the
+    test."""
+    if text.count("[") + text.count("{") > max_depth and nesting(text) > max_depth:
+        raise TooDeep
     left = max_digits
 
     def spend(digits: str) -> None:
@@ -90,31 +161,49 @@ def decode(text: str, max_digits: int = DIGITS_SLACK) -> object:
         spend(digits)
         return float(digits)
 
-    return json.loads(
-        text, parse_constant=_no_constants, parse_int=parse_int, parse_float=parse_float
-    )
+    with _recursion_room(max_depth):
+        return json.loads(
+            text, parse_constant=_no_constants, parse_int=parse_int, parse_float=parse_float
+        )
 
 
 def same_value(got: object, want: object, tol: float | None = None) -> bool:
     """Type-strict equality of plain JSON values: 1 != 1.0 != True, [1] != [1.0].
 
-    With a tolerance (a test written as ``abs(f(x) - want) < tol``) a float is met by any real
-    number, int or float, as Python's own assert would accept it; never by a bool."""
-    if tol is not None and type(want) is float and type(got) in (int, float):
-        return abs(got - want) <= tol
-    if type(got) is not type(want):
-        return False
-    if type(want) is float:
-        if want == 0.0:
-            return abs(got) <= FLOAT_ZERO_TOL
-        return math.isclose(got, want, rel_tol=FLOAT_REL_TOL)
-    if type(want) is list:
-        return len(got) == len(want) and all(same_value(g, w, tol) for g, w in zip(got, want))
-    if type(want) is dict:
-        if any(type(k) is not str for k in want):  # keys as the program's travel: JSON's text
-            want = {json_key(k): v for k, v in want.items()}
-        return got.keys() == want.keys() and all(same_value(got[k], want[k], tol) for k in want)
-    return got == want  # None, bool, int, str
+    An expected tuple is met by the list a returned tuple travels as (``[1, 2]``), as an
+    expected dict's keys are by their JSON text. With a tolerance (a test written as
+    ``abs(f(x) - want) < tol``) a float is met by any real number, int or float, as Python's
+    own assert would accept it; never by a bool. Iterative: any depth."""
+    pairs = [(got, want)]
+    while pairs:
+        got, want = pairs.pop()
+        if type(want) is tuple:  # as the transport delivers it
+            want = list(want)
+        if tol is not None and type(want) is float and type(got) in (int, float):
+            if not abs(got - want) <= tol:
+                return False
+        elif type(got) is not type(want):
+            return False
+        elif type(want) is float:
+            if want == 0.0:
+                close = abs(got) <= FLOAT_ZERO_TOL
+            else:
+                close = math.isclose(got, want, rel_tol=FLOAT_REL_TOL)
+            if not close:
+                return False
+        elif type(want) is list:
+            if len(got) != len(want):
+                return False
+            pairs += zip(got, want)
+        elif type(want) is dict:
+            if any(type(k) is not str for k in want):  # keys as the program's travel: JSON's
+                want = {json_key(k): v for k, v in want.items()}
+            if got.keys() != want.keys():
+                return False
+            pairs += ((got[k], want[k]) for k in want)
+        elif got != want:  # None, bool, int, str
+            return False
+    return True
 
 
 def normalise_stdout(text: str) -> str:
@@ -161,6 +250,8 @@ def judge(
                 ok, why = _judge_one(kind, rest, test, fn_name)
             except TooManyDigits:
                 ok, why = False, "too many digits"
+            except TooDeep:
+                ok, why = False, "nested too deeply"
             except Exception:  # any frame the candidate wrote: a failed test, never an error
                 ok, why = False, "undecodable"
         passed.append(ok)
@@ -174,8 +265,9 @@ def _judge_one(kind: str, rest: str, test: dict, fn_name: str | None) -> tuple[b
             return False, str(decode(rest))[:100]
         if kind != "R":
             return False, "bad frame"
-        got = decode(rest, digit_budget(test["output"]))
-        return (True, "") if same_value(got, test["output"], test.get("tol")) else (False, "wrong")
+        want = test["output"]
+        got = decode(rest, digit_budget(want), depth_budget(want))
+        return (True, "") if same_value(got, want, test.get("tol")) else (False, "wrong")
     if kind != "O":
         return False, "bad frame"
     code, text = rest.split(" ", 1)

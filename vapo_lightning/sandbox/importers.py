@@ -1,7 +1,7 @@
 """Dataset test formats -> `evaluate`'s tests, converted only where the conversion is exact.
 
 - HumanEval / MBPP: ``assert f(args) == expected`` lines become ``{"input": [args], "output":
-  expected}``; ``abs(f(args) - x) < tol`` keeps its tolerance (``"tol"``); ``assert f(x)`` /
+  expected}`` (the arguments as the assert passes them, tuples included); ``abs(f(args) - x) < tol`` keeps its tolerance (``"tol"``); ``assert f(x)`` /
   ``assert not f(x)`` / ``is True`` become outputs ``True`` / ``False`` (the docstrings promise
   a bool, so this is stricter, never looser). Asserts that are not literal calls (loops over
   random inputs, helper calls, property checks) are skipped and counted.
@@ -15,6 +15,8 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from vapo_lightning.sandbox.protocol import encode_args
+
 
 @dataclass
 class Imported:
@@ -25,8 +27,17 @@ class Imported:
 
 
 def _literal(node: ast.AST) -> object:
+    """An expected value: tuples become lists (as a returned tuple travels); sets raise."""
     value = ast.literal_eval(node)
-    return json.loads(json.dumps(value, allow_nan=False))  # tuples -> lists; sets raise
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def _argument(node: ast.AST) -> object:
+    """An argument as the assert passes it: tuples, and dict keys of any type, are kept (they
+    travel tagged: `protocol.encode_args`); a set, bytes or NaN raise (no exact form)."""
+    value = ast.literal_eval(node)
+    encode_args([value], allow_nan=False)
+    return value
 
 
 def _call_args(node: ast.AST, fn: str) -> list | None:
@@ -36,7 +47,7 @@ def _call_args(node: ast.AST, fn: str) -> list | None:
         and node.func.id == fn
         and not node.keywords
     ):
-        return [_literal(a) for a in node.args]
+        return [_argument(a) for a in node.args]
     return None
 
 

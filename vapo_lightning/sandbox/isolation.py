@@ -47,6 +47,7 @@ SANDBOX_ENV = {
     "LANG": "C.UTF-8",
     "OMP_NUM_THREADS": "1",
     "PYTHONIOENCODING": "utf-8",
+    "MALLOC_ARENA_MAX": str(L.MALLOC_ARENAS),
 }
 """The whole environment of a sandbox. The server adopts it at start (its own is already
 scrubbed by the host), so that a sandbox inherits it instead of rewriting `os.environ`
@@ -72,6 +73,7 @@ class Isolation:
         # none can leave a mark in it (its counters cannot move), and it is made once here
         # instead of once per run (~0.6 ms of CPU with its teardown, the largest cost of a
         # run that isolation adds: benchmarks/results/sandbox_cpu.md).
+        L.limit_malloc_arenas()  # (inherited by every sandbox; SANDBOX_ENV for what they exec)
         self.filter_works = SF.seccomp_works()
         self.seccomp = bool(opts.get("seccomp", True)) and self.filter_works
         self.shared_netns = False
@@ -315,9 +317,14 @@ class Isolation:
     def _run(self, req: dict, ctl_w, res_w, ruleset: int | None, caps_dropped: bool, active):
         """The request's limits and Landlock, the ``L`` line, then the program."""
         lim = req["limits"]
+        address_space = int(lim["memory_mb"]) << 20
+        if "memory_cgroup" in active and "pids_cgroup" in active:
+            # The cgroup bounds the run's memory; the address space also holds a stack
+            # (reserved, mostly untouched) for each of the `pids` threads the run may start.
+            address_space += int(lim["pids"]) * L.thread_stack_bytes()
         L.set_limits(
             cpu_s=int(req["timeout_s"]) + 1,
-            address_space=int(lim["memory_mb"]) << 20,
+            address_space=address_space,
             file_size=int(lim["file_mb"]) << 20,
             open_files=int(lim["open_files"]),
             # Threads count toward RLIMIT_NPROC too: with a pids cgroup bounding the run's tasks,

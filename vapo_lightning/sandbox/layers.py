@@ -241,6 +241,26 @@ def landlock_enforce(ruleset_fd: int, abi: int) -> list[str]:
     return landlock_parts(abi)
 
 
+MALLOC_ARENAS = 2
+"""glibc's malloc arenas per process in a sandbox (its default, 8 per core, reserves 64 MiB
+of address space for each thread that makes one: 132 threads filled 2 GiB)."""
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas() -> None:
+    """`MALLOC_ARENAS` for this process and the children it forks (`mallopt`; the environment
+    variable is read only when a process starts)."""
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
+
+
+def thread_stack_bytes() -> int:
+    """The stack a new thread reserves: glibc's default, RLIMIT_STACK's soft limit (8 MiB
+    counted where that is unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    return soft if 0 < soft != resource.RLIM_INFINITY else 8 << 20
+
+
 def set_limits(cpu_s: int, address_space: int, file_size: int, open_files: int, nproc: int) -> None:
     """Hard rlimits for the candidate (soft = hard so it cannot raise them back).
 

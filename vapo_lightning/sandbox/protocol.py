@@ -15,7 +15,7 @@ Server to zygote (a SOCK_SEQPACKET pair): one message per sandbox to fork, the t
 MiB (``=i``) then ``host_dir\\0cgroup\\0...`` (host_dir empty when the sandbox gets a private
 /tmp), with the sandbox's ends of its three pipes (control, result, request) attached; the
 zygote answers with its pid (``=i``), or minus an errno. Server to mount namespace holder (a
-pipe): the pid (``=i``) of each run's sandbox.
+pipe): the pid (``=i``) of each run's sandbox when its run starts, 0 when it has ended.
 
 Sandbox to server, one line each on the control pipe: ``P <pid>`` (C: P2's pid), ``L <JSON
 list>`` (P2: the layers in effect, sent just before the program runs) and ``X <error>`` (a
@@ -57,6 +57,49 @@ def json_key(key: object) -> str:
     if t is float and key == key and abs(key) != float("inf"):
         return repr(key)
     raise TypeError(f"cannot return a dict key of type {t.__name__}")
+
+
+MAX_DEPTH = 1000
+"""How deeply a returned value may nest (lists, tuples and dicts in one another): as deep as
+CPython's own comparison of two values reaches under its default recursion limit (1000).
+The runner refuses deeper values; the host reads no frame deeper than its test's expected
+value allows (`compare.decode`)."""
+
+TUPLE, DICT = "__tuple__", "__dict__"
+"""The tags of a function-mode test's arguments on their way into the sandbox (`encode_args`):
+JSON has no tuple, and its object keys are text only."""
+
+
+def _tagged(x: object) -> object:
+    if isinstance(x, tuple):
+        return {TUPLE: [_tagged(v) for v in x]}
+    if isinstance(x, dict):
+        return {DICT: [[_tagged(k), _tagged(v)] for k, v in x.items()]}
+    if isinstance(x, list):
+        return [_tagged(v) for v in x]
+    return x
+
+
+def encode_args(args: list, allow_nan: bool = True) -> str:
+    """A test's arguments as JSON that keeps what plain JSON loses: a tuple travels as
+    ``{"__tuple__": [items]}``, every dict as ``{"__dict__": [[key, value], ...]}`` (its keys
+    keep their types: ints, tuples). `decode_args` gives back equal values of the same
+    types, so that the function receives what an assert would pass it. Other objects (a set,
+    bytes): TypeError."""
+    return json.dumps(_tagged(args), allow_nan=allow_nan)
+
+
+def _untagged(obj: dict) -> object:
+    if TUPLE in obj:
+        return tuple(obj[TUPLE])
+    if DICT in obj:
+        return dict(obj[DICT])
+    return obj  # (never written by `encode_args`)
+
+
+def decode_args(text: str) -> list:
+    """`encode_args`'s arguments back, in the sandbox."""
+    return json.loads(text, object_hook=_untagged)
 
 
 MODES = ("function", "stdin", "execute")

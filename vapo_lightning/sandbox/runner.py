@@ -25,6 +25,7 @@ Also here: `kill_tree`, which kills what a test (or a run) left running.
 
 from __future__ import annotations
 
+import atexit
 import binascii
 import contextlib
 import json
@@ -49,8 +50,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def plain(x: object, depth: int = 0) -> object:
-    """`x` as plain JSON data, by exact type (subclasses and custom objects are refused)."""
-    if depth > 200:
+    """`x` as plain JSON data, by exact type (subclasses and custom objects are refused),
+    nested at most `P.MAX_DEPTH` deep."""
+    if depth >= P.MAX_DEPTH:
         raise ValueError("nested too deeply")
     t = type(x)
     if x is None or t is bool or t is int or t is str:
@@ -70,14 +72,18 @@ def plain(x: object, depth: int = 0) -> object:
 
 
 def _encode(value: object) -> str:
-    """JSON of a plain value, ints of any length included: Python's 4,300-digit int-to-str
-    guard protects a server from its input, not a program's own answer."""
-    limit = sys.get_int_max_str_digits()
+    """JSON of a returned value (`plain`), ints of any length included: Python's 4,300-digit
+    int-to-str guard protects a server from its input, not a program's own answer. The
+    recursion limit is raised meanwhile, so that a value `P.MAX_DEPTH` deep is converted
+    however deep the program's own limit or stack (`plain` takes two frames a level)."""
+    digits, frames = sys.get_int_max_str_digits(), sys.getrecursionlimit()
     sys.set_int_max_str_digits(0)
+    sys.setrecursionlimit(frames + 3 * P.MAX_DEPTH)
     try:
-        return json.dumps(value, allow_nan=False, ensure_ascii=False)
+        return json.dumps(plain(value), allow_nan=False, ensure_ascii=False)
     finally:
-        sys.set_int_max_str_digits(limit)
+        sys.set_int_max_str_digits(digits)
+        sys.setrecursionlimit(frames)
 
 
 def _utf8(line: str) -> bytes:
@@ -132,21 +138,25 @@ def run_function_mode(code: str, inputs: list[str], fn_name: str, res_fd: int) -
         return
     for i, raw in enumerate(inputs):
         try:
-            args = json.loads(raw)
-            line = _utf8(f"{i} R {_encode(plain(fn(*args)))}\n")
+            args = P.decode_args(raw)
+            line = _utf8(f"{i} R {_encode(fn(*args))}\n")
         except BaseException as err:  # includes SystemExit: one test's failure, not the run's
             line = f"{i} E {json.dumps(type(err).__name__)}\n".encode()
         _write_all(res_fd, line)
 
 
 def _run_program(code: str, path: str, stdin_path: str, stdout_path: str) -> None:
-    """Child of the runner: fd 0/1 are the test's files; runs the program as __main__."""
+    """Child of the runner: fd 0/1 are the test's files; runs the program as __main__ and
+    ends as `python main.py` would (`_finalize`)."""
     fd = os.open(stdin_path, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-    fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # Appended to, so that what the program writes through /dev/stdout (a second open file
+    # of its own) follows what it printed, as it would in a pipe.
+    fd = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.close(fd)
+    atexit._clear()  # (the server's own, if any: not the program's to run)
     status = 0
     try:
         exec(compile(code, "<solution>", "exec"), _as_module("__main__", path))
@@ -154,11 +164,27 @@ def _run_program(code: str, path: str, stdin_path: str, stdout_path: str) -> Non
         status = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     except BaseException:
         status = 1
-    try:
-        sys.stdout.flush()
-    except BaseException:
-        status = status or 1
-    os._exit(status & 0xFF)
+    os._exit(_finalize(status) & 0xFF)
+
+
+def _finalize(status: int) -> int:
+    """Ends the program as the interpreter's own shutdown does (`Py_FinalizeEx`): waits for
+    its non-daemon threads, runs its atexit functions, then flushes stdout and stderr unless
+    the program closed them. Returns its exit status: `status`, or 120 when a flush failed.
+    (The stack-size idiom of competitive programming runs its `main` in a thread; fast-output
+    templates print their buffer from an atexit function.)"""
+    if "threading" in sys.modules:
+        with contextlib.suppress(BaseException):
+            sys.modules["threading"]._shutdown()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except BaseException:
+            status = 120
+    return status
 
 
 def children_of(pid: int) -> list[int]:
@@ -372,11 +398,13 @@ class _Capped:
 def _execute_program(code: str, path: str, out_fd: int, err_fd: int) -> None:
     """Child of the runner in execute mode: fd 0 is /dev/null (`zygote.new_session`), fd 1 and
     2 are the pipes to the runner. Runs the program as __main__ and ends as Python would: an
-    uncaught exception's traceback on stderr and status 1, `sys.exit(text)` prints the text."""
+    uncaught exception's traceback on stderr and status 1, `sys.exit(text)` prints the text,
+    then `_finalize`."""
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     os.close(out_fd)
     os.close(err_fd)
+    atexit._clear()
     status = 0
     try:
         exec(compile(code, path, "exec"), _as_module("__main__", path))
@@ -394,9 +422,4 @@ def _execute_program(code: str, path: str, out_fd: int, err_fd: int) -> None:
         err.__traceback__ = err.__traceback__.tb_next if err.__traceback__ else None
         with contextlib.suppress(BaseException):
             sys.excepthook(type(err), err, err.__traceback__)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            status = status or 1
-    os._exit(status & 0xFF)
+    os._exit(_finalize(status) & 0xFF)

@@ -52,14 +52,14 @@ if __package__:
     from . import protocol as P
     from . import runner
     from .isolation import SANDBOX_ENV, Isolation
-    from .zygote import Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
+    from .zygote import RELEASE, Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
 else:  # run as a script (`-I` leaves the script's directory off sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cgroups as CG
     import protocol as P
     import runner
     from isolation import SANDBOX_ENV, Isolation
-    from zygote import Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
+    from zygote import RELEASE, Spare, Spares, cgroup_limits, pidfd_kill, remove_tree
 
     del sys.path[0]
 
@@ -109,6 +109,7 @@ class Server:
         # A memory and a pids cgroup per run (`cgroups`), made with each spare.
         self.cgroups = CG.RunCgroups(opts.get("cgroup_root", CG.DEFAULT_ROOT))
         self.spares = Spares(self.iso, self.cgroups, max(1, int(opts.get("spares", 2))), host_tmp)
+        self.ended = False  # a run has ended whose mount namespace the holder still holds
 
     def handle(self, req: dict, blob: bytes | None = None) -> tuple[dict, bytes]:
         """Runs one request (`blob`: its JSON as received, passed on to the sandbox as is)."""
@@ -132,6 +133,7 @@ class Server:
         watch_fd = sp.p2_fd if watch_pid == sp.p2_pid else os.pidfd_open(sp.c_pid)
         ctl, raw, status, t_ready = self._exchange(sp, P.frame(blob), watch_fd, deadline, cap)
         wait_status = self._end(sp, watch_pid, watch_fd)
+        self.ended = True
         self.spares.collect()  # (answered by now) all spares known before any leftover is killed
         header = P.parse_ctl(ctl)
         # The program's start: the sandbox's own stamp (`t_ready`, when this loop read its
@@ -268,6 +270,16 @@ class Server:
         self.spares.refill_tmp_mb = sp.tmp_mb
         self.spares.premake_cgroups()  # (made during the run unless it was killed first)
 
+    def after_reply(self) -> None:
+        """The work a run leaves for after its reply, done while the host judges it: the
+        holder releases the run's mount namespace (its /tmp and /dev/shm pages, the kernel
+        memory of its files), the zygote is asked for the next spares."""
+        if self.ended and self.iso.holder_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.iso.holder_w, P.pack_pid(RELEASE))
+        self.ended = False
+        self.spares.deferred()
+
     def _reap_leftovers(self) -> None:
         """Subreaper duty: SIGKILL and reap every remaining descendant (escaped daemons),
         sparing the spares."""
@@ -338,7 +350,7 @@ def main() -> None:
         }
     )
     while True:
-        server.spares.deferred()
+        server.after_reply()
         try:
             blob = P.read_frame(0)
             req = json.loads(blob)

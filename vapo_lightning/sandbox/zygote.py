@@ -302,6 +302,10 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+RELEASE = 0
+"""Sent to the mount namespace holder instead of a pid: the run it holds has ended."""
+
+
 def start_mount_ns_holder() -> tuple[int, int]:
     """Forks the process that takes each run's mount namespace off the run's exit path.
 
@@ -309,11 +313,12 @@ def start_mount_ns_holder() -> tuple[int, int]:
     RCU grace period (`synchronize_rcu_expedited` in `namespace_unlock`): median 0.12 ms, p90
     1.2 ms here, on every run's critical path, the CPU idle meanwhile (results/sandbox_cpu.md).
     Sent a sandbox's pid when its run starts, the holder opens that process's mount namespace
-    and keeps it until the next run's arrives, so that P2's exit no longer tears it down: the
-    holder's close does, while the next run goes on (`benchmarks/probes/probe_sandbox_cpu.py
-    --humaneval 5` measures the throughput). One run's namespace, with its /tmp, outlives the
-    run until the next one starts; the holder never enters it and never runs candidate code.
-    Returns its pid and the pipe to it."""
+    and keeps it until it is sent 0 (`RELEASE`: the run has ended) or the next run's pid, so
+    that P2's exit no longer tears it down: the holder's close does, after the server replied
+    (`benchmarks/probes/probe_sandbox_cpu.py --humaneval 5` measures the throughput). What a
+    run left in its /tmp and /dev/shm (files, or a million hard links: kernel memory) is freed
+    then. The holder never enters a namespace and never runs candidate code. Returns its pid
+    and the pipe to it."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:
@@ -330,6 +335,11 @@ def start_mount_ns_holder() -> tuple[int, int]:
             msg = os.read(r, 4)
             if len(msg) < 4:  # the server is gone or shutting down
                 os._exit(0)
+            if P.unpack_pid(msg) == RELEASE:
+                if held is not None:
+                    os.close(held)  # the ended run's namespace: torn down here
+                held = None
+                continue
             try:
                 fd = os.open(f"/proc/{P.unpack_pid(msg)}/ns/mnt", os.O_RDONLY)
             except OSError:  # already gone: its exit did the teardown
