@@ -18,7 +18,6 @@ the fraction of the bf16 matmul rate.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.models import ModelSpec
@@ -157,7 +157,7 @@ def main() -> None:
         f"Command: `.venv/bin/python benchmarks/bench_compute.py --threads {args.threads} "
         + ("" if args.precision == "fp32" else f"--precision {args.precision} ")
         + (f"--out {args.out}`  " if args.out else "`  "),
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"{stamp()}; {torch.get_num_threads()} threads; "
         f"load average before {load_before}, after {Path('/proc/loadavg').read_text().split()[:3]}  ",
         f"Shapes: Llama 3 × 256 policy and critic, {PROMPTS} prompts × {N} samples, fixed-length "
         "responses, one mini-batch, "

@@ -6,13 +6,17 @@ loop-over-T-vectorised-over-B form peers (verl) use; the losses on (64, 2048, 32
 
 from __future__ import annotations
 
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from vapo_lightning import core
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stamp import stamp
 
 
 def naive_gae(rewards, values, mask, gamma, lam):
@@ -126,9 +130,6 @@ if __name__ == "__main__":
     torch.set_num_threads(2)
     print("# Math core benchmark\n")
     print("Command: `.venv/bin/python benchmarks/bench_core.py`  ")
-    print(
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"Python {platform.python_version()}\n"
-    )
+    print(f"{stamp()}; {torch.get_num_threads()} threads\n")
     bench_gae()
     bench_losses()

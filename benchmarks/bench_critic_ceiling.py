@@ -22,7 +22,6 @@ from the study's start (`vapo_lightning/assets/digitwise_sft`, validation proble
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.tasks import digitwise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_learning import commit, machine
+from benchmarks.stamp import stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "vapo_lightning/assets/digitwise_sft"
@@ -166,7 +165,7 @@ def main() -> None:
         "# What a critic could explain on the digitwise task\n",
         f"Command: `python benchmarks/bench_critic_ceiling.py --samples {args.samples} "
         f"--seed {args.seed}{f' --out {os.path.relpath(args.out.resolve(), ROOT)}' if args.out else ''}`  ",
-        f"{datetime.date.today()}, commit {commit()}, {machine()}, one thread. {c['samples']} responses "
+        f"{stamp()}; one thread. {c['samples']} responses "
         f"({len(rows)} validation problems × {args.samples}, T = 1.0) of the study's start "
         f"`vapo_lightning/assets/digitwise_sft`, {c['tokens']} response tokens; success "
         f"{100 * c['success']:.1f} %, per-step error rate p = {100 * c['p']:.1f} %.\n",

@@ -32,6 +32,9 @@ import lightning as L
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.stamp import stamp  # noqa: E402
 
 
 class Probe(L.Callback):
@@ -151,7 +154,7 @@ def bench_load(args: argparse.Namespace) -> list[str]:
     return [
         "# Distributed: host memory of loading a saved checkpoint, 1 vs 2 processes\n",
         "    python -m benchmarks.bench_distributed --load --out benchmarks/results/distributed_load.md\n",
-        f"Machine: {os.cpu_count()} cores, no GPU; load average at the end "
+        f"{stamp()}; load average at the end "
         f"{Path('/proc/loadavg').read_text().split()[:3]} (memory, not time, is measured).\n",
         f"Loading a saved Llama of {policy_mb:.0f} MB fp32 (hidden {args.hidden}, {args.layers} "
         f"layers, vocab {args.vocab}) as policy and critic; RSS in MB per rank.",
@@ -202,6 +205,7 @@ def main() -> None:
             flush=True,
         )
     lines = [
+        f"{stamp()}\n",
         "| setting | processes | torch threads / process | median step (s) | peak RSS per process (MB) |",
         "|---|---|---|---|---|",
         *[

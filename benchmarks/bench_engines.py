@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -35,6 +34,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.stamp import stamp  # noqa: E402
+
 ASSET = ROOT / "vapo_lightning/assets/quickstart_sft"
 PROMPTS = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
 QWEN25_1_5B = {  # Qwen/Qwen2.5-1.5B's config.json (architecture only)
@@ -182,17 +185,11 @@ def main() -> None:
 
 
 def render(args: argparse.Namespace, results: dict[str, dict]) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    if args.device == "cuda":
-        machine = torch.cuda.get_device_name()
-    else:
-        model = [ln for ln in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if ln.startswith("Model name")]
-        machine = f"{model[0].split(':', 1)[1].strip() if model else platform.processor()}, {os.cpu_count()} cores"
     flags = " ".join(a for a in sys.argv[1:])
     lines = [
         f"# Rollout engines: native sampler vs vLLM ({args.shape}, {args.device})\n",
         f"Command: `python -m benchmarks.bench_engines {flags}`  ",
-        f"Date {time.strftime('%Y-%m-%d')}, commit {commit}, {machine}; torch {torch.__version__}; "
+        f"{stamp()}; "
         f"load average at the end {os.getloadavg()[0]:.2f}.  ",
         f"Workload: {args.prompts} prompts × {args.n} responses, each forced to {args.new_tokens} "
         f"tokens (EOS suppressed), temperature 1; rollout {args.reps} calls after a warm-up; "

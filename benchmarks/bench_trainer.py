@@ -16,7 +16,6 @@ for what the one-pass path saves.
 from __future__ import annotations
 
 import argparse
-import platform
 import resource
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.engines.sampler import sample_responses
@@ -121,7 +121,8 @@ def main() -> None:
     gen_tokens = PROMPTS * N * T
     print("# Trainer rollout step vs the floor of its bare operations\n")
     print("Command: `.venv/bin/python benchmarks/bench_trainer.py`  ")
-    print(f"Machine: {platform.machine()}, 2 threads, torch {torch.__version__}; load average before: "
+    print(f"{stamp()}  ")
+    print(f"2 threads; load average before: "
           f"{Path('/proc/loadavg').read_text().split()[:3]}  ")  # fmt: skip
     print(f"Shapes: {PROMPTS} prompts × {N} samples × {T} new tokens (fixed), policy and critic "
           f"{sum(p.numel() for p in module.policy.parameters()) / 1e6:.1f} M parameters each, fp32\n")  # fmt: skip

@@ -204,12 +204,13 @@ def fmt3(xs: list[float], digits: int = 2) -> str:
 
 
 def machine_facts(gpu: str | None) -> list[str]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    """The stamp, and what else the timings depend on: RAM, the GPU the children used, the OS."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.stamp import stamp
+
     mem = next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                if line.startswith("MemTotal"))  # fmt: skip
-    return [f"{cpu}, {os.cpu_count()} logical CPUs, {int(mem) / 2**20:.1f} GiB RAM, {gpu or 'no GPU'}",
-            f"{platform.platform()}, Python {platform.python_version()}"]  # fmt: skip
+    return [stamp(), f"{int(mem) / 2**20:.1f} GiB RAM, {gpu or 'no GPU'}; {platform.platform()}"]
 
 
 def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> str:
@@ -231,7 +232,8 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w = L.append
     w("# Throughput vs TRL: one rollout step, same work\n")
     w(f"Command: `{cmd}`  ")
-    w(f"Machine: {facts[0]}; {facts[1]}  ")
+    w(f"{facts[0]}  ")
+    w(f"Machine: {facts[1]}  ")
     w(f"Load average (1/5/15 min) at start: {load_start}; at end: {load_end} (the end includes "
       f"the benchmark's own children; this is one run, {wall / 60:.1f} min wall in all)  ")  # fmt: skip
     vers = {s: children[s].steps[0].get("versions", {}) for s in order}

@@ -36,6 +36,7 @@ if [[ -d .whl/trl112 ]]; then install /tmp/trl112 .whl/trl112/*.whl || exit 1; s
 if [[ -d .whl/trl116 ]]; then install /tmp/trl116 .whl/trl116/*.whl || exit 1; sites+=" --trl-site trl_grpo=/tmp/trl116"; fi
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch; from benchmarks.stamp import stamp; print(stamp())"
 python3 -c "import torch, transformers, lightning, pyarrow, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__)"
 
 engines() {

@@ -10,16 +10,15 @@ variance), read from the run's TensorBoard file.
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_real_model import machine
+from benchmarks.bench_real_model import cpu_facts
+from benchmarks.stamp import stamp
 
 CURVES = [  # (tag, label, scale)
     ("rollout/accuracy", "rollout accuracy %", 100),
@@ -93,10 +92,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     args = ap.parse_args()
     logged = read_scalars(args.run)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"# {args.title}\n", f"Run: `{args.command}`  ",
-             f"Report: `.venv/bin/python benchmarks/report_run.py {args.run} ...` ({datetime.date.today()}, code at {commit})  ",
-             f"Machine: {machine()}\n", "## Validations\n",
+             f"Report: `.venv/bin/python benchmarks/report_run.py {args.run} ...`  ",
+             f"{stamp()}  ", f"{cpu_facts()}\n", "## Validations\n",
              "| after rollout steps | " + " | ".join(tag for tag, _ in VALIDATION) + " |",
              "|---|" + "---|" * len(VALIDATION)]  # fmt: skip
     for i, (step, _) in enumerate(logged.get("val/accuracy", [])):

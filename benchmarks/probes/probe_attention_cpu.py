@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_trl import PROMPTS_FILE, SHAPES, TOKENIZER
 
+from benchmarks.stamp import stamp
 from vapo_lightning import core
 from vapo_lightning.attention import SDPA
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
@@ -73,7 +74,8 @@ def main() -> None:
              "fp32": (SDPA, False)}  # fmt: skip
     print("# One actor update under CPU bf16 autocast: transformers' SDPA vs vapo_sdpa\n")
     print("Command: `.venv/bin/python benchmarks/probes/probe_attention_cpu.py > benchmarks/results/attention_cpu.md`  ")
-    print(f"torch {torch.__version__}; load average at the start {os.getloadavg()[0]:.2f}; "
+    print(f"{stamp()}  ")
+    print(f"Load average at the start {os.getloadavg()[0]:.2f}; "
           f"{args.reps} updates per case after 2 warm-ups; shapes in the probe's docstring.\n")  # fmt: skip
     print("| threads | precision, attention | actor update s, min / **median** / max |")
     print("|---|---|---|")

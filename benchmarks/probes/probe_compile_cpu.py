@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trl import SHAPES, TOKENIZER
 from probe_attention_cpu import batch, update
 
+from benchmarks.stamp import stamp
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
 
@@ -46,7 +47,8 @@ def main() -> None:
     ids, mask = batch(tok)
     print("# One actor update, eager vs `model.compile()` (CPU, 1 thread)\n")
     print("Command: `.venv/bin/python benchmarks/probes/probe_compile_cpu.py > benchmarks/results/compile_cpu.md`  ")
-    print(f"torch {torch.__version__}; load average at the start {os.getloadavg()[0]:.2f}; "
+    print(f"{stamp()}  ")
+    print(f"Load average at the start {os.getloadavg()[0]:.2f}; "
           f"{args.reps} updates per case after warm-ups; shapes in the probe's docstring.\n")  # fmt: skip
     print("| precision | eager s, min / **median** / max | compiled s, min / **median** / max "
           "| first compiled update (compile included) s | speed-up |")  # fmt: skip

@@ -12,7 +12,6 @@ calls after 5 warm-up calls; max |error| against an fp64 reference.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.attention import cpu_has_amx
 
 B, H, D, CAPACITY = 64, 4, 64, 200
@@ -46,13 +46,6 @@ def matmul_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -61,8 +54,8 @@ def main() -> None:
     print("# Decoding attention on the CPU: bf16 against fp32\n")
     print("Command: `.venv/bin/python benchmarks/probes/probe_decode_attention_cpu.py > "
           "benchmarks/results/decode_attention_cpu.md`  ")  # fmt: skip
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} thread(s), AMX tiles: "
-          f"{'yes' if cpu_has_amx() else 'no'}; torch {torch.__version__}  ")  # fmt: skip
+    print(f"{stamp()}  ")
+    print(f"{torch.get_num_threads()} thread(s), AMX tiles: {'yes' if cpu_has_amx() else 'no'}  ")
     print(f"Matmul 1024², GFLOP/s: fp32 {matmul_gflops(torch.float32):.0f}, "
           f"bf16 {matmul_gflops(torch.bfloat16):.0f}\n")  # fmt: skip
     print("| cached positions | SDPA bf16 ms | SDPA fp32 ms | bf16 / fp32 | max err bf16 | max err fp32 |")

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.engines.sampler import sample_responses
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 
@@ -32,6 +33,7 @@ def amp() -> torch.autocast:
 
 
 def main() -> None:
+    print(stamp(), flush=True)
     tok = load_tokenizer(MODEL)
     policy = build_policy(ModelSpec(name_or_path=MODEL), tok).cuda().eval()
     lines = Path("vapo_lightning/assets/arithmetic/train.jsonl").read_text().splitlines()

@@ -15,9 +15,7 @@ Both on a fixed rollout sampled as `bench_real_model.update_phases` does (T 0.4,
 
 from __future__ import annotations
 
-import datetime
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_real_model as bench  # noqa: E402
 
+from benchmarks.stamp import stamp  # noqa: E402
 from vapo_lightning.engines.sampler import sample_responses, weights_cast_once  # noqa: E402
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer  # noqa: E402
 from vapo_lightning.rollout import assemble  # noqa: E402
@@ -83,12 +82,10 @@ def op_table(run, top: int = 8) -> tuple[list[tuple[str, float, int]], float, fl
 
 def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()  # fmt: skip
     print("# Where the real model's passes spend their time on this CPU\n")
     print("Command: `.venv/bin/python benchmarks/probes/probe_pass_profile.py`  ")
-    print(f"Date {datetime.date.today()}, code at {commit}  ")
-    print(f"Machine: {bench.machine()}\n")
+    print(f"{stamp()}  ")
+    print(f"{bench.cpu_facts()}\n")
     print("## bf16 matmul rate at the model's shapes\n")
     print("| rows | in | out | GFLOP/s |\n|---|---|---|---|")
     for m, k, n, rate in matmul_rates():

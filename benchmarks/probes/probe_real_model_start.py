@@ -12,9 +12,7 @@ give), truncated responses, mean length.
 
 from __future__ import annotations
 
-import datetime
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_real_model import MODEL, ROOT, machine
+from benchmarks.bench_real_model import MODEL, ROOT, cpu_facts
+from benchmarks.stamp import stamp
 from vapo_lightning.engines.sampler import sample_responses, weights_cast_once
 from vapo_lightning.jsonl import read_jsonl
 from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
@@ -53,10 +52,9 @@ def main() -> None:
     tok = load_tokenizer(str(MODEL))
     model = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
     rows = read_jsonl(ROOT / "vapo_lightning/assets/word_problems/val.jsonl")[:48]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     print("# SmolLM2-135M-Instruct's start on the word problems, by prompt and temperature\n")
     print("Command: `.venv/bin/python benchmarks/probes/probe_real_model_start.py`  ")
-    print(f"Date {datetime.date.today()}, code at {commit}  \nMachine: {machine()}  ")
+    print(f"{stamp()}  \n{cpu_facts()}  ")
     print("48 validation problems × 2 samples of ≤ 192 tokens per row; 4-bit GGUF weights dequantised.\n")
     print("| prompt | T | accuracy (MathReward's reading) | answer read | boxed | last-number accuracy | truncated | mean tokens |")
     print("|---|---|---|---|---|---|---|---|")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.stamp import stamp
 from vapo_lightning.sandbox import Pool
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -113,6 +114,7 @@ def main() -> None:
         return f"{1000 * x / n:.2f}"
 
     client = lambda r: r.ru_utime + r.ru_stime  # noqa: E731
+    print(f"{stamp()}  ")
     print(f"{n / wall:.1f} per second\n")
     print(f"| per {unit} | wall | machine CPU | client | server | sandboxes (reaped) | kernel threads |")
     print("|---|---|---|---|---|---|---|")
