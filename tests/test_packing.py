@@ -10,15 +10,15 @@ import torch
 from tests.helpers import TINY_LLAMA, tiny_module
 from tests.test_updates import NO_CLIP, Recorder
 from vapo_lightning import attention, core, packing
-from vapo_lightning.advantages import compute_advantages, critic_targets
+from vapo_lightning.advantages import compute_advantages
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits, token_logprobs
 from vapo_lightning.updates import (
-    DataParallel,
-    compute_log_probs,
+    RankOps,
     compute_values,
     micro_batches,
     mini_batches,
+    old_policy,
     update_actor,
     update_critic,
 )
@@ -164,39 +164,39 @@ def test_rows_that_answer_different_prompts_are_not_packed(tok):
 
 def update_gradients(
     tok, pack: int, layout: str = "end to end", apart: bool = False, n: int = N, common: int = 0
-) -> tuple[dict[str, torch.Tensor], Rollout]:
-    """Both models' gradients of a two-pass update (one mini-batch, micro-batches of 2);
-    `apart`: every row on its own (`Rollout.shared_start` off)."""
+) -> tuple[dict[str, torch.Tensor], Rollout, dict[str, torch.Tensor]]:
+    """Both models' gradients of an update with no-grad pi_old and V_old passes (one
+    mini-batch, micro-batches of 2), and those passes' estimates; `apart`: every row on its
+    own (`Rollout.shared_start` off)."""
     module = module_for(tok, micro=2, layout=layout)
     module.algo.mini_batch_size = G * n
     r = grouped_rollout(module.policy.config.vocab_size, n=n, common=common)
-    r.pack, r.shared_start, a = pack, not apart, module.algo
-    r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, a.micro_batch_size, 1.0)
-    r.values = compute_values(module.critic, r, a.micro_batch_size)
+    r.pack, r.shared_start, a, ops = pack, not apart, module.algo, RankOps()
+    old = old_policy("recompute", module.policy, None, r, a.micro_batch_size, 1.0)
+    values = compute_values(module.critic, r, a.micro_batch_size)
+    adv = compute_advantages(r, values, a, False, ops.global_sum)
     steps, batches = [], mini_batches(len(r), a.mini_batch_size, a.ppo_epochs, pack)
-    targets = lambda micro: critic_targets(micro, a, False)  # noqa: E731
-    update_critic(module.critic, Recorder("critic", module.critic, steps), r, batches, targets, a,
-                  NO_CLIP, DataParallel())  # fmt: skip
-    compute_advantages(r, a, False, DataParallel().global_sum)
-    update_actor(module.policy, Recorder("actor", module.policy, steps), r, batches, a, 1.0, NO_CLIP,
-                 DataParallel())  # fmt: skip
-    return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r
+    update_critic(module.critic, Recorder("critic", module.critic, steps), r, values, adv.returns, batches, a,
+                  NO_CLIP, ops)  # fmt: skip
+    update_actor(module.policy, Recorder("actor", module.policy, steps), r, old, adv.advantages, batches, a, 1.0,
+                 NO_CLIP, ops)  # fmt: skip
+    estimates = {"old_logprobs": old.logprobs, "entropy": old.entropy, "values": values, "advantages": adv.advantages}
+    return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r, estimates
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok, layout):
-    packed, r_packed = update_gradients(tok, pack=2, layout=layout)
-    rows, r_rows = update_gradients(tok, pack=1, apart=True)
-    assert_same_update(packed, r_packed, rows, r_rows)
+    assert_same_update(update_gradients(tok, pack=2, layout=layout), update_gradients(tok, pack=1, apart=True))
 
 
-def assert_same_update(packed, r_packed, rows, r_rows) -> None:
+def assert_same_update(packed, rows) -> None:
+    (packed, _, est_packed), (rows, r_rows, est_rows) = packed, rows
     assert packed.keys() == rows.keys() and any(g.abs().sum() > 0 for g in rows.values())
     for k in rows:
         torch.testing.assert_close(packed[k], rows[k], atol=1e-6, rtol=1e-4)
     mask = r_rows.response_mask
     for field in ["old_logprobs", "entropy", "values", "advantages"]:
-        torch.testing.assert_close(getattr(r_packed, field)[mask], getattr(r_rows, field)[mask], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(est_packed[field][mask], est_rows[field][mask], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "pack"), [(1, 1), (4, 2)])
@@ -212,9 +212,8 @@ def test_a_start_every_prompt_shares_is_laid_once_with_the_row_by_row_gradients(
     assert packed.input_ids[0, :3].tolist() == r.input_ids[0, P - int(r.attention_mask[0, :P].sum()) :][:3].tolist()
     apart = packing.pack(r.input_ids, r.attention_mask, T, pack, end_to_end=True, share_start=False)
     assert {s.shared for row in apart.spans for s in row} == {0} and apart.input_ids.shape[1] == packed.input_ids.shape[1] + 3 * (len(r) // pack - 1)
-    shared, r_shared = update_gradients(tok, pack=pack, n=n, common=3)
-    rows, r_rows = update_gradients(tok, pack=1, apart=True, n=n, common=3)
-    assert_same_update(shared, r_shared, rows, r_rows)
+    shared = update_gradients(tok, pack=pack, n=n, common=3)
+    assert_same_update(shared, update_gradients(tok, pack=1, apart=True, n=n, common=3))
 
 
 def test_rows_kept_apart_are_not_laid_end_to_end(tok):

@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import Tensor
 
 from vapo_lightning.advantages import monte_carlo_returns
 from vapo_lightning.critic_checks import check_critic
@@ -46,6 +47,7 @@ class CriticProbe(L.Callback):
             raise ValueError("CriticProbe: prompts, n and every_n_steps must be >= 1")
         self.prompts, self.n, self.every_n_steps = prompts, n, every_n_steps
         self.probe: Rollout | None = None
+        self.returns: Tensor | None = None  # (B, T) the probe's λ = 1 returns, the critic's targets
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         dm = getattr(trainer, "datamodule", None)
@@ -54,7 +56,7 @@ class CriticProbe(L.Callback):
         if self.probe is None:  # (a resumed run has the first run's probe, from its checkpoint)
             self.probe = self.sample(trainer, pl_module, dm.val_rows[: self.prompts])
         r = self.probe
-        r.returns = monte_carlo_returns(r.scores, r.response_mask, pl_module.algo.gamma)
+        self.returns = monte_carlo_returns(r.scores, r.response_mask, pl_module.algo.gamma)
         r.pack, r.shared_start = pack_size(r.group_ids, pl_module.algo), pl_module.algo.share_prompts
         if trainer.global_step == 0:  # (a resumed run scored its start already)
             self.write(trainer, pl_module)
@@ -100,5 +102,5 @@ class CriticProbe(L.Callback):
         r = self.probe
         with trainer.precision_plugin.forward_context():
             values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size)
-        checks = check_critic(values, r.returns, r.scores, r.correct, r.group_ids, r.response_mask)
+        checks = check_critic(values, self.returns, r.scores, r.correct, r.group_ids, r.response_mask)
         return {f"critic_probe/{k}": v for k, v in checks.items() if math.isfinite(v)}  # (NaN: undefined)

@@ -3,8 +3,9 @@
 A `Rollout` holds one rollout step's experience: n responses per prompt (group sampling,
 VAPO §4.3: `left_padded` repeats each prompt n times), prompts left-padded and responses
 right-padded in one (B, P + T) tensor so a single forward gives the log-probs and values of
-every response token. The engines (`vapo_lightning.engines`) sample it; the trainer fills in
-rewards, old log-probs, values and advantages, in the order of the algorithm box.
+every response token. The engines (`vapo_lightning.engines`) sample it and the reward phase
+scores it; what the later phases compute (pi_old, V_old, advantages, returns) they return,
+and nothing writes it onto the rollout.
 """
 
 from __future__ import annotations
@@ -47,19 +48,12 @@ class Rollout:
     group_ids: Tensor  # (B,) the prompt each response answers
     truncated: Tensor  # (B,) bool, hit max_new_tokens without EOS
     samples: list[Sample] = field(default_factory=list)
-    # Filled in by the trainer, in the order of the algorithm box:
+    # The rewards, filled in by the trainer's reward phase:
     scores: Tensor | None = None  # (B,) sequence reward R
     correct: Tensor | None = None  # (B,) bool, verifier says correct
-    old_logprobs: Tensor | None = None  # (B, T) log pi_old(a_t | s_t)
-    entropy: Tensor | None = None  # (B, T) entropy of pi_old at each response position
-    values: Tensor | None = None  # (B, T) V(s_t)
-    advantages: Tensor | None = None  # (B, T)
-    returns: Tensor | None = None  # (B, T) critic targets
-    lam_actor: Tensor | None = None  # (B,)
-    critic_baseline: Tensor | None = None  # (B,) 1: the critic's values are the baseline, 0:
-    # the group mean (`Algorithm.critic_gate`, alike in every row); None: no gate
-    ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
-    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), when asked (`RolloutEngine.logprobs`)
+    # What the engine reports of its sampling, when asked (`RolloutEngine.logprobs`):
+    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t)
+    entropy: Tensor | None = None  # (B, T) the sampler's entropy at each response position
     tool_calls: Tensor | None = None  # (B,) tool calls of each response, with model.tools
     observation_tokens: Tensor | None = None  # (B,) tokens of their observations
     tool_errors: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, kind, message)
