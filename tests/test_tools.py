@@ -364,7 +364,7 @@ def test_observation_tokens_reach_no_loss(tok):
     assert torch.equal(adv.lam_actor, core.length_adaptive_lam(mask.sum(-1), 0.05))
     for x in (old.logprobs, old.entropy, values):
         x[~mask] = float("nan")  # garbage wherever the mask is false
-    steps, _ = run_updates(module, r, old, values)  # (its advantages: the same GAE on the same V_old)
+    steps, _, _ = run_updates(module, r, old, values)  # (its advantages: the same GAE on the same V_old)
     grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
     assert all(torch.isfinite(g).all() for g in grads.values())
 

@@ -86,18 +86,19 @@ NO_CLIP = float("inf")  # clip_grad_norm_ leaves the gradients as they are
 
 
 def run_updates(module, r: Rollout, old: OldPolicy, values: torch.Tensor, frozen: bool = False,
-                lr: float = 0.0) -> tuple[list, dict]:  # fmt: skip
+                lr: float = 0.0) -> tuple[list, dict, OldPolicy]:  # fmt: skip
     """`training_step`'s phases after pi_old and V_old on `r` (advantages, critic, actor),
-    recording each optimiser step's gradients."""
+    recording each optimiser step's gradients; and pi_old as the actor update read it."""
     steps, a, ops = [], module.algo, RankOps()
     batches = mini_batches(len(r), a.mini_batch_size, a.ppo_epochs)
     adv = compute_advantages(r, values, a, frozen, ops.global_sum)
     stats = dict(update_critic(module.critic, Recorder("critic", module.critic, steps, lr), r, values, adv.returns,
                                batches, a, NO_CLIP, ops))  # fmt: skip
     if not frozen:
-        stats |= update_actor(module.policy, Recorder("actor", module.policy, steps, lr), r, old, adv.advantages,
-                              batches, a, 1.0, NO_CLIP, ops)  # fmt: skip
-    return steps, stats
+        actor_stats, old = update_actor(module.policy, Recorder("actor", module.policy, steps, lr), r, old,
+                                        adv.advantages, batches, a, 1.0, NO_CLIP, ops)  # fmt: skip
+        stats |= actor_stats
+    return steps, stats, old
 
 
 @pytest.mark.parametrize("micro", [1, 2, 8])
@@ -131,7 +132,7 @@ def gradients(tok, micro: int, frozen: bool = False, source: str = "recompute", 
     module = module_with(tok, micro, **algorithm)
     r = rollout(module.policy.config.vocab_size)
     old, values = old_estimates(module, r, source)
-    steps, _ = run_updates(module, r, old, values, frozen)
+    steps, _, _ = run_updates(module, r, old, values, frozen)
     return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
 
 
@@ -200,13 +201,16 @@ def test_pi_old_from_the_first_forward_equals_a_pass(tok, case):
     r = rollout(module.policy.config.vocab_size)
     old, values = old_estimates(module, r, "first_forward")
     assert old == OldPolicy(None, None, None)
-    steps, stats = run_updates(module, r, old, values)
+    steps, stats, read = run_updates(module, r, old, values)  # (lr 0: the policy stays pi_old)
     grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
     want = gradients(tok, 2, **settings)
     assert grads.keys() == want.keys() and any(k.startswith("actor") for k in want)
     for k in want:
         torch.testing.assert_close(grads[k], want[k], atol=1e-6, rtol=1e-4)
     assert stats["critic/vf_clipfrac"] == [0] and stats["actor/pg_clipfrac"] == [0]
+    passed, mask = old_estimates(module, r)[0], r.response_mask  # pi_old the update read: a pass's
+    torch.testing.assert_close(read.logprobs[mask], passed.logprobs[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(read.entropy[mask], passed.entropy[mask], atol=1e-5, rtol=1e-5)
 
 
 def test_the_pi_old_source_is_chosen_once_from_the_configured_batch():
@@ -230,7 +234,7 @@ def test_several_critic_steps_per_actor_step(tok):
     ref_r = rollout(module.policy.config.vocab_size)
     old, values = old_estimates(module, r)
     lr = 0.5
-    steps, stats = run_updates(module, r, old, values, lr=lr)
+    steps, stats, _ = run_updates(module, r, old, values, lr=lr)
     assert [name for name, _ in steps] == ["critic", "critic", "actor"]
     assert len(stats) and "critic/vf_loss" in stats
 
@@ -271,7 +275,7 @@ def test_the_actor_update_takes_the_entropy_only_for_a_bonus(tok, monkeypatch, c
     asked = []
     real = updates.token_logprobs
     monkeypatch.setattr(updates, "token_logprobs", lambda *a, **k: (asked.append(k), real(*a, **k))[1])
-    _, stats = run_updates(module, r, old, values)
+    _, stats, _ = run_updates(module, r, old, values)
     assert {(k["entropy"], k["entropy_grad"]) for k in asked} == {(coef > 0, coef > 0)}
     want = float(core.masked_mean(old.entropy, r.response_mask))
     assert stats["actor/entropy"] == pytest.approx([want], rel=1e-5)

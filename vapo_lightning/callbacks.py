@@ -176,7 +176,7 @@ class EntropyTracker(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         step = pl_module.last_step
-        if step.old.entropy is None:  # pi_old from the actor's first forward: not taken here
+        if step.old.entropy is None:  # on-policy, a step without actor update: not taken
             return
         r, ent = step.rollout, step.old.entropy
         mask = r.response_mask

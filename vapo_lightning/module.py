@@ -225,9 +225,10 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             # 6. the actor: Clip-Higher, token-level and LM loss (§4.2-4.3); no rank with a
             # gradient: no step.
             if not pretraining and self.global_sum(has_actor_gradient(r, adv.advantages, algo)) > 0:
-                with timer("update_actor"):
-                    stats |= update_actor(self.policy, actor_opt, r, old, adv.advantages, batches, algo,
-                                          self.logprob_temperature, self.optim.max_grad_norm, self.rank_ops)  # fmt: skip
+                with timer("update_actor"):  # (and pi_old as it read it: on-policy, its first forward's)
+                    actor_stats, old = update_actor(self.policy, actor_opt, r, old, adv.advantages, batches, algo,
+                                                    self.logprob_temperature, self.optim.max_grad_norm, self.rank_ops)  # fmt: skip
+                stats |= actor_stats
             self.after_updates(stats)
         self.last_rollout, self.last_step = r, Step(r, old, values, adv)
         self.log_step(self.last_step, stats, timer, pretraining)

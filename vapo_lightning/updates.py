@@ -171,8 +171,7 @@ def compute_log_probs(
     agree: Callable[[int], int] = int, entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """log pi(a_t | s_t) and (with `entropy`) the entropy of pi at each response position,
-    (B, T) each, under the sampling `temperature`."""
-    policy.eval()
+    (B, T) each, under the sampling `temperature`; `policy` as the caller set it (eval)."""
     logprobs, entropies = per_token(r), per_token(r) if entropy else None
     for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
         lp, h = token_logprobs(policy, micro, temperature, entropy=entropy)
@@ -191,7 +190,9 @@ def old_policy(
     (verl's bypass mode; its entropy where the engine reports one); 'first_forward', none
     here: the actor update takes its first forward's, detached (verl's on-policy
     `old_log_prob = log_prob.detach()`, one epoch over one mini-batch). And pi_ref, a pass of
-    the reference policy when there is one (a KL penalty)."""
+    the reference policy when there is one (a KL penalty): a frozen copy, or the policy itself
+    with its adapters off (`lora.AdaptersOff`), so the policy is put in eval mode for both."""
+    policy.eval()
     if source == "recompute":
         logprobs, entropy = compute_log_probs(policy, r, micro_size, temperature, max_tokens, agree)
     elif source == "rollout":
@@ -257,29 +258,34 @@ def update_critic(
 def update_actor(
     policy: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old: OldPolicy, advantages: Tensor,
     batches: list[Tensor], algo: Algorithm, temperature: float, max_grad_norm: float, ops: RankOps,
-) -> Stats:  # fmt: skip
+) -> tuple[Stats, OldPolicy]:  # fmt: skip
     """One actor step on each mini-batch of `batches`: `core.actor_loss` (clipped surrogate
     with Clip-Higher and the positive-example LM loss, §4.2-4.3) of `advantages` (B, T) against
-    pi_old `old`, over global normalisers."""
+    pi_old `old`, over global normalisers. Returns the statistics, and pi_old as the update
+    read it: `old`, with what it lacked (the log-probs, on-policy; the entropy) taken from the
+    update's forwards, detached."""
     stats: Stats = defaultdict(list)
     policy.train()
+    read = OldPolicy(per_token(r) if old.logprobs is None else old.logprobs,
+                     per_token(r) if old.entropy is None else old.entropy, old.ref_logprobs)  # fmt: skip
     for index in batches:
-        acc = actor_step(policy, r, old, advantages, index, algo, temperature, ops)
+        acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops)
         for k, v in acc.items():  # losses are this rank's share of the global sum
             stats[k].append(float(v) * (ops.world_size if k.endswith(("_loss", "entropy")) else 1))
         stats["actor/pg_clipfrac"].append(
             stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
         )
         record_step(stats, "actor", clip_and_step(opt, policy, max_grad_norm))
-    return stats
+    return stats, read
 
 
 def actor_step(
-    policy: torch.nn.Module, r: Rollout, old: OldPolicy, advantages: Tensor, index: Tensor, a: Algorithm,
-    temperature: float, ops: RankOps,
+    policy: torch.nn.Module, r: Rollout, old: OldPolicy, read: OldPolicy, advantages: Tensor, index: Tensor,
+    a: Algorithm, temperature: float, ops: RankOps,
 ) -> dict[str, Tensor | float]:  # fmt: skip
     """The gradient of the actor loss on the rows `index` (micro-batch by micro-batch), and
-    the step's metrics, token-weighted."""
+    the step's metrics, token-weighted; what `old` lacks is taken from these forwards into
+    `read`."""
     mask, correct = r.response_mask[index], r.correct[index]
     n_tokens = ops.global_sum(mask.sum())
     normalizers = {
@@ -296,8 +302,11 @@ def actor_step(
         bonus = a.entropy_coef > 0
         logprobs, entropy = token_logprobs(policy, micro, temperature, entropy=bonus or old.entropy is None,
                                            entropy_grad=bonus)  # fmt: skip
-        pi_old = logprobs.detach() if old.logprobs is None else old.logprobs[rows, :T]
-        old_entropy = entropy.detach() if old.entropy is None else old.entropy[rows, :T]
+        if old.logprobs is None:  # on-policy: this first forward is pi_old (verl's dp_actor)
+            read.logprobs[rows, :T] = logprobs.detach()
+        if old.entropy is None:
+            read.entropy[rows, :T] = entropy.detach()
+        pi_old, old_entropy = read.logprobs[rows, :T], read.entropy[rows, :T]
         is_weights = (  # truncated importance sampling against the engine that sampled
             correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
             if a.rollout_is == "tis"
