@@ -137,7 +137,7 @@ def prefill_seconds(reps: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def step_passes(r, pol, cri, opts, batches, algo, ops) -> dict:
+def step_passes(r, pol, cri, opts, batches, algo, ops, layout) -> dict:
     """The passes of one rollout step over rollout `r`, in order, as callables; each keeps
     what it returns in `out` for the passes after it."""
     from vapo_lightning.advantages import compute_advantages
@@ -145,13 +145,13 @@ def step_passes(r, pol, cri, opts, batches, algo, ops) -> dict:
 
     out: dict = {}
     return {
-        "old_log_prob": lambda: out.update(old=old_policy("recompute", pol, None, r, 16, 0.4)),
-        "values": lambda: out.update(values=compute_values(cri, r, 16)),
+        "old_log_prob": lambda: out.update(old=old_policy("recompute", pol, None, r, 16, 0.4, layout=layout)),
+        "values": lambda: out.update(values=compute_values(cri, r, 16, layout=layout)),
         "adv": lambda: out.update(adv=compute_advantages(r, out["values"], algo, False, ops.global_sum)),
         "update_critic": lambda: update_critic(cri, opts[1], r, out["values"], out["adv"].returns, batches, algo,
-                                               1.0, ops),
+                                               1.0, ops, layout),
         "update_actor": lambda: update_actor(pol, opts[0], r, out["old"], out["adv"].advantages, batches, algo,
-                                             0.4, 1.0, ops),
+                                             0.4, 1.0, ops, layout),
     }  # fmt: skip
 
 
@@ -190,6 +190,7 @@ def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
 
     from vapo_lightning.config import Algorithm
     from vapo_lightning.models import build_critic
+    from vapo_lightning.packing import Layout
     from vapo_lightning.updates import RankOps, mini_batches
 
     tok = load_tokenizer(str(MODEL))
@@ -207,10 +208,10 @@ def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
                 continue
             for _ in range(reps):
                 r, pol, cri = copy.deepcopy(rollout), copy.deepcopy(policy), copy.deepcopy(critic)
-                r.pack, r.shared_start = pack(n), start
+                layout = Layout(pack(n), start)
                 opts = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (pol, cri)]
-                batches = mini_batches(len(r), 16, 1, r.pack)
-                phases = step_passes(r, pol, cri, opts, batches, algo, ops)
+                batches = mini_batches(len(r), 16, 1, layout.pack)
+                phases = step_passes(r, pol, cri, opts, batches, algo, ops, layout)
                 with torch.autocast("cpu", torch.bfloat16):
                     for phase, run in phases.items():
                         start_time = time.perf_counter()

@@ -439,11 +439,11 @@ def test_consecutive_non_finite_updates_stop_with_a_good_checkpoint(tok, tmp_pat
 
 
 def test_an_undefined_explained_variance_is_not_logged_but_a_nan_loss_is():
-    from vapo_lightning.metrics import defined
+    from vapo_lightning.metrics import drop_undefined
 
     m = {"critic/vf_explained_var": float("nan"), "actor/pg_loss": float("nan"), "reward": -1.0}
-    assert set(defined(m)) == {"actor/pg_loss", "reward"}
-    assert defined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}
+    assert set(drop_undefined(m)) == {"actor/pg_loss", "reward"}
+    assert drop_undefined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}
 
 
 def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):

@@ -25,7 +25,7 @@ __all__ = [
     "ALIASES",
     "PhaseTimer",
     "answer_shares",
-    "defined",
+    "drop_undefined",
     "reduce_over_ranks",
     "rollout_metrics",
     "step_metrics",
@@ -179,7 +179,7 @@ def reduce_over_ranks(names: list[str], every: Tensor, summed: set[str]) -> dict
     return {k: float(reduce(k, every[:, i])) for i, k in enumerate(names)}
 
 
-def defined(m: dict[str, float]) -> dict[str, float]:
+def drop_undefined(m: dict[str, float]) -> dict[str, float]:
     """`m` without the metrics undefined this step (`UNDEFINED_AS_NAN`): a curve skips the
     step rather than plotting a number. Any other NaN (a loss) stays, to be seen."""
     return {k: v for k, v in m.items() if not (k in UNDEFINED_AS_NAN and math.isnan(v))}

@@ -34,7 +34,7 @@ from vapo_lightning.dynamic_sampling import sample_in_rounds
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
 from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
 from vapo_lightning.memory_plan import check_memory
-from vapo_lightning.metrics import PhaseTimer, defined, reduce_over_ranks, step_metrics
+from vapo_lightning.metrics import PhaseTimer, drop_undefined, reduce_over_ranks, step_metrics
 from vapo_lightning.models import (
     ModelSpec,
     add_adapters,
@@ -45,7 +45,7 @@ from vapo_lightning.models import (
     load_tokenizer,
     weights_from_source,
 )
-from vapo_lightning.packing import pack_size
+from vapo_lightning.packing import layout_for
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, score_rollout
 from vapo_lightning.rollout import Rollout, with_round_counts
 from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
@@ -81,9 +81,8 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         hf_export_dir: at the end of fit, save policy (with tokenizer) and critic here in
             Hugging Face format (`<dir>/policy`, `<dir>/critic`).
         torch_compile: `torch.compile` the policy and the critic for every forward but the
-            sampler's (`models.compile_in_place`): one actor update 1.24× (fp32) and 1.36×
-            (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a compile of
-            tens of seconds per model at the first step and at the first new batch shape.
+            sampler's (`models.compile_in_place`): faster updates, after a compile per model
+            at the first step and at the first new batch shape.
     """
 
     def __init__(
@@ -203,31 +202,31 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         pretraining = self.value_pretraining_at(index)  # only the critic learns (§4.1)
         with timer("step"):
             r = self.rollout_and_score(batch, timer, pretraining)  # 1. n responses per prompt, rewards (§4.3)
-            r.pack = pack_size(r.group_ids, algo)  # responses per shared-prompt forward
-            r.shared_start = algo.share_prompts
-            passes = (algo.micro_batch_size, self.logprob_temperature, algo.max_tokens_per_micro_batch, self.global_max)
+            layout = layout_for(r.group_ids, algo)  # the forwards: one prompt's responses in packs
+            micro, max_tokens = algo.micro_batch_size, algo.max_tokens_per_micro_batch
             source = "recompute" if pretraining else self.pi_old_source  # one for the run
             with timer("old_log_prob") if source == "recompute" or self.ref_policy is not None else nullcontext():
-                old = old_policy(source, self.policy, self.ref_policy, r, *passes)  # 2. pi_old, pi_ref
+                old = old_policy(source, self.policy, self.ref_policy, r, micro, self.logprob_temperature,
+                                 max_tokens, self.global_max, layout)  # 2. pi_old, pi_ref  # fmt: skip
             values = None
             if self.critic is not None:
                 with timer("values"):  # 3. V_old
-                    values = compute_values(self.critic, r, algo.micro_batch_size,
-                                            algo.max_tokens_per_micro_batch, self.global_max)  # fmt: skip
+                    values = compute_values(self.critic, r, micro, max_tokens, self.global_max, layout)
             with timer("adv"):  # 4. decoupled, length-adaptive GAE (§4.1-4.2), or the group baseline
                 adv = compute_advantages(r, values, algo, pretraining, self.global_sum)
-            batches = mini_batches(len(r), algo.mini_batch_size, algo.ppo_epochs, r.pack)
+            batches = mini_batches(len(r), algo.mini_batch_size, algo.ppo_epochs, layout.pack)
             stats: dict[str, list[float]] = {}
             if self.critic is not None:
                 with timer("update_critic"):  # 5. the critic toward the decoupled returns (§4.1)
                     stats |= update_critic(self.critic, critic_opt, r, values, adv.returns, batches, algo,
-                                           self.optim.max_grad_norm, self.rank_ops)  # fmt: skip
+                                           self.optim.max_grad_norm, self.rank_ops, layout)  # fmt: skip
             # 6. the actor: Clip-Higher, token-level and LM loss (§4.2-4.3); no rank with a
             # gradient: no step.
             if not pretraining and self.global_sum(has_actor_gradient(r, adv.advantages, algo)) > 0:
                 with timer("update_actor"):  # (and pi_old as it read it: on-policy, its first forward's)
                     actor_stats, old = update_actor(self.policy, actor_opt, r, old, adv.advantages, batches, algo,
-                                                    self.logprob_temperature, self.optim.max_grad_norm, self.rank_ops)  # fmt: skip
+                                                    self.logprob_temperature, self.optim.max_grad_norm,
+                                                    self.rank_ops, layout)  # fmt: skip
                 stats |= actor_stats
             self.after_updates(stats)
         self.last_rollout, self.last_step = r, Step(r, old, values, adv)
@@ -434,7 +433,7 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         names = sorted(m)
         local = torch.tensor([float(m[k]) for k in names], device=self.device)
         every = self.all_gather(local) if self.trainer.world_size > 1 else local[None]  # (world, K)
-        m = defined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}))
+        m = drop_undefined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}))
         shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
         logged = {k: v for k, v in m.items() if k not in shown}
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)

@@ -20,6 +20,7 @@ from torch import Tensor
 from vapo_lightning import core, correction
 from vapo_lightning.advantages import Advantages
 from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.packing import ROWS, Layout
 from vapo_lightning.rollout import Rollout, critic_values, token_logprobs
 
 __all__ = [
@@ -70,11 +71,11 @@ def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
 
 def micro_batches(
     r: Rollout, size: int, index: Tensor | None = None, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
+    agree: Callable[[int], int] = int, pack: int = 1,
 ) -> Iterator[tuple[Tensor, Rollout]]:  # fmt: skip
     """(rows of `r`, micro-batch) pairs over the rows `index` (default: all); rows are
     grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding, and
-    runs of `r.pack` rows (one prompt's responses) stay together for a shared-prompt forward.
+    runs of `pack` rows (one prompt's responses) stay together for a shared-prompt forward.
     The loss sums each token once over global normalisers (§4.2), so the grouping does not
     change the gradient.
 
@@ -85,14 +86,14 @@ def micro_batches(
     micro-batches as the neediest (`agree`: the maximum over ranks), since each forward of a
     sharded model is collective."""
     index = torch.arange(len(r)) if index is None else index
-    units = index.view(-1, r.pack)  # (units, pack)
-    lengths = r.attention_mask[index].sum(-1).cpu().view(-1, r.pack).amax(-1)
+    units = index.view(-1, pack)  # (units, pack)
+    lengths = r.attention_mask[index].sum(-1).cpu().view(-1, pack).amax(-1)
     order = torch.argsort(lengths, stable=True)
     units, lengths = units[order], lengths[order]
     if max_tokens is None:
-        groups = list(units.split(max(1, size // r.pack)))
+        groups = list(units.split(max(1, size // pack)))
     else:
-        groups = token_budget_groups(lengths * r.pack, max_tokens, agree)
+        groups = token_budget_groups(lengths * pack, max_tokens, agree)
         groups = [units[g] for g in groups]
     for rows in groups:
         yield rows.reshape(-1), r.select(rows.reshape(-1)).trimmed()
@@ -168,13 +169,13 @@ class Step(NamedTuple):
 @torch.no_grad()
 def compute_log_probs(
     policy: torch.nn.Module, r: Rollout, micro_size: int, temperature: float, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int, entropy: bool = True,
+    agree: Callable[[int], int] = int, layout: Layout = ROWS, entropy: bool = True,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """log pi(a_t | s_t) and (with `entropy`) the entropy of pi at each response position,
     (B, T) each, under the sampling `temperature`; `policy` as the caller set it (eval)."""
     logprobs, entropies = per_token(r), per_token(r) if entropy else None
-    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
-        lp, h = token_logprobs(policy, micro, temperature, entropy=entropy)
+    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
+        lp, h = token_logprobs(policy, micro, temperature, entropy=entropy, layout=layout)
         logprobs[idx, : lp.shape[1]] = lp
         if entropy:
             entropies[idx, : lp.shape[1]] = h
@@ -183,7 +184,7 @@ def compute_log_probs(
 
 def old_policy(
     source: str, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, r: Rollout, micro_size: int,
-    temperature: float, max_tokens: int | None = None, agree: Callable[[int], int] = int,
+    temperature: float, max_tokens: int | None = None, agree: Callable[[int], int] = int, layout: Layout = ROWS,
 ) -> OldPolicy:  # fmt: skip
     """pi_old from `source`, one of `OLD_LOGPROB_SOURCES`: 'recompute', a no-grad pass of
     the policy (verl's default); 'rollout', the engine's own log-probs of what it sampled
@@ -194,7 +195,7 @@ def old_policy(
     with its adapters off (`lora.AdaptersOff`), so the policy is put in eval mode for both."""
     policy.eval()
     if source == "recompute":
-        logprobs, entropy = compute_log_probs(policy, r, micro_size, temperature, max_tokens, agree)
+        logprobs, entropy = compute_log_probs(policy, r, micro_size, temperature, max_tokens, agree, layout)
     elif source == "rollout":
         logprobs, entropy = r.rollout_logprobs, r.entropy
     elif source == "first_forward":
@@ -203,20 +204,20 @@ def old_policy(
         raise ValueError(f"pi_old source {source!r}: one of {OLD_LOGPROB_SOURCES}")
     ref = None
     if ref_policy is not None:
-        ref = compute_log_probs(ref_policy, r, micro_size, temperature, max_tokens, agree, entropy=False)[0]
+        ref = compute_log_probs(ref_policy, r, micro_size, temperature, max_tokens, agree, layout, entropy=False)[0]
     return OldPolicy(logprobs, entropy, ref)
 
 
 @torch.no_grad()
 def compute_values(
     critic: torch.nn.Module, r: Rollout, micro_size: int, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
+    agree: Callable[[int], int] = int, layout: Layout = ROWS,
 ) -> Tensor:  # fmt: skip
     """V(s_t) at each response position, (B, T)."""
     critic.eval()
     values = per_token(r)
-    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
-        v = critic_values(critic, micro)
+    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
+        v = critic_values(critic, micro, layout)
         values[idx, : v.shape[1]] = v
     return values
 
@@ -227,6 +228,7 @@ def compute_values(
 def update_critic(
     critic: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old_values: Tensor | None,
     returns: Tensor, batches: list[Tensor], algo: Algorithm, max_grad_norm: float, ops: RankOps,
+    layout: Layout = ROWS,
 ) -> Stats:  # fmt: skip
     """`critic_updates_per_step` critic steps on each mini-batch of `batches`: `core.value_loss`
     toward `returns` (B, T) (decoupled GAE, §4.1), clipped around V_old `old_values` (B, T)
@@ -236,12 +238,13 @@ def update_critic(
     for index in batches:
         mask = r.response_mask[index]
         n_tokens = ops.global_sum(mask.sum())  # (one all-reduce for all its steps)
-        micros = list(micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree))
+        micros = list(micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree,
+                                    layout.pack))  # fmt: skip
         for _ in range(algo.critic_updates_per_step):
             loss_sum = clip_sum = 0.0
             for i, (rows, micro) in enumerate(micros):
                 sync_gradients(critic, i == len(micros) - 1, ops)
-                values, T = critic_values(critic, micro), micro.response_mask.shape[1]
+                values, T = critic_values(critic, micro, layout), micro.response_mask.shape[1]
                 v_old = None if old_values is None else old_values[rows, :T]
                 loss, clipfrac = core.value_loss(
                     values, v_old, returns[rows, :T], micro.response_mask, n_tokens, algo.value_clip
@@ -258,6 +261,7 @@ def update_critic(
 def update_actor(
     policy: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old: OldPolicy, advantages: Tensor,
     batches: list[Tensor], algo: Algorithm, temperature: float, max_grad_norm: float, ops: RankOps,
+    layout: Layout = ROWS,
 ) -> tuple[Stats, OldPolicy]:  # fmt: skip
     """One actor step on each mini-batch of `batches`: `core.actor_loss` (clipped surrogate
     with Clip-Higher and the positive-example LM loss, §4.2-4.3) of `advantages` (B, T) against
@@ -269,7 +273,7 @@ def update_actor(
     read = OldPolicy(per_token(r) if old.logprobs is None else old.logprobs,
                      per_token(r) if old.entropy is None else old.entropy, old.ref_logprobs)  # fmt: skip
     for index in batches:
-        acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops)
+        acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops, layout)
         for k, v in acc.items():  # losses are this rank's share of the global sum
             stats[k].append(float(v) * (ops.world_size if k.endswith(("_loss", "entropy")) else 1))
         stats["actor/pg_clipfrac"].append(
@@ -281,7 +285,7 @@ def update_actor(
 
 def actor_step(
     policy: torch.nn.Module, r: Rollout, old: OldPolicy, read: OldPolicy, advantages: Tensor, index: Tensor,
-    a: Algorithm, temperature: float, ops: RankOps,
+    a: Algorithm, temperature: float, ops: RankOps, layout: Layout,
 ) -> dict[str, Tensor | float]:  # fmt: skip
     """The gradient of the actor loss on the rows `index` (micro-batch by micro-batch), and
     the step's metrics, token-weighted; what `old` lacks is taken from these forwards into
@@ -292,7 +296,7 @@ def actor_step(
         "normalizer": n_tokens if a.loss_agg == "token" else ops.global_sum(torch.tensor(len(index), device=mask.device)),
         "n_correct_tokens": ops.global_sum((mask & correct[:, None]).sum()),
     }
-    micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, ops.agree))
+    micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, ops.agree, layout.pack))
     acc: dict[str, Tensor | float] = defaultdict(float)
     for i, (rows, micro) in enumerate(micros):
         sync_gradients(policy, i == len(micros) - 1, ops)
@@ -301,7 +305,7 @@ def actor_step(
         # for the metric (verl's actor/entropy), pi_old's where `old` has it.
         bonus = a.entropy_coef > 0
         logprobs, entropy = token_logprobs(policy, micro, temperature, entropy=bonus or old.entropy is None,
-                                           entropy_grad=bonus)  # fmt: skip
+                                           entropy_grad=bonus, layout=layout)  # fmt: skip
         if old.logprobs is None:  # on-policy: this first forward is pi_old (verl's dp_actor)
             read.logprobs[rows, :T] = logprobs.detach()
         if old.entropy is None:
@@ -342,10 +346,9 @@ def adamw_with_warmup(
 
 
 def fused_adamw(params: list[Tensor]) -> bool:
-    """AdamW's fused kernel for plain fp32/bf16 parameters on the CPU or a GPU (torch's
-    default there is the per-tensor `foreach` loop): one step over SmolLM2-135M's
-    parameters took 0.06 s fused against 0.35 s on 2 CPU cores. Not for sharded (DTensor)
-    parameters, which keep torch's default."""
+    """AdamW's fused kernel (one kernel over all parameters) for plain fp32/bf16 parameters
+    on the CPU or a GPU, where torch's default is the slower per-tensor `foreach` loop. Not
+    for sharded (DTensor) parameters, which keep torch's default."""
     return bool(params) and all(
         type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16)
         for p in params
