@@ -1,9 +1,10 @@
 """VAPOModule: the policy and the critic, trained by VAPO with manual optimisation.
 
-One `training_step` is one rollout step of the paper's algorithm box, one line per phase:
-rollout (group sampling, by an engine) -> reward -> old log-probs and values -> critic
-updates (decoupled GAE targets) -> advantages (length-adaptive GAE) -> actor updates, each
-`ppo_epochs` × mini-batches × micro-batches with global token normalisers. The math lives in
+One `training_step` is one rollout step of the paper's algorithm box, one path, one line per
+phase: rollout (group sampling, by an engine) -> reward -> pi_old -> V_old -> advantages
+(length-adaptive GAE) and the critic's targets (decoupled GAE) -> critic updates -> actor
+updates, each `ppo_epochs` × mini-batches × micro-batches with global token normalisers;
+each phase's result is the next one's argument. The math lives in
 `core` and `advantages`, the model passes in `updates`, the sampling in `engines`, DAPO's
 rounds in `dynamic_sampling`, the validation hooks in `validation`; this file orchestrates.
 """
