@@ -37,7 +37,7 @@ def one(length: int, algorithm: dict) -> dict:
     from vapo_lightning.config import Algorithm
     from vapo_lightning.models import ModelSpec, build_policy
     from vapo_lightning.rollout import Rollout
-    from vapo_lightning.updates import DataParallel, micro_batches, update_actor
+    from vapo_lightning.updates import OldPolicy, RankOps, micro_batches, update_actor
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -57,13 +57,13 @@ def one(length: int, algorithm: dict) -> dict:
     r = Rollout(input_ids=ids, attention_mask=torch.ones(B, PROMPT + T, dtype=torch.long),
                 response_mask=torch.ones(B, T, dtype=torch.bool), group_ids=torch.arange(B),
                 truncated=torch.zeros(B, dtype=torch.bool), scores=torch.randn(B), correct=torch.zeros(B, dtype=torch.bool))  # fmt: skip
-    r.advantages, r.old_logprobs = torch.randn(B, T), torch.full((B, T), -11.0)
+    advantages, old = torch.randn(B, T), OldPolicy(torch.full((B, T), -11.0), None, None)
     algo = Algorithm(mini_batch_size=B, nll_coef=0.0, **algorithm)
     micros = len(list(micro_batches(r, algo.micro_batch_size, max_tokens=algo.max_tokens_per_micro_batch)))
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    update_actor(policy, opt, r, [torch.arange(B)], algo, 1.0, 1.0, DataParallel())
+    update_actor(policy, opt, r, old, advantages, [torch.arange(B)], algo, 1.0, 1.0, RankOps())
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"growth_gib": (after - before) / 2**20, "micro_batches": micros, "seconds": seconds}

@@ -136,23 +136,21 @@ def prefill_seconds(reps: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def step_passes(r, pol, cri, opts, batches, algo, dp) -> dict:
-    """The passes of one rollout step over rollout `r`, in order, as callables."""
-    from vapo_lightning.advantages import compute_advantages, critic_targets
-    from vapo_lightning.updates import (
-        compute_log_probs,
-        compute_values,
-        update_actor,
-        update_critic,
-    )
+def step_passes(r, pol, cri, opts, batches, algo, ops, layout) -> dict:
+    """The passes of one rollout step over rollout `r`, in order, as callables; each keeps
+    what it returns in `out` for the passes after it."""
+    from vapo_lightning.advantages import compute_advantages
+    from vapo_lightning.updates import compute_values, old_policy, update_actor, update_critic
 
+    out: dict = {}
     return {
-        "old_log_prob": lambda: setattr(r, "old_logprobs", compute_log_probs(pol, r, 16, 0.4)[0]),
-        "values": lambda: setattr(r, "values", compute_values(cri, r, 16)),
-        "update_critic": lambda: update_critic(cri, opts[1], r, batches, lambda m: critic_targets(m, algo, False),
-                                               algo, 1.0, dp),
-        "adv": lambda: compute_advantages(r, algo, False, dp.global_sum),
-        "update_actor": lambda: update_actor(pol, opts[0], r, batches, algo, 0.4, 1.0, dp),
+        "old_log_prob": lambda: out.update(old=old_policy("recompute", pol, None, r, 16, 0.4, layout=layout)),
+        "values": lambda: out.update(values=compute_values(cri, r, 16, layout=layout)),
+        "adv": lambda: out.update(adv=compute_advantages(r, out["values"], algo, False, ops.global_sum)),
+        "update_critic": lambda: update_critic(cri, opts[1], r, out["values"], out["adv"].returns, batches, algo,
+                                               1.0, ops, layout),
+        "update_actor": lambda: update_actor(pol, opts[0], r, out["old"], out["adv"].advantages, batches, algo,
+                                             0.4, 1.0, ops, layout),
     }  # fmt: skip
 
 
@@ -191,12 +189,13 @@ def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
 
     from vapo_lightning.config import Algorithm
     from vapo_lightning.models import build_critic
-    from vapo_lightning.updates import DataParallel, mini_batches
+    from vapo_lightning.packing import Layout
+    from vapo_lightning.updates import RankOps, mini_batches
 
     tok = load_tokenizer(str(MODEL))
     policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok)
     critic = build_critic(None, policy, tok)
-    algo, dp = Algorithm(mini_batch_size=16, micro_batch_size=16), DataParallel()
+    algo, ops = Algorithm(mini_batch_size=16, micro_batch_size=16), RankOps()
     times: dict[tuple[str, str], dict[str, list[float]]] = {}
     for shape, (prompts, n) in {"16 prompts × 4": (16, 4), "64 prompts × 1": (64, 1)}.items():
         rollout = sampled_rollout(policy, tok, prompts, n)
@@ -208,10 +207,10 @@ def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
                 continue
             for _ in range(reps):
                 r, pol, cri = copy.deepcopy(rollout), copy.deepcopy(policy), copy.deepcopy(critic)
-                r.pack, r.shared_start = pack(n), start
+                layout = Layout(pack(n), start)
                 opts = [torch.optim.AdamW(m.parameters(), lr=1e-6) for m in (pol, cri)]
-                batches = mini_batches(len(r), 16, 1, r.pack)
-                phases = step_passes(r, pol, cri, opts, batches, algo, dp)
+                batches = mini_batches(len(r), 16, 1, layout.pack)
+                phases = step_passes(r, pol, cri, opts, batches, algo, ops, layout)
                 with torch.autocast("cpu", torch.bfloat16):
                     for phase, run in phases.items():
                         start_time = time.perf_counter()

@@ -50,7 +50,7 @@ def token_budget(cpu: bool) -> str:
     from vapo_lightning.memory_plan import GiB, ModelShape, memory_plan
     from vapo_lightning.models import ModelSpec, build_policy
     from vapo_lightning.rollout import Rollout
-    from vapo_lightning.updates import DataParallel, update_actor
+    from vapo_lightning.updates import OldPolicy, RankOps, update_actor
 
     device = torch.device("cpu" if cpu else "cuda:0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -68,14 +68,14 @@ def token_budget(cpu: bool) -> str:
                     response_mask=torch.ones(B, T, dtype=torch.bool, **on), group_ids=torch.arange(B, **on),
                     truncated=torch.zeros(B, dtype=torch.bool, **on), scores=torch.randn(B, **on),
                     correct=torch.zeros(B, dtype=torch.bool, **on))  # fmt: skip
-        r.advantages, r.old_logprobs = torch.randn(B, T, **on), torch.full((B, T), -11.0, **on)
+        advantages, old = torch.randn(B, T, **on), OldPolicy(torch.full((B, T), -11.0, **on), None, None)
         algo = Algorithm(mini_batch_size=B, micro_batch_size=B, max_tokens_per_micro_batch=budget, nll_coef=0.0)
         if not cpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         with torch.autocast(device.type, torch.bfloat16, enabled=not cpu):
-            update_actor(policy, opt, r, [torch.arange(B)], algo, 1.0, 1.0, DataParallel())
+            update_actor(policy, opt, r, old, advantages, [torch.arange(B)], algo, 1.0, 1.0, RankOps())
         peak = torch.cuda.max_memory_allocated() if not cpu else float("nan")
         plan = memory_plan(shape, None, world=1, sharded=True, reference=False, prompt=prompt, max_new_tokens=T,
                            responses=B, micro_batch=B, max_tokens=budget, checkpointing=False, engine="native",

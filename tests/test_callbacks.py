@@ -30,7 +30,7 @@ def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
     trainer.fit(module, datamodule=tiny_data(tmp_path))
     assert changed(policy0, module.policy) == set()  # the policy is fixed during warm-up
     assert changed(critic0, module.critic) == set(critic0)
-    assert not warmup.active and not module.actor_frozen
+    assert module.value_pretraining_at(1) and not module.value_pretraining_at(2)
     logged = scalars(tmp_path)
     assert [v for _, v in logged["warmup/active"]] == [1.0, 1.0]
     assert "actor/pg_loss" not in logged
@@ -40,6 +40,21 @@ def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
     for name, p in module.critic.named_parameters():
         torch.testing.assert_close(reloaded.state_dict()[name], p.detach())
 
+
+
+def test_value_pretraining_ends_early_at_its_explained_variance_threshold(tok, tmp_path):
+    """The phase is the module's, from the rollout step's index: a threshold every critic
+    reaches ends it after its first step, and the actor learns from the second."""
+    L.seed_everything(1)
+    module = tiny_module(tok, val_before_train=False)
+    warmup = ValuePretraining(steps=3, explained_variance_threshold=-1e9)
+    tiny_trainer(tmp_path, max_steps=3, limit_val_batches=0, callbacks=[warmup]).fit(
+        module, datamodule=tiny_data(tmp_path)
+    )
+    assert module.value_pretraining_steps == 1
+    logged = scalars(tmp_path)
+    assert [v for _, v in logged["warmup/active"]] == [1.0, 0.0, 0.0]
+    assert len(logged["actor/pg_loss"]) == 2
 
 def test_entropy_collapse_is_judged_against_the_runs_early_entropy(recwarn):
     tracker = EntropyTracker(reference_steps=3)

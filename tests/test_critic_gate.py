@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vapo_lightning.advantages import compute_advantages
+from vapo_lightning.advantages import Advantages, compute_advantages
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout
 
 
-def rollout(values: str) -> Rollout:
+def rollout(values: str) -> tuple[Rollout, torch.Tensor]:
     """8 responses to 2 prompts; rewards 1 / 0; V_old that knows each answer's reward
     ("knows", up to a little noise) or is noise ("noise")."""
     g = torch.Generator().manual_seed(0)
@@ -22,41 +22,35 @@ def rollout(values: str) -> Rollout:
     v = scores[:, None] + 0.1 * torch.randn(B, T, generator=g) if values == "knows" else 3 * torch.randn(B, T, generator=g)
     r = Rollout(input_ids=torch.zeros(B, 2 + T, dtype=torch.long), attention_mask=torch.ones(B, 2 + T, dtype=torch.long),
                 response_mask=mask, group_ids=torch.arange(B) // 4, truncated=torch.zeros(B, dtype=torch.bool))  # fmt: skip
-    r.scores, r.values = scores, v * mask
-    return r
+    r.scores = scores
+    return r, v * mask
 
 
-def advantages(r: Rollout, **algo) -> torch.Tensor:
-    compute_advantages(r, Algorithm(**algo), False, torch.Tensor.float)
-    return r.advantages
+def advantages(case: tuple[Rollout, torch.Tensor], **algo) -> Advantages:
+    return compute_advantages(*case, Algorithm(**algo), False, torch.Tensor.float)
 
 
 @pytest.mark.parametrize("whiten", [True, False])
 def test_a_critic_that_explains_the_return_keeps_its_advantages(whiten):
     ungated = advantages(rollout("knows"), whiten_advantages=whiten)
-    r = rollout("knows")
-    gated = advantages(r, critic_gate=0.0, whiten_advantages=whiten)
-    assert r.critic_baseline.tolist() == [1.0] * 8
-    assert torch.equal(gated, ungated)
+    gated = advantages(rollout("knows"), critic_gate=0.0, whiten_advantages=whiten)
+    assert gated.critic_baseline.tolist() == [1.0] * 8
+    assert torch.equal(gated.advantages, ungated.advantages)
 
 
 @pytest.mark.parametrize("whiten", [True, False])
 def test_a_critic_that_explains_nothing_gives_way_to_the_group_mean(whiten):
     grpo = advantages(rollout("noise"), advantage="group", whiten_advantages=whiten)
-    r = rollout("noise")
-    gated = advantages(r, critic_gate=0.0, whiten_advantages=whiten)
-    assert r.critic_baseline.tolist() == [0.0] * 8
-    assert torch.allclose(gated, grpo)
-    assert not torch.allclose(gated, advantages(rollout("noise"), whiten_advantages=whiten))  # the gate acted
-    assert r.returns is not None and r.lam_actor is not None  # the critic still learns its targets
+    gated = advantages(rollout("noise"), critic_gate=0.0, whiten_advantages=whiten)
+    assert gated.critic_baseline.tolist() == [0.0] * 8
+    assert torch.allclose(gated.advantages, grpo.advantages)
+    ungated = advantages(rollout("noise"), whiten_advantages=whiten)
+    assert not torch.allclose(gated.advantages, ungated.advantages)  # the gate acted
+    assert gated.returns is not None and gated.lam_actor is not None  # the critic still learns its targets
 
 
 def test_the_threshold_decides_and_no_gate_changes_nothing():
-    r = rollout("knows")
-    advantages(r, critic_gate=0.999)  # explained variance ~0.96
-    assert r.critic_baseline.tolist() == [0.0] * 8
-    r = rollout("noise")
-    advantages(r)
-    assert r.critic_baseline is None
+    assert advantages(rollout("knows"), critic_gate=0.999).critic_baseline.tolist() == [0.0] * 8  # EV ~0.96
+    assert advantages(rollout("noise")).critic_baseline is None
     with pytest.raises(ValueError, match="critic_gate"):
         Algorithm(advantage="group", critic_gate=0.0)

@@ -17,23 +17,24 @@ def test_the_probe_is_fixed_logged_from_step_0_and_measures_the_critic_as_it_sta
     probe = CriticProbe(prompts=4, n=3)
     module, data = tiny_module(tok), tiny_data(tmp_path)
     tiny_trainer(tmp_path, max_steps=3, callbacks=[probe]).fit(module, data)
-    r = probe.probe
+    r, returns = probe.probe, probe.returns
     assert len(r) == 12 and sorted(set(r.group_ids.tolist())) == [0, 1, 2, 3]  # val prompts 0-3, 3 answers each
-    assert torch.equal(r.returns, r.scores[:, None].expand_as(r.returns) * r.response_mask)
+    assert torch.equal(returns, r.scores[:, None].expand_as(returns) * r.response_mask)
     logged = scalars(tmp_path)
     steps = [s for s, _ in logged["critic_probe/value_loss"]]
     assert steps == [0, 1, 2, 3]
     # The last logged numbers are the checks of the critic as the run left it.
     values = compute_values(module.critic, r, module.algo.micro_batch_size)
-    expected = check_critic(values, r.returns, r.scores, r.correct, r.group_ids, r.response_mask)
+    expected = check_critic(values, returns, r.scores, r.correct, r.group_ids, r.response_mask)
     assert logged["critic_probe/value_loss"][-1][1] == pytest.approx(expected["value_loss"], rel=1e-4)
     assert logged["critic_probe/value_loss"][0][1] != pytest.approx(expected["value_loss"], rel=1e-4)  # it learnt
     # A resumed run probes the first run's answers (from the checkpoint), not its own policy's.
     again = CriticProbe(prompts=4, n=3)
     again.load_state_dict(probe.state_dict())
     again.on_train_start(module.trainer, module)
-    for k in ("input_ids", "response_mask", "scores", "returns"):
+    for k in ("input_ids", "response_mask", "scores"):
         assert torch.equal(getattr(again.probe, k), getattr(r, k))
+    assert torch.equal(again.returns, returns)
     fresh = CriticProbe(prompts=4, n=3)
     fresh.on_train_start(module.trainer, module)  # (the trained policy answers otherwise)
     assert not torch.equal(fresh.probe.input_ids, r.input_ids)

@@ -49,19 +49,19 @@ def loop_reference(rewards_at_end: float, values: list[float], action: list[bool
 @pytest.mark.parametrize("length_adaptive", [True, False])
 def test_td_errors_and_advantages_equal_a_loop_over_the_action_tokens(length_adaptive):
     r = rollout_with_observations(50)
-    r.values = torch.randn(r.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    values = torch.randn(r.response_mask.shape, generator=torch.Generator().manual_seed(1))
     algo = Algorithm(gamma=0.97, lam_actor=0.9, length_adaptive_gae=length_adaptive)
-    views = token_views(r, algo, Ids())
+    views = token_views(r, values, algo, Ids())
     lengths = r.response_lengths.float()
     for b, view in enumerate(views):
         lam = min(1.0, max(0.0, 1 - 1 / (algo.alpha * float(lengths[b])))) if length_adaptive else 0.9  # Eq. 5
         action = r.response_mask[b, : len(view.tokens)].tolist()
         assert view.action == action
         assert len(view.tokens) == int(r.attention_mask[b, r.prompt_length :].sum())  # observations too
-        delta, adv = loop_reference(float(r.scores[b]), r.values[b].tolist(), action, 0.97, lam)
+        delta, adv = loop_reference(float(r.scores[b]), values[b].tolist(), action, 0.97, lam)
         for t, is_action in enumerate(action):
             if is_action:
-                assert view.value[t] == pytest.approx(float(r.values[b, t]), abs=1e-6)
+                assert view.value[t] == pytest.approx(float(values[b, t]), abs=1e-6)
                 assert view.td_error[t] == pytest.approx(delta[t], abs=1e-5)
                 assert view.advantage[t] == pytest.approx(adv[t], abs=1e-5)
             else:  # a tool's observation: context, no numbers
@@ -118,9 +118,18 @@ def test_the_view_draws_the_values_and_advantages_the_update_used(tok, tmp_path,
     seen = []
     real = module_file.update_actor
 
-    def spy(policy, opt, r, *args, **kwargs):
-        seen.append((r, r.values.clone(), r.advantages.clone()))
-        return real(policy, opt, r, *args, **kwargs)
+    seen_values = []
+    real_values = module_file.compute_values
+
+    def values_spy(*args, **kwargs):
+        seen_values.append(real_values(*args, **kwargs))
+        return seen_values[-1]
+
+    def spy(policy, opt, r, old, advantages, *args, **kwargs):
+        seen.append((r, seen_values[-1].clone(), advantages.clone()))
+        return real(policy, opt, r, old, advantages, *args, **kwargs)
+
+    monkeypatch.setattr(module_file, "compute_values", values_spy)
 
     monkeypatch.setattr(module_file, "update_actor", spy)
     L.seed_everything(0)
@@ -130,7 +139,7 @@ def test_the_view_draws_the_values_and_advantages_the_update_used(tok, tmp_path,
     (r, values, advantages), = seen
     mask = r.response_mask
     assert (~mask & (r.attention_mask[:, r.prompt_length :] > 0)).any()  # observations inside
-    views = token_views(r, algo, load_tokenizer(str(tok)))
+    views = token_views(r, values, algo, load_tokenizer(str(tok)))
     for b, view in enumerate(views):
         n = len(view.tokens)
         for t in range(n):

@@ -39,6 +39,7 @@ def held_gradient_bytes(model: torch.nn.Module) -> int:
 
 
 def rollout(vocab: int, B: int = 8, P: int = 5, T: int = 12):
+    """A rollout of B responses and its advantages (B, T)."""
     from vapo_lightning.rollout import Rollout
 
     g = torch.Generator().manual_seed(0)
@@ -50,8 +51,7 @@ def rollout(vocab: int, B: int = 8, P: int = 5, T: int = 12):
     r = Rollout(input_ids=ids, attention_mask=attn.long(), response_mask=response_mask,
                 group_ids=torch.arange(B) // 4, truncated=torch.zeros(B, dtype=torch.bool),
                 scores=scores, correct=scores > 0)  # fmt: skip
-    r.advantages = torch.randn(B, T, generator=g) * response_mask
-    return r
+    return r, torch.randn(B, T, generator=g) * response_mask
 
 
 def _rank(rank: int, init: str, out: str, tokenizer: str, unsharded: bool) -> None:
@@ -62,7 +62,7 @@ def _rank(rank: int, init: str, out: str, tokenizer: str, unsharded: bool) -> No
     from vapo_lightning.config import Algorithm
     from vapo_lightning.distributed import shard
     from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
-    from vapo_lightning.updates import DataParallel, update_actor
+    from vapo_lightning.updates import OldPolicy, RankOps, update_actor
 
     torch.manual_seed(0)
     policy = build_policy(ModelSpec(config=WIDE, tokenizer=tokenizer), load_tokenizer(tokenizer))
@@ -71,7 +71,7 @@ def _rank(rank: int, init: str, out: str, tokenizer: str, unsharded: bool) -> No
     root = numel - largest_layer * len(policy.model.layers)  # the root unit: embeddings, norm, head
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
     shard(policy, mesh, MixedPrecisionPolicy())
-    r = rollout(policy.config.vocab_size)
+    r, advantages = rollout(policy.config.vocab_size)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     seen: list[int] = []
 
@@ -84,9 +84,9 @@ def _rank(rank: int, init: str, out: str, tokenizer: str, unsharded: bool) -> No
         dist.all_reduce(x)
         return x
 
-    dp = DataParallel(backward, global_sum, 2, accumulate_unsharded=unsharded)
+    ops = RankOps(backward, global_sum, 2, accumulate_unsharded=unsharded)
     algo = Algorithm(mini_batch_size=8, micro_batch_size=2)  # 4 micro-batches per update
-    update_actor(policy, opt, r, [torch.arange(8)], algo, 1.0, 1.0, dp)
+    update_actor(policy, opt, r, OldPolicy(None, None, None), advantages, [torch.arange(8)], algo, 1.0, 1.0, ops)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"held": seen, "numel": numel, "largest": max(largest_layer, root)}, f)

@@ -439,18 +439,18 @@ def test_consecutive_non_finite_updates_stop_with_a_good_checkpoint(tok, tmp_pat
 
 
 def test_an_undefined_explained_variance_is_not_logged_but_a_nan_loss_is():
-    from vapo_lightning.metrics import defined
+    from vapo_lightning.metrics import drop_undefined
 
     m = {"critic/vf_explained_var": float("nan"), "actor/pg_loss": float("nan"), "reward": -1.0}
-    assert set(defined(m)) == {"actor/pg_loss", "reward"}
-    assert defined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}
+    assert set(drop_undefined(m)) == {"actor/pg_loss", "reward"}
+    assert drop_undefined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}
 
 
-@pytest.mark.parametrize("tracker", [True, False], ids=["entropy-tracked", "unwatched"])
-def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path, tracker):
-    """Value pretraining (step 1) computes pi_old by a no-grad pass for `EntropyTracker`
-    (without one, nothing reads it and the pass is skipped); in one pass the next step does
-    not: its `timing_s/old_log_prob` is 0, not step 1's value kept by Lightning."""
+def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
+    """Value pretraining (step 1) updates no actor; the next step does: step 1's
+    `timing_s/update_actor` is 0, and so is the next step's `timing_s/old_log_prob`, whose
+    pi_old comes from the actor's first forward (one mini-batch a step), not step 1's value
+    kept by Lightning. While value pretraining pi_old is a pass (its entropy is logged)."""
     from vapo_lightning.callbacks import ValuePretraining
 
     class Phases(L.Callback):
@@ -463,11 +463,12 @@ def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path, tr
     L.seed_everything(0)
     phases = Phases()
     module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=16, micro_batch_size=4), val_before_train=False)
-    watch = [EntropyTracker()] if tracker else []
-    tiny_trainer(tmp_path, max_steps=2, callbacks=[ValuePretraining(steps=1), phases, *watch],
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[ValuePretraining(steps=1), phases, EntropyTracker()],
                  limit_val_batches=0).fit(module, datamodule=tiny_data(tmp_path))  # fmt: skip
+    assert module.pi_old_source == "first_forward"
     first, second = phases.seen
-    assert (first["timing_s/old_log_prob"] > 0) == tracker and second["timing_s/old_log_prob"] == 0.0
+    assert first["timing_s/old_log_prob"] > 0 and second["timing_s/old_log_prob"] == 0.0
+    assert first["timing_s/values"] > 0 and second["timing_s/values"] > 0  # V_old: always a pass
     assert first["timing_s/update_actor"] == 0.0 and second["timing_s/update_actor"] > 0
     parts = sum(v for k, v in second.items() if k not in ("timing_s/step",))
     assert parts <= second["timing_s/step"] * 1.001
@@ -521,18 +522,18 @@ def test_pi_old_from_the_rollout_skips_the_policy_pass(tok, tmp_path, monkeypatc
     pass of the policy, the ratio is taken against the sampler's log-probs, and in fp32 the
     update is the recompute's (the same draws, log-probs equal to 1e-5): same parameters
     after two rollout steps."""
-    import vapo_lightning.module as module_file
+    import vapo_lightning.updates as updates
 
     def fit(old_logprobs: str, root) -> tuple[dict, dict, int]:
         passes = []
-        compute = module_file.compute_log_probs
-        monkeypatch.setattr(module_file, "compute_log_probs", lambda *a, **k: (passes.append(1), compute(*a, **k))[1])
+        compute = updates.compute_log_probs
+        monkeypatch.setattr(updates, "compute_log_probs", lambda *a, **k: (passes.append(1), compute(*a, **k))[1])
         root.mkdir()
         L.seed_everything(0)
         module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=8, micro_batch_size=4, old_logprobs=old_logprobs))
         trainer = tiny_trainer(root, max_steps=2, limit_val_batches=0)
         trainer.fit(module, datamodule=tiny_data(root))
-        assert not module.algo.on_policy(16, reference_policy=False)  # 16 responses, 2 mini-batches
+        assert module.pi_old_source == old_logprobs  # 16 responses, 2 mini-batches
         return snapshot(module.policy), scalars(root), len(passes)
 
     bypass, logged, bypass_passes = fit("rollout", tmp_path / "rollout")

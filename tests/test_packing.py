@@ -10,15 +10,15 @@ import torch
 from tests.helpers import TINY_LLAMA, tiny_module
 from tests.test_updates import NO_CLIP, Recorder
 from vapo_lightning import attention, core, packing
-from vapo_lightning.advantages import compute_advantages, critic_targets
+from vapo_lightning.advantages import compute_advantages
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits, token_logprobs
 from vapo_lightning.updates import (
-    DataParallel,
-    compute_log_probs,
+    RankOps,
     compute_values,
     micro_batches,
     mini_batches,
+    old_policy,
     update_actor,
     update_critic,
 )
@@ -89,10 +89,10 @@ def per_row(fn, model, r: Rollout) -> list[torch.Tensor]:
 def test_packed_logits_and_values_equal_each_row_alone(tok, c, layout):
     module = module_for(tok, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
-    r.pack = c
+    layout = packing.Layout(c)
     assert packing.pack(r.input_ids, r.attention_mask, T, c) is not None
     with torch.no_grad():
-        logits, values = policy_logits(module.policy, r), critic_values(module.critic, r)
+        logits, values = policy_logits(module.policy, r, layout), critic_values(module.critic, r, layout)
         want_logits = per_row(policy_logits, module.policy, r)
         want_values = per_row(critic_values, module.critic, r)
     assert logits.shape == (G * N, T, module.policy.config.vocab_size) and values.shape == (G * N, T)
@@ -110,14 +110,14 @@ def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c, layout):
     gradients."""
     module = module_for(tok, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
-    r.pack, tau = c, 0.7
+    layout, tau = packing.Layout(c), 0.7
 
     def row_by_row(model, row):  # the slow, obvious way: each row's logits, then the kernels
         logits = policy_logits(model, row)
         return torch.stack([core.logprobs_from_logits(logits, row.responses, tau),
                             core.entropy_from_logits(logits, tau)])  # fmt: skip
 
-    logprobs, entropy = token_logprobs(module.policy, r, tau, entropy_grad=True)
+    logprobs, entropy = token_logprobs(module.policy, r, tau, entropy_grad=True, layout=layout)
     mask = r.response_mask
     ((logprobs * mask).sum() + (entropy * mask).sum() / 3).backward()
     packed_grads = {n: p.grad.clone() for n, p in module.policy.named_parameters()}
@@ -133,18 +133,18 @@ def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c, layout):
     total.backward()
     for n, p in module.policy.named_parameters():
         torch.testing.assert_close(packed_grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
-    assert token_logprobs(module.policy, r, tau, entropy=False)[1] is None
+    assert token_logprobs(module.policy, r, tau, entropy=False, layout=layout)[1] is None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_response_does_not_see_the_other_responses_of_its_pack(tok, layout):
     module = module_for(tok, layout=layout)
     r = grouped_rollout(module.policy.config.vocab_size)
-    r.pack = N
+    layout = packing.Layout(N)
     changed = Rollout(**{**r.__dict__, "input_ids": r.input_ids.clone()})
     changed.input_ids[1, P:] = (changed.input_ids[1, P:] + 1) % module.policy.config.vocab_size
     with torch.no_grad():
-        a, b = policy_logits(module.policy, r), policy_logits(module.policy, changed)
+        a, b = policy_logits(module.policy, r, layout), policy_logits(module.policy, changed, layout)
     others = [0, 2, 3]
     torch.testing.assert_close(a[others], b[others], atol=1e-6, rtol=1e-6)
     assert (a[1] - b[1]).abs().max() > 1e-3
@@ -155,48 +155,48 @@ def test_rows_that_answer_different_prompts_are_not_packed(tok):
     r = grouped_rollout(module.policy.config.vocab_size, same_prompt=False)
     assert packing.pack(r.input_ids, r.attention_mask, T, N) is None  # rows 0-3 differ
     assert packing.pack(r.input_ids[N:], r.attention_mask[N:], T, N) is not None
-    r.pack = N  # the forward falls back to one row at a time: still each row's logits
+    layout = packing.Layout(N)  # the forward falls back to one row at a time: still each row's logits
     with torch.no_grad():
-        logits = policy_logits(module.policy, r)
+        logits = policy_logits(module.policy, r, layout)
         want = per_row(policy_logits, module.policy, r)
     torch.testing.assert_close(logits[1, : len(want[1])], want[1], atol=1e-5, rtol=1e-5)
 
 
 def update_gradients(
     tok, pack: int, layout: str = "end to end", apart: bool = False, n: int = N, common: int = 0
-) -> tuple[dict[str, torch.Tensor], Rollout]:
-    """Both models' gradients of a two-pass update (one mini-batch, micro-batches of 2);
-    `apart`: every row on its own (`Rollout.shared_start` off)."""
+) -> tuple[dict[str, torch.Tensor], Rollout, dict[str, torch.Tensor]]:
+    """Both models' gradients of an update with no-grad pi_old and V_old passes (one
+    mini-batch, micro-batches of 2), and those passes' estimates; `apart`: every row on its
+    own (`Layout.shared_start` off)."""
     module = module_for(tok, micro=2, layout=layout)
     module.algo.mini_batch_size = G * n
     r = grouped_rollout(module.policy.config.vocab_size, n=n, common=common)
-    r.pack, r.shared_start, a = pack, not apart, module.algo
-    r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, a.micro_batch_size, 1.0)
-    r.values = compute_values(module.critic, r, a.micro_batch_size)
+    layout, a, ops = packing.Layout(pack, not apart), module.algo, RankOps()
+    old = old_policy("recompute", module.policy, None, r, a.micro_batch_size, 1.0, layout=layout)
+    values = compute_values(module.critic, r, a.micro_batch_size, layout=layout)
+    adv = compute_advantages(r, values, a, False, ops.global_sum)
     steps, batches = [], mini_batches(len(r), a.mini_batch_size, a.ppo_epochs, pack)
-    targets = lambda micro: critic_targets(micro, a, False)  # noqa: E731
-    update_critic(module.critic, Recorder("critic", module.critic, steps), r, batches, targets, a,
-                  NO_CLIP, DataParallel())  # fmt: skip
-    compute_advantages(r, a, False, DataParallel().global_sum)
-    update_actor(module.policy, Recorder("actor", module.policy, steps), r, batches, a, 1.0, NO_CLIP,
-                 DataParallel())  # fmt: skip
-    return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r
+    update_critic(module.critic, Recorder("critic", module.critic, steps), r, values, adv.returns, batches, a,
+                  NO_CLIP, ops, layout)  # fmt: skip
+    update_actor(module.policy, Recorder("actor", module.policy, steps), r, old, adv.advantages, batches, a, 1.0,
+                 NO_CLIP, ops, layout)  # fmt: skip
+    estimates = {"old_logprobs": old.logprobs, "entropy": old.entropy, "values": values, "advantages": adv.advantages}
+    return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r, estimates
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_an_update_with_shared_prompts_has_the_row_by_row_gradients(tok, layout):
-    packed, r_packed = update_gradients(tok, pack=2, layout=layout)
-    rows, r_rows = update_gradients(tok, pack=1, apart=True)
-    assert_same_update(packed, r_packed, rows, r_rows)
+    assert_same_update(update_gradients(tok, pack=2, layout=layout), update_gradients(tok, pack=1, apart=True))
 
 
-def assert_same_update(packed, r_packed, rows, r_rows) -> None:
+def assert_same_update(packed, rows) -> None:
+    (packed, _, est_packed), (rows, r_rows, est_rows) = packed, rows
     assert packed.keys() == rows.keys() and any(g.abs().sum() > 0 for g in rows.values())
     for k in rows:
         torch.testing.assert_close(packed[k], rows[k], atol=1e-6, rtol=1e-4)
     mask = r_rows.response_mask
     for field in ["old_logprobs", "entropy", "values", "advantages"]:
-        torch.testing.assert_close(getattr(r_packed, field)[mask], getattr(r_rows, field)[mask], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(est_packed[field][mask], est_rows[field][mask], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "pack"), [(1, 1), (4, 2)])
@@ -212,21 +212,18 @@ def test_a_start_every_prompt_shares_is_laid_once_with_the_row_by_row_gradients(
     assert packed.input_ids[0, :3].tolist() == r.input_ids[0, P - int(r.attention_mask[0, :P].sum()) :][:3].tolist()
     apart = packing.pack(r.input_ids, r.attention_mask, T, pack, end_to_end=True, share_start=False)
     assert {s.shared for row in apart.spans for s in row} == {0} and apart.input_ids.shape[1] == packed.input_ids.shape[1] + 3 * (len(r) // pack - 1)
-    shared, r_shared = update_gradients(tok, pack=pack, n=n, common=3)
-    rows, r_rows = update_gradients(tok, pack=1, apart=True, n=n, common=3)
-    assert_same_update(shared, r_shared, rows, r_rows)
+    shared = update_gradients(tok, pack=pack, n=n, common=3)
+    assert_same_update(shared, update_gradients(tok, pack=1, apart=True, n=n, common=3))
 
 
 def test_rows_kept_apart_are_not_laid_end_to_end(tok):
-    """`algorithm.share_prompts: false` (`Rollout.shared_start` off): each row its own forward."""
+    """`algorithm.share_prompts: false` (`Layout.shared_start` off): each row its own forward."""
     module = module_for(tok)
     r = grouped_rollout(module.policy.config.vocab_size, n=1, common=3)
     forwards = []
     hook = module.critic.register_forward_pre_hook(lambda m, a, kw: forwards.append(kw["input_ids"].shape), with_kwargs=True)
-    r.shared_start = False
-    critic_values(module.critic, r)
-    r.shared_start = True
-    critic_values(module.critic, r)
+    critic_values(module.critic, r, packing.Layout(1, shared_start=False))
+    critic_values(module.critic, r, packing.Layout(1, shared_start=True))
     hook.remove()
     assert forwards[0] == r.input_ids.shape and forwards[1][0] == 1
 
@@ -343,11 +340,10 @@ def test_batches_keep_a_pack_together():
 def test_micro_batches_hold_whole_packs_grouped_by_length(tok):
     module = module_for(tok)
     r = grouped_rollout(module.policy.config.vocab_size)
-    r.pack = 2
-    parts = list(micro_batches(r, 4))
+    parts = list(micro_batches(r, 4, pack=2))
     assert sorted(torch.cat([rows for rows, _ in parts]).tolist()) == list(range(G * N))
-    for rows, micro in parts:
-        assert len(rows) == 4 and bool((rows.view(-1, 2)[:, 0] % 2 == 0).all()) and micro.pack == 2
+    for rows, _ in parts:
+        assert len(rows) == 4 and bool((rows.view(-1, 2)[:, 0] % 2 == 0).all())
     longest = [int(r.attention_mask[rows].sum(-1).max()) for rows, _ in parts]
     assert longest == sorted(longest)
 
@@ -407,8 +403,7 @@ def test_dense_packs_are_skipped_where_they_cost_more(tok):
         r = Rollout(input_ids=ids, attention_mask=torch.ones(B, P + T, dtype=torch.long),
                     response_mask=torch.ones(B, T, dtype=torch.bool), group_ids=torch.zeros(B, dtype=torch.long),
                     truncated=torch.zeros(B, dtype=torch.bool))  # fmt: skip
-        r.pack = 4
         return r
 
-    assert _packed(policy, rollout(8, 200)) is None
-    assert _packed(policy, rollout(200, 4)) is not None
+    assert _packed(policy, rollout(8, 200), packing.Layout(4)) is None
+    assert _packed(policy, rollout(200, 4), packing.Layout(4)) is not None

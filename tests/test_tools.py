@@ -351,20 +351,20 @@ def test_observation_tokens_reach_no_loss(tok):
     from vapo_lightning import core
     from vapo_lightning.advantages import compute_advantages
     from vapo_lightning.rollout import critic_values, policy_logits
-    from vapo_lightning.updates import DataParallel
+    from vapo_lightning.updates import RankOps
 
     module = module_with(tok, 4)
     r = rollout_with_observations(module.policy.config.vocab_size)
-    old_estimates(module, r)
-    compute_advantages(r, module.algo, False, DataParallel().global_sum)
+    old, values = old_estimates(module, r)
+    adv = compute_advantages(r, values, module.algo, False, RankOps().global_sum)
     mask = r.response_mask
-    assert abs(float(core.masked_mean(r.advantages, mask))) < 1e-5
+    assert abs(float(core.masked_mean(adv.advantages, mask))) < 1e-5
     n = float(mask.sum())  # unbiased variance over the actions only
-    assert abs(float(core.masked_mean(r.advantages**2, mask)) * n / (n - 1) - 1) < 1e-4
-    assert torch.equal(r.lam_actor, core.length_adaptive_lam(mask.sum(-1), 0.05))
-    for name in ("old_logprobs", "values", "advantages", "returns", "entropy"):
-        getattr(r, name)[~mask] = float("nan")  # garbage wherever the mask is false
-    steps, _ = run_updates(module, r)  # (its advantages: the same GAE on the same V_old)
+    assert abs(float(core.masked_mean(adv.advantages**2, mask)) * n / (n - 1) - 1) < 1e-4
+    assert torch.equal(adv.lam_actor, core.length_adaptive_lam(mask.sum(-1), 0.05))
+    for x in (old.logprobs, old.entropy, values):
+        x[~mask] = float("nan")  # garbage wherever the mask is false
+    steps, _, _ = run_updates(module, r, old, values)  # (its advantages: the same GAE on the same V_old)
     grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
     assert all(torch.isfinite(g).all() for g in grads.values())
 
@@ -381,7 +381,7 @@ def test_observation_tokens_reach_no_loss(tok):
             if not row.response_mask[0, t]:
                 continue
             ratio = torch.exp(logp[t] - logp[t].detach())
-            actor = actor - row.advantages[0, t] * ratio / n_actions
+            actor = actor - adv.advantages[b, t] * ratio / n_actions
             if row.correct[0]:
                 actor = actor - a.nll_coef * logp[t] / n_correct
             critic = critic + 0.5 * (values[t] - row.scores[0]) ** 2 / n_actions

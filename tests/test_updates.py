@@ -1,7 +1,7 @@
 """The updates (`vapo_lightning.updates`): micro-batching is bookkeeping only (rows are grouped
 by length to cut padding, and the old log-probs, values and both models' gradients equal those
-of one row at a time); the one-pass (on-policy) path gives the two-pass gradients; several
-critic steps per actor step."""
+of one row at a time); pi_old from the actor's first forward (on-policy) gives the gradients
+of pi_old from a no-grad pass; several critic steps per actor step."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from vapo_lightning.advantages import compute_advantages, critic_targets
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits
 from vapo_lightning.updates import (
-    DataParallel,
-    compute_log_probs,
+    OldPolicy,
+    RankOps,
     compute_values,
     micro_batches,
     mini_batches,
+    old_policy,
     update_actor,
     update_critic,
 )
@@ -47,6 +48,7 @@ def rollout(vocab: int) -> Rollout:
         truncated=torch.zeros(B, dtype=torch.bool),
         scores=scores,
         correct=scores > 0,
+        rollout_logprobs=-2 * torch.rand(B, T, generator=g) * response_mask,  # (read with rollout_is only)
     )
 
 
@@ -58,10 +60,10 @@ def module_with(tok, micro: int, **algorithm):
     return module
 
 
-def old_estimates(module, r: Rollout) -> None:
-    """The two-pass path: no-grad old log-probs and values, then the advantages."""
-    r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(module.policy, r, module.algo.micro_batch_size, 1.0)
-    r.values = compute_values(module.critic, r, module.algo.micro_batch_size)
+def old_estimates(module, r: Rollout, source: str = "recompute") -> tuple[OldPolicy, torch.Tensor]:
+    """pi_old from `source` and V_old (a no-grad pass of the critic)."""
+    old = old_policy(source, module.policy, None, r, module.algo.micro_batch_size, 1.0)
+    return old, compute_values(module.critic, r, module.algo.micro_batch_size)
 
 
 class Recorder:
@@ -83,33 +85,34 @@ class Recorder:
 NO_CLIP = float("inf")  # clip_grad_norm_ leaves the gradients as they are
 
 
-def run_updates(module, r: Rollout, frozen: bool = False, lr: float = 0.0) -> tuple[list, dict]:
-    """`training_step`'s update phases on `r` (critic, advantages, actor), recording each
-    optimiser step's gradients."""
-    steps, a = [], module.algo
+def run_updates(module, r: Rollout, old: OldPolicy, values: torch.Tensor, frozen: bool = False,
+                lr: float = 0.0) -> tuple[list, dict, OldPolicy]:  # fmt: skip
+    """`training_step`'s phases after pi_old and V_old on `r` (advantages, critic, actor),
+    recording each optimiser step's gradients; and pi_old as the actor update read it."""
+    steps, a, ops = [], module.algo, RankOps()
     batches = mini_batches(len(r), a.mini_batch_size, a.ppo_epochs)
-    targets = lambda micro: critic_targets(micro, a, frozen)  # noqa: E731
-    stats = dict(update_critic(module.critic, Recorder("critic", module.critic, steps, lr), r, batches,
-                               targets, a, NO_CLIP, DataParallel()))  # fmt: skip
-    compute_advantages(r, a, frozen, DataParallel().global_sum)
+    adv = compute_advantages(r, values, a, frozen, ops.global_sum)
+    stats = dict(update_critic(module.critic, Recorder("critic", module.critic, steps, lr), r, values, adv.returns,
+                               batches, a, NO_CLIP, ops))  # fmt: skip
     if not frozen:
-        stats |= update_actor(module.policy, Recorder("actor", module.policy, steps, lr), r, batches, a,
-                              1.0, NO_CLIP, DataParallel())  # fmt: skip
-    return steps, stats
+        actor_stats, old = update_actor(module.policy, Recorder("actor", module.policy, steps, lr), r, old,
+                                        adv.advantages, batches, a, 1.0, NO_CLIP, ops)  # fmt: skip
+        stats |= actor_stats
+    return steps, stats, old
 
 
 @pytest.mark.parametrize("micro", [1, 2, 8])
 def test_old_logprobs_and_values_equal_one_row_at_a_time(tok, micro):
     module = module_with(tok, micro)
     r = rollout(module.policy.config.vocab_size)
-    old_estimates(module, r)
+    old, values = old_estimates(module, r)
     with torch.no_grad():
         for i in range(B):
             row = r.select([i]).trimmed()
             n = row.response_mask.shape[1]
             lp = core.logprobs_from_logits(policy_logits(module.policy, row), row.responses)
-            torch.testing.assert_close(r.old_logprobs[i, :n], lp[0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(r.values[i, :n], critic_values(module.critic, row)[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(old.logprobs[i, :n], lp[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(values[i, :n], critic_values(module.critic, row)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_micro_batches_group_rows_by_length(tok):
@@ -123,15 +126,14 @@ def test_micro_batches_group_rows_by_length(tok):
     assert sum(widths) < len(groups) * r.input_ids.shape[1]  # padding was cut
 
 
-def gradients(tok, micro: int, keep: bool = False, frozen: bool = False, **algorithm):
-    """Both models' gradients of one two-pass update (no-grad old log-probs and values
-    first) on the same rollout, captured before the step; with keep, the rollout too."""
+def gradients(tok, micro: int, frozen: bool = False, source: str = "recompute", **algorithm):
+    """Both models' gradients of one update (pi_old from `source`, V_old from a no-grad
+    pass) on the same rollout, captured before the step."""
     module = module_with(tok, micro, **algorithm)
     r = rollout(module.policy.config.vocab_size)
-    old_estimates(module, r)
-    steps, _ = run_updates(module, r, frozen)
-    grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
-    return (grads, r) if keep else grads
+    old, values = old_estimates(module, r, source)
+    steps, _, _ = run_updates(module, r, old, values, frozen)
+    return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
 
 
 def test_gradients_do_not_depend_on_the_micro_batch_split(tok):
@@ -182,44 +184,47 @@ def test_token_budget_groups_against_a_slow_reference():
         token_budget_groups(torch.tensor([5, 5]), 100, agree=lambda n: 3)
 
 
-# Critic targets that depend on V_old (lambda < 1) as well as the Monte-Carlo default.
 ONE_PASS_CASES = {
     "vapo": {},
-    "coupled GAE": {"decoupled_gae": False},
-    "lam_critic 0.9": {"lam_critic": 0.9},
-    "no value clip": {"value_clip": None},
-    "value pretraining": {"frozen": True},
+    "sequence-level loss": {"loss_agg": "sequence"},
+    "entropy bonus": {"entropy_coef": 0.01},
+    "rollout correction": {"rollout_is": "tis"},
 }
 
 
 @pytest.mark.parametrize("case", list(ONE_PASS_CASES))
-def test_one_pass_update_equals_the_two_pass_update(tok, case):
-    """One epoch over one mini-batch: the updates' own forwards stand in for the no-grad
-    old-log-prob and value passes; gradients, values, advantages and targets are unchanged."""
-    settings = dict(ONE_PASS_CASES[case])
-    frozen = settings.pop("frozen", False)
+def test_pi_old_from_the_first_forward_equals_a_pass(tok, case):
+    """One epoch over one mini-batch: the actor's own first forward, detached, stands in for
+    the no-grad pi_old pass (verl's on-policy shortcut); the gradients are unchanged."""
+    settings = ONE_PASS_CASES[case]
     module = module_with(tok, 2, **settings)
     r = rollout(module.policy.config.vocab_size)
-    assert module.algo.on_policy(len(r), reference_policy=False)
-    if frozen:  # the module takes pi_old for the metrics only (the actor does not move)
-        r.old_logprobs, r.entropy, _ = compute_log_probs(module.policy, r, 2, 1.0)
-    steps, stats = run_updates(module, r, frozen)
+    old, values = old_estimates(module, r, "first_forward")
+    assert old == OldPolicy(None, None, None)
+    steps, stats, read = run_updates(module, r, old, values)  # (lr 0: the policy stays pi_old)
     grads = {f"{name}.{n}": g for name, step in steps for n, g in step.items()}
-    want, two = gradients(tok, 2, keep=True, frozen=frozen, **settings)
-    assert grads.keys() == want.keys() and any(k.startswith("actor") for k in want) != frozen
+    want = gradients(tok, 2, **settings)
+    assert grads.keys() == want.keys() and any(k.startswith("actor") for k in want)
     for k in want:
         torch.testing.assert_close(grads[k], want[k], atol=1e-6, rtol=1e-4)
-    mask = r.response_mask
-    for field in ["old_logprobs", "entropy", "values", "returns", "advantages"]:
-        torch.testing.assert_close(getattr(r, field)[mask], getattr(two, field)[mask], atol=1e-5, rtol=1e-5)
-    assert stats["critic/vf_clipfrac"] == [0] and stats.get("actor/pg_clipfrac", [0]) == [0]
-    assert not module.algo.on_policy(2 * B, reference_policy=False)  # two mini-batches
-    assert not module.algo.on_policy(B, reference_policy=True)  # a KL reference
-    assert not Algorithm(mini_batch_size=B, one_pass=False).on_policy(B, reference_policy=False)
+    assert stats["critic/vf_clipfrac"] == [0] and stats["actor/pg_clipfrac"] == [0]
+    passed, mask = old_estimates(module, r)[0], r.response_mask  # pi_old the update read: a pass's
+    torch.testing.assert_close(read.logprobs[mask], passed.logprobs[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(read.entropy[mask], passed.entropy[mask], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_several_critic_steps_per_actor_step(tok, one_pass):
+def test_the_pi_old_source_is_chosen_once_from_the_configured_batch():
+    a = Algorithm(mini_batch_size=B)
+    assert a.old_logprob_source(B, reference_policy=False) == "first_forward"
+    assert a.old_logprob_source(2 * B, reference_policy=False) == "recompute"  # two mini-batches
+    assert a.old_logprob_source(B, reference_policy=True) == "recompute"  # a KL reference
+    assert a.old_logprob_source(None, reference_policy=False) == "recompute"  # not fit
+    assert Algorithm(mini_batch_size=B, one_pass=False).old_logprob_source(B, False) == "recompute"
+    assert Algorithm(mini_batch_size=B, ppo_epochs=2).old_logprob_source(B, False) == "recompute"
+    assert Algorithm(mini_batch_size=B, old_logprobs="rollout").old_logprob_source(2 * B, False) == "rollout"
+
+
+def test_several_critic_steps_per_actor_step(tok):
     """critic_updates_per_step=2: two critic steps on the mini-batch, both against V_old
     and the same targets, then one actor step; the second step's gradient is that of the
     value loss at the once-stepped critic (checked against a manual SGD step)."""
@@ -227,12 +232,9 @@ def test_several_critic_steps_per_actor_step(tok, one_pass):
     r = rollout(module.policy.config.vocab_size)
     reference = module_with(tok, 2)  # same seed: same initial critic
     ref_r = rollout(module.policy.config.vocab_size)
-    if not one_pass:
-        old_estimates(module, r)
-    assert module.algo.on_policy(len(r), reference_policy=False)
+    old, values = old_estimates(module, r)
     lr = 0.5
-    values_before = None if one_pass else r.values.clone()
-    steps, stats = run_updates(module, r, lr=lr)
+    steps, stats, _ = run_updates(module, r, old, values, lr=lr)
     assert [name for name, _ in steps] == ["critic", "critic", "actor"]
     assert len(stats) and "critic/vf_loss" in stats
 
@@ -240,21 +242,19 @@ def test_several_critic_steps_per_actor_step(tok, one_pass):
     critic, mask = reference.critic, ref_r.response_mask
     with torch.no_grad():
         v_old = critic_values(critic, ref_r.trimmed())
-        ref_r.values = torch.zeros(mask.shape)
-        ref_r.values[:, : v_old.shape[1]] = v_old
-        if values_before is not None:
-            torch.testing.assert_close(values_before[mask], ref_r.values[mask], atol=1e-5, rtol=1e-5)
-        targets = critic_targets(ref_r, reference.algo, value_pretraining=False)
+        ref_values = torch.zeros(mask.shape)
+        ref_values[:, : v_old.shape[1]] = v_old
+        torch.testing.assert_close(values[mask], ref_values[mask], atol=1e-5, rtol=1e-5)
+        targets = critic_targets(ref_r, ref_values, reference.algo, value_pretraining=False)
     for k in range(2):
         critic.zero_grad(set_to_none=True)
-        loss, _ = core.value_loss(critic_values(critic, ref_r), ref_r.values, targets, mask, mask.sum(), 0.2)
+        loss, _ = core.value_loss(critic_values(critic, ref_r), ref_values, targets, mask, mask.sum(), 0.2)
         loss.backward()
         for n, p in critic.named_parameters():
             torch.testing.assert_close(steps[k][1][n], p.grad, atol=1e-6, rtol=1e-4)
         with torch.no_grad():
             for p in critic.parameters():
                 p -= lr * p.grad
-    torch.testing.assert_close(r.values[mask], ref_r.values[mask], atol=1e-5, rtol=1e-5)
 
 
 def test_critic_updates_per_step_must_be_positive():
@@ -271,11 +271,11 @@ def test_the_actor_update_takes_the_entropy_only_for_a_bonus(tok, monkeypatch, c
 
     module = module_with(tok, 2, entropy_coef=coef)
     r = rollout(module.policy.config.vocab_size)
-    old_estimates(module, r)
+    old, values = old_estimates(module, r)
     asked = []
     real = updates.token_logprobs
     monkeypatch.setattr(updates, "token_logprobs", lambda *a, **k: (asked.append(k), real(*a, **k))[1])
-    _, stats = run_updates(module, r)
+    _, stats, _ = run_updates(module, r, old, values)
     assert {(k["entropy"], k["entropy_grad"]) for k in asked} == {(coef > 0, coef > 0)}
-    want = float(core.masked_mean(r.entropy, r.response_mask))
+    want = float(core.masked_mean(old.entropy, r.response_mask))
     assert stats["actor/entropy"] == pytest.approx([want], rel=1e-5)

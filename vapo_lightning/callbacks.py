@@ -15,11 +15,9 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from vapo_lightning import core
-from vapo_lightning.critic_checks import explained_variance
-from vapo_lightning.distributed import save_pretrained
 
 __all__ = [
     "EntropyTracker",
@@ -28,7 +26,6 @@ __all__ = [
     "ValidationSamples",
     "ValuePretraining",
     "progress_bar",
-    "watches_the_policy",
 ]
 
 
@@ -101,6 +98,10 @@ class ValuePretraining(L.Callback):
     """Value pretraining (VAPO §4.1, §5.1): for the first `steps` rollout steps only the
     critic learns, on lambda = 1 Monte-Carlo targets, from the fixed initial policy.
 
+    The phase is the module's (`VAPOModule.value_pretraining_at`, decided from the rollout
+    step's index and logged as `warmup/active`); this callback is where a config asks for it,
+    and hands the settings to the module once, at setup.
+
     Args:
         steps: rollout steps of warm-up (paper: 50).
         explained_variance_threshold: end early once the critic's explained variance on a
@@ -120,48 +121,15 @@ class ValuePretraining(L.Callback):
         self.steps = steps
         self.threshold = explained_variance_threshold
         self.save_dir = save_dir
-        self.steps_done = 0
-        self.active = steps > 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not pl_module.algo.uses_critic:
             raise ValueError(
                 "ValuePretraining needs a critic: remove it for advantage='group' (GRPO/DAPO)"
             )
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
-    ) -> None:
-        pl_module.actor_frozen = self.active
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        if not self.active:
-            return
-        self.steps_done += 1
-        r = pl_module.last_rollout  # the decision, like the number, over every rank's tokens
-        ev = float(explained_variance(r.values, r.returns, r.response_mask, pl_module.global_sum))
-        reached = self.threshold is not None and ev >= self.threshold
-        if self.steps_done >= self.steps or reached:
-            self.active = False
-            pl_module.actor_frozen = False
-            why = (
-                f"explained variance {ev:.3f} >= {self.threshold}"
-                if reached
-                else f"{self.steps_done} steps"
-            )
-            rank_zero_info(f"value pretraining done after {why}; the actor starts learning")
-            if self.save_dir:  # collective: every rank takes part in gathering the weights
-                save_pretrained(
-                    pl_module.critic, pl_module.tokenizer, self.save_dir, trainer.is_global_zero
-                )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "active": self.active}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_done, self.active = state["steps_done"], state["active"]
+        pl_module.value_pretraining_steps = self.steps  # (a resumed run: its checkpoint's)
+        pl_module.value_pretraining_threshold = self.threshold
+        pl_module.value_pretraining_save_dir = self.save_dir
 
 
 class EntropyTracker(L.Callback):
@@ -207,10 +175,11 @@ class EntropyTracker(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        r = pl_module.last_rollout
-        if r.entropy is None:  # a step without actor update in one pass: no pi_old pass ran
+        step = pl_module.last_step
+        if step.old.entropy is None:  # on-policy, a step without actor update: not taken
             return
-        mask, ent = r.response_mask, r.entropy
+        r, ent = step.rollout, step.old.entropy
+        mask = r.response_mask
         mean = float(core.masked_mean(ent, mask))
         metrics = {"rollout/entropy": mean}
         lengths, lower = r.response_lengths, 0
@@ -264,13 +233,6 @@ class EntropyTracker(L.Callback):
                 f"at rollout step {step} (threshold {self.blowup_above}). Sampling is close to "
                 "uniform noise: lower the learning rate or check the rewards."
             )
-
-
-def watches_the_policy(r: Any, callbacks: Sequence[L.Callback]) -> bool:
-    """Whether a metric reads the rollout's pi_old pass while the actor is frozen (value
-    pretraining): `EntropyTracker`'s entropy, or an engine's log-probs against the trainer's
-    (`training/rollout_probs_diff_*`). Otherwise the pass is skipped."""
-    return r.rollout_logprobs is not None or any(isinstance(c, EntropyTracker) for c in callbacks)
 
 
 class ValidationSamples(L.Callback):

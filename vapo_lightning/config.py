@@ -83,9 +83,10 @@ class Algorithm:
     micro_batch_size multiples of one another. On the CPU the micro-batch's rows also lie end
     to end, without padding, after the start all its prompts share (once)."""
     one_pass: bool = True
-    """With one epoch over one mini-batch (and no KL reference), take pi_old and V_old from
-    the updates' own first forwards instead of separate no-grad passes (verl's on_policy:
-    the same gradients, one forward of each model fewer; `benchmarks/results/trainer.md`)."""
+    """When every step is one epoch over one mini-batch (prompts_per_step × n <=
+    mini_batch_size, ppo_epochs 1, no KL reference), take pi_old from the actor update's own
+    first forward, detached, instead of a no-grad pass (verl's on-policy shortcut): the same
+    gradients, one forward of the policy fewer. Decided once, at setup."""
     dynamic_sampling_rounds: int = 0
     """DAPO's dynamic sampling: drop groups whose responses all agree and sample fresh
     prompts, at most this many extra rounds; 0 disables it."""
@@ -103,7 +104,7 @@ class Algorithm:
     rollout_is_cap: float = 2.0
     """C of truncated importance sampling."""
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    """Where pi_old comes from when it is not the update's own first forward (`one_pass`):
+    """Where pi_old comes from when it is not the actor's own first forward (`one_pass`):
     'recompute', a no-grad forward of the policy over the rollout (verl's default); 'rollout',
     the engine's log-prob of each token it sampled (verl's bypass mode): one forward of the
     policy fewer per step, and the PPO ratio is then taken against the policy that really
@@ -155,10 +156,13 @@ class Algorithm:
     def uses_critic(self) -> bool:
         return self.advantage == "gae"
 
-    def on_policy(self, batch: int, reference_policy: bool) -> bool:
-        """One epoch over one mini-batch, no reference policy (and `one_pass`): pi_old and
-        V_old are the models as they stand, so the no-grad passes can be skipped."""
-        return self.one_pass and self.ppo_epochs == 1 and batch <= self.mini_batch_size and not reference_policy
+    def old_logprob_source(self, batch: int | None, reference_policy: bool) -> str:
+        """Where pi_old comes from for a run whose steps have `batch` responses (None: not
+        known, as outside `fit`): 'first_forward' with `one_pass` when every step is one
+        epoch over one mini-batch and no reference policy is kept (the policy then is pi_old
+        until the update's one step), else `old_logprobs` ('recompute' or 'rollout')."""
+        on_policy = batch is not None and batch <= self.mini_batch_size and self.ppo_epochs == 1
+        return "first_forward" if self.one_pass and on_policy and not reference_policy else self.old_logprobs
 
     @property
     def reads_rollout_logprobs(self) -> bool:

@@ -321,7 +321,7 @@ def policy_loss(
 
 def value_loss(
     values: Tensor,
-    old_values: Tensor,
+    old_values: Tensor | None,
     returns: Tensor,
     response_mask: Tensor,
     normalizer: float | Tensor,
@@ -330,16 +330,17 @@ def value_loss(
 ) -> tuple[Tensor, Tensor]:
     """Critic loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = old_V + clip(V - old_V, +-eps).
 
-    All inputs (B, T); `clip_range=None` disables clipping. Returns (loss, clipfrac): the
-    fraction of valid tokens where the clipped term was the larger one.
+    All inputs (B, T); `clip_range=None` disables clipping (then `old_values` is not read
+    and may be None). Returns (loss, clipfrac): the fraction of valid tokens where the
+    clipped term was the larger one.
     """
     mask = response_mask.bool()
     values = torch.where(mask, values, torch.zeros_like(values))
     returns = torch.where(mask, returns, torch.zeros_like(returns))
-    old_values = torch.where(mask, old_values, torch.zeros_like(old_values))
     err = (values - returns) ** 2
     if clip_range is None:
         return aggregate(0.5 * err, response_mask, agg, normalizer), values.new_zeros(())
+    old_values = torch.where(mask, old_values, torch.zeros_like(old_values))
     v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
     err_clip = (v_clip - returns) ** 2
     loss = 0.5 * torch.maximum(err, err_clip)

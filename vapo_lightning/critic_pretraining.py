@@ -46,9 +46,9 @@ from vapo_lightning.critic_buffer import Setup, from_config, progress, sample_bu
 from vapo_lightning.critic_checks import check_critic
 from vapo_lightning.distributed import save_pretrained
 from vapo_lightning.models import add_adapters, build_critic, build_policy
-from vapo_lightning.packing import pack_size
+from vapo_lightning.packing import layout_for
 from vapo_lightning.updates import (
-    DataParallel,
+    RankOps,
     adamw_with_warmup,
     compute_values,
     mini_batches,
@@ -137,9 +137,11 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
     _, held_prompts = split_by_prompt(len(chosen), opts.held_out, opts.seed)
     in_held = torch.isin(buffer.group_ids, torch.tensor([chosen[i] for i in held_prompts]))
     train, held = buffer.select(torch.nonzero(~in_held)[:, 0]), buffer.select(torch.nonzero(in_held)[:, 0])
-    for part in (train, held):
-        part.returns = monte_carlo_returns(part.scores, part.response_mask, algo.gamma)
-        part.pack, part.shared_start = pack_size(part.group_ids, algo), algo.share_prompts
+    returns = {}  # (B, T) each part's λ = 1 return: the critic's target
+    layouts = {}  # how each part's rows go through the critic
+    for name, part in (("train", train), ("held", held)):
+        returns[name] = monte_carlo_returns(part.scores, part.response_mask, algo.gamma)
+        layouts[name] = layout_for(part.group_ids, algo)
 
     opt, sched = adamw_with_warmup([p for p in critic.parameters() if p.requires_grad], optim.critic_lr, optim)
     state_path, history = out / "state.pt", []
@@ -152,8 +154,8 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
 
     def score(epoch: int, train_loss: float, seconds: float) -> dict[str, float]:
         with s.forward_context():
-            values = compute_values(critic, held, algo.micro_batch_size)
-        checks = check_critic(values, held.returns, held.scores, held.correct, held.group_ids, held.response_mask)
+            values = compute_values(critic, held, algo.micro_batch_size, layout=layouts["held"])
+        checks = check_critic(values, returns["held"], held.scores, held.correct, held.group_ids, held.response_mask)
         return {"epoch": epoch, "train/value_loss": train_loss, **{f"held_out/{k}": v for k, v in checks.items()},
                 "minutes": seconds / 60}  # fmt: skip
 
@@ -165,15 +167,15 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
         task = bar.add_task("training the critic", total=None)
         while stop is None:
             epoch, start = len(history), time.perf_counter()
-            batches = mini_batches(len(train), algo.mini_batch_size, 1, train.pack)
+            batches = mini_batches(len(train), algo.mini_batch_size, 1, layouts["train"].pack)
             if len(batches) == 1:  # (one mini-batch comes in order: shuffle it too)
                 batches = [torch.randperm(len(train))]
             bar.update(task, total=len(batches), completed=0, description=f"critic epoch {epoch}")
             losses = []
             for index in batches:
                 with s.forward_context():
-                    stats = update_critic(critic, opt, train, [index], lambda micro: micro.returns, algo,
-                                          optim.max_grad_norm, DataParallel())  # fmt: skip
+                    stats = update_critic(critic, opt, train, None, returns["train"], [index], algo,
+                                          optim.max_grad_norm, RankOps(), layouts["train"])  # fmt: skip
                 sched.step()
                 losses += stats["critic/vf_loss"]
                 bar.advance(task)

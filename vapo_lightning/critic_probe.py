@@ -17,10 +17,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import Tensor
 
 from vapo_lightning.advantages import monte_carlo_returns
 from vapo_lightning.critic_checks import check_critic
-from vapo_lightning.packing import pack_size
+from vapo_lightning.packing import ROWS, layout_for
 from vapo_lightning.rollout import Rollout
 from vapo_lightning.updates import compute_values
 
@@ -46,6 +47,8 @@ class CriticProbe(L.Callback):
             raise ValueError("CriticProbe: prompts, n and every_n_steps must be >= 1")
         self.prompts, self.n, self.every_n_steps = prompts, n, every_n_steps
         self.probe: Rollout | None = None
+        self.returns: Tensor | None = None  # (B, T) the probe's λ = 1 returns, the critic's targets
+        self.layout = ROWS  # how the probe's rows go through the critic
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         dm = getattr(trainer, "datamodule", None)
@@ -54,8 +57,8 @@ class CriticProbe(L.Callback):
         if self.probe is None:  # (a resumed run has the first run's probe, from its checkpoint)
             self.probe = self.sample(trainer, pl_module, dm.val_rows[: self.prompts])
         r = self.probe
-        r.returns = monte_carlo_returns(r.scores, r.response_mask, pl_module.algo.gamma)
-        r.pack, r.shared_start = pack_size(r.group_ids, pl_module.algo), pl_module.algo.share_prompts
+        self.returns = monte_carlo_returns(r.scores, r.response_mask, pl_module.algo.gamma)
+        self.layout = layout_for(r.group_ids, pl_module.algo)
         if trainer.global_step == 0:  # (a resumed run scored its start already)
             self.write(trainer, pl_module)
 
@@ -99,6 +102,6 @@ class CriticProbe(L.Callback):
         critic on each, as a sharded critic needs)."""
         r = self.probe
         with trainer.precision_plugin.forward_context():
-            values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size)
-        checks = check_critic(values, r.returns, r.scores, r.correct, r.group_ids, r.response_mask)
+            values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size, layout=self.layout)
+        checks = check_critic(values, self.returns, r.scores, r.correct, r.group_ids, r.response_mask)
         return {f"critic_probe/{k}": v for k, v in checks.items() if math.isfinite(v)}  # (NaN: undefined)

@@ -68,11 +68,11 @@ class TokenView:
 
 
 @torch.no_grad()
-def token_views(r: Rollout, algo: Algorithm, tokenizer: Any) -> list[TokenView]:
-    """The view of each response of `r`, whose `values` (V_old) and `scores` are set."""
+def token_views(r: Rollout, values: Tensor, algo: Algorithm, tokenizer: Any) -> list[TokenView]:
+    """The view of each response of the scored rollout `r`, with its V_old `values` (B, T)."""
     mask = r.response_mask
     rewards = core.sparse_rewards(r.scores.float(), mask)
-    values = r.values.float()
+    values = values.float()
     td_error = core.gae(rewards, values, mask, algo.gamma, 0.0)[0]  # (B, T)
     advantage = core.gae(rewards, values, mask, algo.gamma, actor_lambda(r, algo))[0]  # (B, T)
     shown = [torch.where(mask, x, float("nan")) for x in (values, td_error, advantage)]  # (B, T) each
@@ -178,10 +178,10 @@ class CriticView(L.Callback):
         r = self.last_rollout = r.select(pick_rows(r.correct, self.k))
         # V(s_t) on every rank, in one forward each (a sharded critic's forward is collective:
         # every rank takes part); rank 0 draws and writes.
-        r.values = compute_values(pl_module.critic, r, max(1, len(r)))
+        values = compute_values(pl_module.critic, r, max(1, len(r)))
         if not trainer.is_global_zero:
             return
-        self.last_views = token_views(r, pl_module.algo, pl_module.tokenizer)
+        self.last_views = token_views(r, values, pl_module.algo, pl_module.tokenizer)
         # (`vapo validate` / `inspect` of a checkpoint leave the trainer's step at 0)
         self.write(trainer, self.last_views, max(trainer.global_step, pl_module.checkpoint_step))
 

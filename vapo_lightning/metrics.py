@@ -19,13 +19,13 @@ from torch import Tensor
 from vapo_lightning import core, correction
 from vapo_lightning.critic_checks import GlobalSum, explained_variance
 from vapo_lightning.rewards.math_answers import answer_forms
-from vapo_lightning.rollout import Rollout
+from vapo_lightning.updates import Step
 
 __all__ = [
     "ALIASES",
     "PhaseTimer",
     "answer_shares",
-    "defined",
+    "drop_undefined",
     "reduce_over_ranks",
     "rollout_metrics",
     "step_metrics",
@@ -96,10 +96,11 @@ def warn_without_reward_signal(m: dict[str, float]) -> None:
         )
 
 
-def rollout_metrics(r: Rollout, timer: PhaseTimer, global_sum: GlobalSum = Tensor.float) -> dict[str, float]:
-    """Scores, lengths, values, advantages, lambda, timings and throughput of one rollout;
-    the critic's explained variance over every rank's tokens (`global_sum`), not a mean of
-    the ranks' own."""
+def rollout_metrics(step: Step, timer: PhaseTimer, global_sum: GlobalSum = Tensor.float) -> dict[str, float]:
+    """Scores, lengths, values, advantages, lambda, timings and throughput of one rollout
+    step; the critic's explained variance over every rank's tokens (`global_sum`), not a mean
+    of the ranks' own."""
+    r, adv = step.rollout, step.advantages
     mask, lengths = r.response_mask, r.response_lengths.float()
     m = {
         "critic/score/mean": r.scores.mean(),
@@ -112,29 +113,30 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer, global_sum: GlobalSum = Tenso
         "response_length/min": lengths.min(),
         "response_length/clip_ratio": r.truncated.float().mean(),
         "prompt_length/mean": r.attention_mask[:, : r.prompt_length].sum(-1).float().mean(),
-        "critic/advantages/mean": core.masked_mean(r.advantages, mask),
+        "critic/advantages/mean": core.masked_mean(adv.advantages, mask),
     }
     for k, name in enumerate(r.reward_names):  # each reward callback's own mean (unweighted)
         m[f"reward/{name}"] = r.reward_parts[:, k].mean()
-    if r.values is not None:
-        m["critic/values/mean"] = core.masked_mean(r.values, mask)
-        m["critic/returns/mean"] = core.masked_mean(r.returns, mask)
-        m["critic/vf_explained_var"] = explained_variance(r.values, r.returns, mask, global_sum)
-    if r.lam_actor is not None:
-        m["actor/lambda_actor/mean"] = r.lam_actor.mean()
-    if r.critic_baseline is not None:  # 1: the critic's baseline, 0: the group mean's
-        m["actor/critic_baseline"] = r.critic_baseline.float().mean()
+    if step.values is not None:
+        m["critic/values/mean"] = core.masked_mean(step.values, mask)
+        m["critic/returns/mean"] = core.masked_mean(adv.returns, mask)
+        m["critic/vf_explained_var"] = explained_variance(step.values, adv.returns, mask, global_sum)
+    if adv.lam_actor is not None:
+        m["actor/lambda_actor/mean"] = adv.lam_actor.mean()
+    if adv.critic_baseline is not None:  # 1: the critic's baseline, 0: the group mean's
+        m["actor/critic_baseline"] = adv.critic_baseline.float().mean()
     if r.tool_calls is not None:
         m["tools/calls/mean"] = r.tool_calls.float().mean()
         m["tools/observation_tokens/mean"] = r.observation_tokens.float().mean()
         m["tools/share_of_responses"] = (r.tool_calls > 0).float().mean()
     # engine vs trainer (with pi_old taken from the engine there is nothing to compare)
-    if r.rollout_logprobs is not None and r.old_logprobs is not None and r.old_logprobs is not r.rollout_logprobs:
-        diff = correction.probs_diff(r.old_logprobs, r.rollout_logprobs, mask)
+    old = step.old.logprobs
+    if r.rollout_logprobs is not None and old is not None and old is not r.rollout_logprobs:
+        diff = correction.probs_diff(old, r.rollout_logprobs, mask)
         m["training/rollout_probs_diff_mean"] = core.masked_mean(diff, mask)
         m["training/rollout_probs_diff_max"] = diff.max()
-    # Every phase each step, 0 where it did not run (the one-pass path skips the no-grad
-    # passes): a key logged only some steps would keep its stale value in Lightning's metrics.
+    # Every phase each step, 0 where it did not run (no actor update while value pretraining):
+    # a key logged only some steps would keep its stale value in Lightning's metrics.
     m.update({f"timing_s/{k}": 0.0 for k in PHASES})
     m.update({f"timing_s/{k}": v for k, v in timer.totals.items()})
     m["perf/time_per_step"] = timer.totals["step"]
@@ -145,13 +147,14 @@ def rollout_metrics(r: Rollout, timer: PhaseTimer, global_sum: GlobalSum = Tenso
 
 
 def step_metrics(
-    r: Rollout, stats: dict[str, list[float]], timer: PhaseTimer, *, actor_lr: float,
+    step: Step, stats: dict[str, list[float]], timer: PhaseTimer, *, actor_lr: float,
     critic_lr: float | None, value_pretraining: bool, tools: bool, global_sum: GlobalSum = Tensor.float,
 ) -> dict[str, float]:  # fmt: skip
     """Everything one rollout step logs on one rank: the updates' statistics (averaged over
     their steps), the rollout's, learning rates, reward and tool errors, and the aliases."""
+    r = step.rollout
     m = {k: sum(v) / len(v) for k, v in stats.items() if v}
-    m.update(rollout_metrics(r, timer, global_sum))
+    m.update(rollout_metrics(step, timer, global_sum))
     warn_without_reward_signal(m)  # rank 0's groups
     m.update({"actor/lr": actor_lr, "warmup/active": float(value_pretraining),
               "reward/errors": float(r.reward_errors), "rollout/responses_sampled": float(r.sampled),
@@ -176,7 +179,7 @@ def reduce_over_ranks(names: list[str], every: Tensor, summed: set[str]) -> dict
     return {k: float(reduce(k, every[:, i])) for i, k in enumerate(names)}
 
 
-def defined(m: dict[str, float]) -> dict[str, float]:
+def drop_undefined(m: dict[str, float]) -> dict[str, float]:
     """`m` without the metrics undefined this step (`UNDEFINED_AS_NAN`): a curve skips the
     step rather than plotting a number. Any other NaN (a loss) stays, to be seen."""
     return {k: v for k, v in m.items() if not (k in UNDEFINED_AS_NAN and math.isnan(v))}

@@ -1,9 +1,10 @@
 """VAPOModule: the policy and the critic, trained by VAPO with manual optimisation.
 
-One `training_step` is one rollout step of the paper's algorithm box, one line per phase:
-rollout (group sampling, by an engine) -> reward -> old log-probs and values -> critic
-updates (decoupled GAE targets) -> advantages (length-adaptive GAE) -> actor updates, each
-`ppo_epochs` × mini-batches × micro-batches with global token normalisers. The math lives in
+One `training_step` is one rollout step of the paper's algorithm box, one path, one line per
+phase: rollout (group sampling, by an engine) -> reward -> pi_old -> V_old -> advantages
+(length-adaptive GAE) and the critic's targets (decoupled GAE) -> critic updates -> actor
+updates, each `ppo_epochs` × mini-batches × micro-batches with global token normalisers;
+each phase's result is the next one's argument. The math lives in
 `core` and `advantages`, the model passes in `updates`, the sampling in `engines`, DAPO's
 rounds in `dynamic_sampling`, the validation hooks in `validation`; this file orchestrates.
 """
@@ -11,17 +12,19 @@ rounds in `dynamic_sampling`, the validation hooks in `validation`; this file or
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
-from vapo_lightning.advantages import actor_signal, compute_advantages, critic_targets
-from vapo_lightning.callbacks import watches_the_policy
+from vapo_lightning.advantages import compute_advantages, has_actor_gradient
 from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim, SetupError
+from vapo_lightning.critic_checks import explained_variance
 from vapo_lightning.distributed import (
     builds_on_meta,
     parallelize,
@@ -32,7 +35,7 @@ from vapo_lightning.dynamic_sampling import sample_in_rounds
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
 from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
 from vapo_lightning.memory_plan import check_memory
-from vapo_lightning.metrics import PhaseTimer, defined, reduce_over_ranks, step_metrics
+from vapo_lightning.metrics import PhaseTimer, drop_undefined, reduce_over_ranks, step_metrics
 from vapo_lightning.models import (
     ModelSpec,
     add_adapters,
@@ -43,17 +46,18 @@ from vapo_lightning.models import (
     load_tokenizer,
     weights_from_source,
 )
-from vapo_lightning.packing import pack_size
+from vapo_lightning.packing import layout_for
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, score_rollout
 from vapo_lightning.rollout import Rollout, with_round_counts
 from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
 from vapo_lightning.updates import (
-    DataParallel,
+    RankOps,
+    Step,
     adamw_with_warmup,
-    compute_log_probs,
     compute_values,
     count_bad_steps,
     mini_batches,
+    old_policy,
     update_actor,
     update_critic,
 )
@@ -78,9 +82,8 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         hf_export_dir: at the end of fit, save policy (with tokenizer) and critic here in
             Hugging Face format (`<dir>/policy`, `<dir>/critic`).
         torch_compile: `torch.compile` the policy and the critic for every forward but the
-            sampler's (`models.compile_in_place`): one actor update 1.24× (fp32) and 1.36×
-            (bf16) faster on a CPU (`benchmarks/results/compile_cpu.md`), after a compile of
-            tens of seconds per model at the first step and at the first new batch shape.
+            sampler's (`models.compile_in_place`): faster updates, after a compile per model
+            at the first step and at the first new batch shape.
     """
 
     def __init__(
@@ -131,10 +134,16 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             raise SetupError("model.policy: give name_or_path (a folder or hub id), or a config and a tokenizer")
         self.tokenizer = load_tokenizer(policy.tokenizer or policy.name_or_path)
         self.policy = self.critic = self.ref_policy = None
-        self.actor_frozen = False  # set by ValuePretraining: only the critic learns
+        # Value pretraining (§4.1): the first `value_pretraining_steps` rollout steps train the
+        # critic alone (`callbacks.ValuePretraining` sets the three at setup).
+        self.value_pretraining_steps = 0
+        self.value_pretraining_threshold: float | None = None  # explained variance ending it early
+        self.value_pretraining_save_dir: str | None = None
+        self.pi_old_source = "recompute"  # one of updates.OLD_LOGPROB_SOURCES, set at setup
         self.engines: dict[str, RolloutEngine] = {}  # by name, made on first use
         self.longest_prompt = 0  # tokens, of the datamodule's prompts (`setup`)
-        self.last_rollout: Rollout | None = None  # for callbacks (EntropyTracker)
+        self.last_rollout: Rollout | None = None  # for callbacks (TrainingSamples)
+        self.last_step: Step | None = None  # for callbacks (EntropyTracker)
         self.last_val_rollout: Rollout | None = None  # for callbacks (ValidationSamples)
         self.bad_updates = {"actor": 0, "critic": 0}  # consecutive non-finite updates
         self.checkpoint_step = 0  # the rollout step of a loaded checkpoint
@@ -166,7 +175,10 @@ class VAPOModule(ValidationHooks, L.LightningModule):
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)
-        self.algo.check_batch(getattr(dm, "prompts_per_step", None) if stage == "fit" else None, self.gen.n)
+        prompts = getattr(dm, "prompts_per_step", None) if stage == "fit" else None
+        self.algo.check_batch(prompts, self.gen.n)
+        batch = None if prompts is None else prompts * self.gen.n
+        self.pi_old_source = self.algo.old_logprob_source(batch, reference_policy=self.algo.kl_coef > 0)
         rows = [*getattr(dm, "train_rows", []), *getattr(dm, "val_rows", [])]
         self.longest_prompt = max((len(row["prompt_ids"]) for row in rows), default=0)
         config = self.policy.config if self.policy is not None else self.policy_spec.hf_config()
@@ -186,56 +198,67 @@ class VAPOModule(ValidationHooks, L.LightningModule):
     # ------------------------------------------------------------------ the algorithm box
 
     def training_step(self, batch: list[dict], batch_idx: int) -> None:
-        timer, (actor_opt, critic_opt), frozen = PhaseTimer(), self.optimizer_pair(), self.actor_frozen
+        algo, timer, (actor_opt, critic_opt) = self.algo, PhaseTimer(), self.optimizer_pair()
+        index = self._rollout_steps_before  # this rollout step's, from 0
+        pretraining = self.value_pretraining_at(index)  # only the critic learns (§4.1)
         with timer("step"):
-            r = self.rollout_and_score(batch, timer)  # group sampling (§4.3) + rewards
-            r.pack = pack_size(r.group_ids, self.algo)  # responses per shared-prompt forward
-            r.shared_start = self.algo.share_prompts
-            # One epoch over one mini-batch (verl's on_policy): pi_old and V_old are the models
-            # as they stand, taken from the updates' own first forwards (`updates.OldEstimate`).
-            on_policy = self.algo.on_policy(len(r), reference_policy=self.ref_policy is not None)
-            # log pi_old for the ratio, or, while value pretraining, for metrics that watch it;
-            # or pi_old as the engine sampled (verl's bypass mode): no policy pass.
-            bypass = not on_policy and not frozen and self.algo.old_logprobs == "rollout"
-            if bypass:
-                r.old_logprobs = r.rollout_logprobs
-            if (not on_policy and not frozen and not bypass) or (frozen and watches_the_policy(r, self.trainer.callbacks)):
-                with timer("old_log_prob"):  # log pi_old, entropy, log pi_ref (no grad)
-                    r.old_logprobs, r.entropy, r.ref_logprobs = compute_log_probs(
-                        self.policy, r, self.algo.micro_batch_size, self.logprob_temperature, self.ref_policy,
-                        self.algo.max_tokens_per_micro_batch, self.global_max,
-                    )  # fmt: skip
-            elif bypass and self.ref_policy is not None:
-                with timer("old_log_prob"):  # log pi_ref alone
-                    r.ref_logprobs = compute_log_probs(
-                        self.ref_policy, r, self.algo.micro_batch_size, self.logprob_temperature, None,
-                        self.algo.max_tokens_per_micro_batch, self.global_max,
-                    )[0]  # fmt: skip
-            if not on_policy and self.critic is not None:
-                with timer("values"):
-                    r.values = compute_values(self.critic, r, self.algo.micro_batch_size,  # V_old
-                                              self.algo.max_tokens_per_micro_batch, self.global_max)  # fmt: skip
-            batches = mini_batches(len(r), self.algo.mini_batch_size, self.algo.ppo_epochs, r.pack)
-            stats = {}
+            r = self.rollout_and_score(batch, timer, pretraining)  # 1. n responses per prompt, rewards (§4.3)
+            layout = layout_for(r.group_ids, algo)  # the forwards: one prompt's responses in packs
+            micro, max_tokens = algo.micro_batch_size, algo.max_tokens_per_micro_batch
+            source = "recompute" if pretraining else self.pi_old_source  # one for the run
+            with timer("old_log_prob") if source == "recompute" or self.ref_policy is not None else nullcontext():
+                old = old_policy(source, self.policy, self.ref_policy, r, micro, self.logprob_temperature,
+                                 max_tokens, self.global_max, layout)  # 2. pi_old, pi_ref  # fmt: skip
+            values = None
             if self.critic is not None:
-                with timer("update_critic"):  # targets: decoupled GAE from V_old (§4.1)
-                    targets = lambda micro: critic_targets(micro, self.algo, frozen)  # noqa: E731
-                    stats |= update_critic(self.critic, critic_opt, r, batches, targets, self.algo,
-                                           self.optim.max_grad_norm, self.data_parallel)  # fmt: skip
-            with timer("adv"):  # length-adaptive GAE from V_old (§4.2), or GRPO's group baseline
-                compute_advantages(r, self.algo, frozen, self.global_sum)
-            # Value pretraining trains the critic alone (§4.1); no rank with a gradient: no step.
-            if not frozen and self.global_sum(actor_signal(r, self.algo)) > 0:
-                with timer("update_actor"):
-                    stats |= update_actor(self.policy, actor_opt, r, batches, self.algo,
-                                          self.logprob_temperature, self.optim.max_grad_norm,
-                                          self.data_parallel)  # fmt: skip
+                with timer("values"):  # 3. V_old
+                    values = compute_values(self.critic, r, micro, max_tokens, self.global_max, layout)
+            with timer("adv"):  # 4. decoupled, length-adaptive GAE (§4.1-4.2), or the group baseline
+                adv = compute_advantages(r, values, algo, pretraining, self.global_sum)
+            batches = mini_batches(len(r), algo.mini_batch_size, algo.ppo_epochs, layout.pack)
+            stats: dict[str, list[float]] = {}
+            if self.critic is not None:
+                with timer("update_critic"):  # 5. the critic toward the decoupled returns (§4.1)
+                    stats |= update_critic(self.critic, critic_opt, r, values, adv.returns, batches, algo,
+                                           self.optim.max_grad_norm, self.rank_ops, layout)  # fmt: skip
+            # 6. the actor: Clip-Higher, token-level and LM loss (§4.2-4.3); no rank with a
+            # gradient: no step.
+            if not pretraining and self.global_sum(has_actor_gradient(r, adv.advantages, algo)) > 0:
+                with timer("update_actor"):  # (and pi_old as it read it: on-policy, its first forward's)
+                    actor_stats, old = update_actor(self.policy, actor_opt, r, old, adv.advantages, batches, algo,
+                                                    self.logprob_temperature, self.optim.max_grad_norm,
+                                                    self.rank_ops, layout)  # fmt: skip
+                stats |= actor_stats
             self.after_updates(stats)
-        self.last_rollout = r
-        self.log_step(r, stats, timer)
+        self.last_rollout, self.last_step = r, Step(r, old, values, adv)
+        self.log_step(self.last_step, stats, timer, pretraining)
+        if pretraining:
+            self.end_value_pretraining(index, self.last_step)
         self._count_rollout_as_one_step()
 
-    def rollout_and_score(self, batch: list[dict], timer: PhaseTimer) -> Rollout:
+    def value_pretraining_at(self, step: int) -> bool:
+        """Whether rollout step `step` (0-based) trains the critic alone (§4.1, §5.1)."""
+        return step < self.value_pretraining_steps
+
+    def end_value_pretraining(self, index: int, step: Step) -> None:
+        """After a value-pretraining step: the phase ends after its last step, or early once
+        the critic's explained variance on this step's rollout (V_old against the returns,
+        over every rank's tokens) reaches `value_pretraining_threshold`; the warmed-up critic
+        is then saved to `value_pretraining_save_dir` (collective: every rank calls)."""
+        done, threshold = index + 1, self.value_pretraining_threshold  # rollout steps done
+        ev = None
+        if threshold is not None:
+            mask = step.rollout.response_mask
+            ev = float(explained_variance(step.values, step.advantages.returns, mask, self.global_sum))
+        if done < self.value_pretraining_steps and (ev is None or ev < threshold):
+            return
+        self.value_pretraining_steps = done
+        why = f"explained variance {ev:.3f} >= {threshold}" if ev is not None and ev >= threshold else f"{done} steps"
+        rank_zero_info(f"value pretraining done after {why}; the actor starts learning")
+        if self.value_pretraining_save_dir:
+            save_pretrained(self.critic, self.tokenizer, self.value_pretraining_save_dir, self.trainer.is_global_zero)
+
+    def rollout_and_score(self, batch: list[dict], timer: PhaseTimer, pretraining: bool) -> Rollout:
         """Samples n responses per prompt and scores them (group sampling, §4.3); with DAPO's
         dynamic sampling, in rounds until the groups that disagree fill the batch
         (`dynamic_sampling`)."""
@@ -255,7 +278,7 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             draw, batch, self.gen.n, self.algo, any_rank_short=lambda short: self.global_sum(float(short)) > 0,
             more_prompts=self.trainer.datamodule.sample_prompts, smallest=lambda k: -self.global_max(-k),
         )  # fmt: skip
-        self.engine(self.gen).release(keep_weights=self.actor_frozen)  # the models train next
+        self.engine(self.gen).release(keep_weights=pretraining)  # the models train next
         return with_round_counts(r, rounds)
 
     def engine(self, gen: Generation) -> RolloutEngine:
@@ -291,9 +314,9 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         return self.gen.temperature or 1.0
 
     @property
-    def data_parallel(self) -> DataParallel:  # Lightning's backward, sums over ranks
+    def rank_ops(self) -> RankOps:  # Lightning's backward, sums over ranks
         unsharded = getattr(self.trainer.strategy, "accumulate_unsharded", False)
-        return DataParallel(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded, self.global_max)
+        return RankOps(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded, self.global_max)
 
     def global_max(self, count: int) -> int:
         """The largest of a count over data-parallel ranks (micro-batches by tokens)."""
@@ -367,7 +390,8 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         """Random streams (one per rank) and counters, so a resumed run samples exactly what
         the uninterrupted run would have (data order: `ResumableDataLoader`)."""
         states = rank_rng_states(self.trainer.world_size)  # (every rank dumps the checkpoint)
-        checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates}
+        checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates,
+                              "value_pretraining_steps": self.value_pretraining_steps}  # fmt: skip
         sources = weights_from_source(self.policy_spec, self.critic_spec)
         if shards_checkpoints(self):  # (fsdp loads every key of the model from its shards)
             sources = dict.fromkeys(sources, False)
@@ -382,6 +406,7 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             states = state["rng"]
             set_rng_state(states[self.global_rank] if self.global_rank < len(states) else states[0])
             self.bad_updates = state["bad_updates"]
+            self.value_pretraining_steps = state.get("value_pretraining_steps", self.value_pretraining_steps)
         for engine in self.engines.values():  # restored weights: an engine made before reloads
             engine.policy_changed()
 
@@ -398,17 +423,18 @@ class VAPOModule(ValidationHooks, L.LightningModule):
 
     # ------------------------------------------------------------------ logging and export
 
-    def log_step(self, r: Rollout, stats: dict[str, list[float]], timer: PhaseTimer) -> None:
+    def log_step(self, step: Step, stats: dict[str, list[float]], timer: PhaseTimer, pretraining: bool) -> None:
         actor_opt, critic_opt = self.optimizer_pair()
-        m = step_metrics(r, stats, timer, actor_lr=actor_opt.param_groups[0]["lr"],
+        r = step.rollout
+        m = step_metrics(step, stats, timer, actor_lr=actor_opt.param_groups[0]["lr"],
                          critic_lr=critic_opt.param_groups[0]["lr"] if critic_opt else None,
-                         value_pretraining=self.actor_frozen, tools=bool(self.tools),
+                         value_pretraining=pretraining, tools=bool(self.tools),
                          global_sum=self.global_sum)  # fmt: skip
         m["rollout_step"] = float(self._rollout_steps_before + 1)
         names = sorted(m)
         local = torch.tensor([float(m[k]) for k in names], device=self.device)
         every = self.all_gather(local) if self.trainer.world_size > 1 else local[None]  # (world, K)
-        m = defined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}))
+        m = drop_undefined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}))
         shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
         logged = {k: v for k, v in m.items() if k not in shown}
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)

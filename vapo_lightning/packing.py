@@ -11,9 +11,7 @@ seeing the whole prompt, never another response, and positions that restart afte
 prompt for every response. Each response token sees exactly the context it had in its own
 row, so the logits, the values and their gradients are the per-row ones up to the order of
 float sums (the prompt's activations receive the sum of the c responses' gradients, as they
-do across c rows). The work saved grows with the prompt's share of a row: the model
-passes of a rollout step of configs/smollm2.yaml (prompts of ~115 tokens, answers of ~77)
-take 63 s instead of 147 s on 2 CPU cores (`benchmarks/results/real_model_passes.md`).
+do across c rows). The work saved grows with the prompt's share of a row.
 
 Packs sit one per row, padded to the longest, for an attention that takes a custom 4-D mask
 (sdpa, eager; not flash-attention's varlen kernels, where `algorithm.share_prompts: false`
@@ -40,8 +38,8 @@ from torch import Tensor
 from vapo_lightning.attention import SDPA
 from vapo_lightning.config import Algorithm
 
-__all__ = ["Pack", "Spans", "common_start", "dense_packing_saves_work", "pack", "pack_size", "reads_spans",
-           "takes_masks"]
+__all__ = ["Layout", "Pack", "Spans", "common_start", "dense_packing_saves_work", "layout_for", "pack",
+           "pack_size", "reads_spans", "takes_masks"]
 
 MASKED_ATTENTION = frozenset({"sdpa", "eager", SDPA})  # attentions that read a 4-D mask
 
@@ -120,6 +118,25 @@ def dense_packing_saves_work(prompt: float, answer: float, c: int, params: float
     packed = 2 * params * (prompt + c * answer) + 4 * layers * hidden * (prompt + c * answer) ** 2
     rows = 2 * params * c * (prompt + answer) + 4 * layers * hidden * c * (prompt + answer) ** 2 / 2
     return packed < rows
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a rollout's rows go through a model's forward: runs of `pack` consecutive rows (the
+    responses to one prompt) as one sequence, the prompt once (1: every row on its own); and,
+    where the model reads spans, whether the packs (of one response, too) lie end to end after
+    the start their prompts share, laid once (`shared_start`; False: not)."""
+
+    pack: int = 1
+    shared_start: bool = True
+
+
+ROWS = Layout()  # every row on its own (where a model reads spans: end to end, the start once)
+
+
+def layout_for(group_ids: Tensor, algo: Algorithm) -> Layout:
+    """The layout of a rollout whose groups are `group_ids` (B,) under `algo`'s switches."""
+    return Layout(pack_size(group_ids, algo), algo.share_prompts)
 
 
 def pack_size(group_ids: Tensor, algo: Algorithm) -> int:

@@ -3,8 +3,9 @@
 A `Rollout` holds one rollout step's experience: n responses per prompt (group sampling,
 VAPO §4.3: `left_padded` repeats each prompt n times), prompts left-padded and responses
 right-padded in one (B, P + T) tensor so a single forward gives the log-probs and values of
-every response token. The engines (`vapo_lightning.engines`) sample it; the trainer fills in
-rewards, old log-probs, values and advantages, in the order of the algorithm box.
+every response token. The engines (`vapo_lightning.engines`) sample it and the reward phase
+scores it; what the later phases compute (pi_old, V_old, advantages, returns) they return,
+and nothing writes it onto the rollout.
 """
 
 from __future__ import annotations
@@ -47,19 +48,12 @@ class Rollout:
     group_ids: Tensor  # (B,) the prompt each response answers
     truncated: Tensor  # (B,) bool, hit max_new_tokens without EOS
     samples: list[Sample] = field(default_factory=list)
-    # Filled in by the trainer, in the order of the algorithm box:
+    # The rewards, filled in by the trainer's reward phase:
     scores: Tensor | None = None  # (B,) sequence reward R
     correct: Tensor | None = None  # (B,) bool, verifier says correct
-    old_logprobs: Tensor | None = None  # (B, T) log pi_old(a_t | s_t)
-    entropy: Tensor | None = None  # (B, T) entropy of pi_old at each response position
-    values: Tensor | None = None  # (B, T) V(s_t)
-    advantages: Tensor | None = None  # (B, T)
-    returns: Tensor | None = None  # (B, T) critic targets
-    lam_actor: Tensor | None = None  # (B,)
-    critic_baseline: Tensor | None = None  # (B,) 1: the critic's values are the baseline, 0:
-    # the group mean (`Algorithm.critic_gate`, alike in every row); None: no gate
-    ref_logprobs: Tensor | None = None  # (B, T), only with a KL penalty
-    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t), when asked (`RolloutEngine.logprobs`)
+    # What the engine reports of its sampling, when asked (`RolloutEngine.logprobs`):
+    rollout_logprobs: Tensor | None = None  # (B, T) log pi_engine(a_t | s_t)
+    entropy: Tensor | None = None  # (B, T) the sampler's entropy at each response position
     tool_calls: Tensor | None = None  # (B,) tool calls of each response, with model.tools
     observation_tokens: Tensor | None = None  # (B,) tokens of their observations
     tool_errors: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, kind, message)
@@ -69,10 +63,6 @@ class Rollout:
     reward_metrics: dict[str, float] = field(default_factory=dict)  # callbacks' own counts
     reward_parts: Tensor | None = None  # (B, K) each reward callback's own score
     reward_names: list[str] = field(default_factory=list)  # (K,) their names
-    pack: int = 1  # responses per shared-prompt forward (`packing`): micro-batches keep runs
-    # of this many consecutive rows together; 1: every row on its own
-    shared_start: bool = True  # where a model reads spans, packs (of one response, too) lie
-    # end to end after the start their prompts share, laid once (`packing`); False: not
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -217,17 +207,18 @@ def assemble_turns(
     )
 
 
-def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
+def policy_logits(policy: PreTrainedModel, r: Rollout, layout: packing.Layout = packing.ROWS) -> Tensor:
     """Logits over each response token, (B, T, V), in the model's dtype, not yet divided by
     the sampling temperature (`core.logprobs_from_logits` does that in fp32).
 
     Only positions P-1 .. P+T-2 (each predicts the next token, a response token) go through
     the LM head, and the result is contiguous: slicing a (B, T+1, V) output would make the
-    log-prob functions reshape it into a second full copy. With `r.pack` > 1, the responses
-    to one prompt share a single forward of it, and the rows may lie end to end (`packing`).
+    log-prob functions reshape it into a second full copy. With `layout.pack` > 1, the
+    responses to one prompt share a single forward of it, and the rows may lie end to end
+    (`packing`).
     """
     L, T = r.input_ids.shape[1], r.response_mask.shape[1]
-    packed = _packed(policy, r)
+    packed = _packed(policy, r, layout)
     if packed is not None:
         return packed.rows(_pack_logits(policy, packed))
     out = policy(
@@ -242,7 +233,7 @@ def policy_logits(policy: PreTrainedModel, r: Rollout) -> Tensor:
 
 def token_logprobs(
     policy: PreTrainedModel, r: Rollout, temperature: float, entropy: bool = True,
-    entropy_grad: bool = False,
+    entropy_grad: bool = False, layout: packing.Layout = packing.ROWS,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """log pi(a_t | s_t) of each response token and (with `entropy`) the entropy of pi at its
     position, (B, T) each, in fp32, under the sampling `temperature` (`core.
@@ -255,7 +246,7 @@ def token_logprobs(
     lengths vary) would go through the log-softmax too. A prompt's last position predicts
     every response's first token: those c log-probs are taken one by one.
     """
-    packed = _packed(policy, r)
+    packed = _packed(policy, r, layout)
     if packed is None:
         logits = policy_logits(policy, r)  # (B, T, V)
         logprobs, per_row = core.logprobs_from_logits(logits, r.responses, temperature), None
@@ -275,10 +266,11 @@ def token_logprobs(
     return logprobs, h if per_row is None else per_row(h)
 
 
-def critic_values(critic: PreTrainedModel, r: Rollout) -> Tensor:
-    """V(s_t) for each response token: the critic's output one position before it, (B, T)."""
+def critic_values(critic: PreTrainedModel, r: Rollout, layout: packing.Layout = packing.ROWS) -> Tensor:
+    """V(s_t) for each response token: the critic's output one position before it, (B, T),
+    the rows going through the critic as `layout` says."""
     T = r.response_mask.shape[1]
-    packed = _packed(critic, r)
+    packed = _packed(critic, r, layout)
     if packed is not None:
         out = critic(**packed.forward_kwargs)
         return packed.rows(out.logits[:, packed.keep, 0]).float()
@@ -293,22 +285,22 @@ def _pack_logits(policy: PreTrainedModel, packed: packing.Pack) -> Tensor:
     return policy(**packed.forward_kwargs, logits_to_keep=packed.keep, use_cache=False).logits
 
 
-def _packed(model: PreTrainedModel, r: Rollout) -> packing.Pack | None:
+def _packed(model: PreTrainedModel, r: Rollout, layout: packing.Layout) -> packing.Pack | None:
     """`r` in packs for `model`'s forward, or None (each row its own, padded): packs of
-    `r.pack` responses to one prompt, or, where the model reads spans, of one (no padding,
-    and the prompts' common start once) unless `r.shared_start` is off."""
+    `layout.pack` responses to one prompt, or, where the model reads spans, of one (no
+    padding, and the prompts' common start once) unless `layout.shared_start` is off."""
     if not packing.takes_masks(model):
         return None
-    end_to_end = packing.reads_spans(model, r.input_ids.device)
-    if r.pack < 2 and not (end_to_end and r.shared_start):
+    end_to_end, c = packing.reads_spans(model, r.input_ids.device), layout.pack
+    if c < 2 and not (end_to_end and layout.shared_start):
         return None
-    if not end_to_end and not _dense_packs_pay(model, r):
+    if not end_to_end and not _dense_packs_pay(model, r, c):
         return None
-    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], r.pack, end_to_end, r.shared_start)
+    return packing.pack(r.input_ids, r.attention_mask, r.response_mask.shape[1], c, end_to_end, layout.shared_start)
 
 
-def _dense_packs_pay(model: PreTrainedModel, r: Rollout) -> bool:
-    """Whether dense-mask packs of `r.pack` answers cost `model` less work than rows, at this
+def _dense_packs_pay(model: PreTrainedModel, r: Rollout, c: int) -> bool:
+    """Whether dense-mask packs of `c` answers cost `model` less work than rows, at this
     micro-batch's prompt and answer widths, which the dense mask computes over whatever the
     real lengths (`packing.dense_packing_saves_work`; shapes only: no device sync)."""
     cfg = model.config
@@ -318,7 +310,7 @@ def _dense_packs_pay(model: PreTrainedModel, r: Rollout) -> bool:
     if "_vapo_parameters" not in model.__dict__:  # (counted once per model)
         model.__dict__["_vapo_parameters"] = sum(p.numel() for p in model.parameters())
     params = model.__dict__["_vapo_parameters"]
-    return packing.dense_packing_saves_work(r.prompt_length, r.response_mask.shape[1], r.pack, params, layers, hidden)
+    return packing.dense_packing_saves_work(r.prompt_length, r.response_mask.shape[1], c, params, layers, hidden)
 
 
 def cat_rollouts(parts: list[Rollout]) -> Rollout:

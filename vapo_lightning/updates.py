@@ -12,17 +12,22 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from vapo_lightning import core, correction
+from vapo_lightning.advantages import Advantages
 from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.packing import ROWS, Layout
 from vapo_lightning.rollout import Rollout, critic_values, token_logprobs
 
 __all__ = [
-    "DataParallel",
-    "OldEstimate",
+    "OLD_LOGPROB_SOURCES",
+    "OldPolicy",
+    "RankOps",
+    "Step",
     "adamw_with_warmup",
     "clip_and_step",
     "compute_log_probs",
@@ -30,6 +35,7 @@ __all__ = [
     "count_bad_steps",
     "micro_batches",
     "mini_batches",
+    "old_policy",
     "token_budget_groups",
     "update_actor",
     "update_critic",
@@ -39,9 +45,9 @@ Stats = dict[str, list[float]]
 
 
 @dataclass(frozen=True)
-class DataParallel:
-    """How an update reaches the other ranks: `backward` (Lightning's `manual_backward`:
-    precision plugin and strategy), `global_sum` (a sum over data-parallel ranks), for a
+class RankOps:
+    """What an update does across data-parallel ranks: `backward` (Lightning's
+    `manual_backward`: precision plugin and strategy), `global_sum` (a sum over ranks), for a
     sharded model whether its gradient accumulates unsharded over a mini-batch
     (`VAPOStrategy.accumulate_unsharded`), and `agree` (the maximum of a count over ranks:
     as many micro-batches on each)."""
@@ -65,11 +71,11 @@ def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
 
 def micro_batches(
     r: Rollout, size: int, index: Tensor | None = None, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
+    agree: Callable[[int], int] = int, pack: int = 1,
 ) -> Iterator[tuple[Tensor, Rollout]]:  # fmt: skip
     """(rows of `r`, micro-batch) pairs over the rows `index` (default: all); rows are
     grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding, and
-    runs of `r.pack` rows (one prompt's responses) stay together for a shared-prompt forward.
+    runs of `pack` rows (one prompt's responses) stay together for a shared-prompt forward.
     The loss sums each token once over global normalisers (§4.2), so the grouping does not
     change the gradient.
 
@@ -80,14 +86,14 @@ def micro_batches(
     micro-batches as the neediest (`agree`: the maximum over ranks), since each forward of a
     sharded model is collective."""
     index = torch.arange(len(r)) if index is None else index
-    units = index.view(-1, r.pack)  # (units, pack)
-    lengths = r.attention_mask[index].sum(-1).cpu().view(-1, r.pack).amax(-1)
+    units = index.view(-1, pack)  # (units, pack)
+    lengths = r.attention_mask[index].sum(-1).cpu().view(-1, pack).amax(-1)
     order = torch.argsort(lengths, stable=True)
     units, lengths = units[order], lengths[order]
     if max_tokens is None:
-        groups = list(units.split(max(1, size // r.pack)))
+        groups = list(units.split(max(1, size // pack)))
     else:
-        groups = token_budget_groups(lengths * r.pack, max_tokens, agree)
+        groups = token_budget_groups(lengths * pack, max_tokens, agree)
         groups = [units[g] for g in groups]
     for rows in groups:
         yield rows.reshape(-1), r.select(rows.reshape(-1)).trimmed()
@@ -121,16 +127,16 @@ def per_token(r: Rollout) -> Tensor:
     return torch.zeros(r.response_mask.shape, device=r.response_mask.device)
 
 
-def sync_gradients(model: torch.nn.Module, last: bool, dp: DataParallel) -> None:
+def sync_gradients(model: torch.nn.Module, last: bool, ops: RankOps) -> None:
     """Whether this micro-batch's backward reduces the gradient over ranks. Replicated (ddp):
     once per mini-batch, on its last micro-batch. Sharded (FSDP2): after every micro-batch,
     so each rank holds only its shard of the gradient (verl's `dp_actor`, NeMo-RL,
     torchtitan#292); a mini-batch accumulated unsharded holds the whole model's gradient in
-    fp32 on every rank, and only `dp.accumulate_unsharded` asks for it. A no-op for an
+    fp32 on every rank, and only `ops.accumulate_unsharded` asks for it. A no-op for an
     unwrapped model."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule) and not dp.accumulate_unsharded:
+    if isinstance(model, FSDPModule) and not ops.accumulate_unsharded:
         return  # (reduce-scatter on, FSDP2's default, never turned off)
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last)
@@ -139,89 +145,112 @@ def sync_gradients(model: torch.nn.Module, last: bool, dp: DataParallel) -> None
 # --------------------------------------------------------------------------- no-grad passes
 
 
+class OldPolicy(NamedTuple):
+    """pi_old's per-token quantities, (B, T) each, for the PPO ratio (§4.2-4.3)."""
+
+    logprobs: Tensor | None  # log pi_old(a_t | s_t); None: the actor's own first forward
+    entropy: Tensor | None  # pi_old's entropy at each position; None: not taken
+    ref_logprobs: Tensor | None  # log pi_ref(a_t | s_t), only with a KL penalty
+
+
+OLD_LOGPROB_SOURCES = ("recompute", "rollout", "first_forward")
+
+
+class Step(NamedTuple):
+    """One rollout step's experience and what the trainer estimated from it, for the metrics
+    and the callbacks (torchtune's `Trajectory`)."""
+
+    rollout: Rollout  # as sampled and scored
+    old: OldPolicy
+    values: Tensor | None  # (B, T) V_old; None without a critic
+    advantages: Advantages
+
+
 @torch.no_grad()
 def compute_log_probs(
-    policy: torch.nn.Module, r: Rollout, micro_size: int, temperature: float,
-    ref_policy: torch.nn.Module | None = None, max_tokens: int | None = None, agree: Callable[[int], int] = int,
-) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """log pi(a_t | s_t) and the entropy of pi at each response position, (B, T) each, and
-    the reference policy's log-probs (None without one), under the sampling `temperature`."""
+    policy: torch.nn.Module, r: Rollout, micro_size: int, temperature: float, max_tokens: int | None = None,
+    agree: Callable[[int], int] = int, layout: Layout = ROWS, entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """log pi(a_t | s_t) and (with `entropy`) the entropy of pi at each response position,
+    (B, T) each, under the sampling `temperature`; `policy` as the caller set it (eval)."""
+    logprobs, entropies = per_token(r), per_token(r) if entropy else None
+    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
+        lp, h = token_logprobs(policy, micro, temperature, entropy=entropy, layout=layout)
+        logprobs[idx, : lp.shape[1]] = lp
+        if entropy:
+            entropies[idx, : lp.shape[1]] = h
+    return logprobs, entropies
+
+
+def old_policy(
+    source: str, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, r: Rollout, micro_size: int,
+    temperature: float, max_tokens: int | None = None, agree: Callable[[int], int] = int, layout: Layout = ROWS,
+) -> OldPolicy:  # fmt: skip
+    """pi_old from `source`, one of `OLD_LOGPROB_SOURCES`: 'recompute', a no-grad pass of
+    the policy (verl's default); 'rollout', the engine's own log-probs of what it sampled
+    (verl's bypass mode; its entropy where the engine reports one); 'first_forward', none
+    here: the actor update takes its first forward's, detached (verl's on-policy
+    `old_log_prob = log_prob.detach()`, one epoch over one mini-batch). And pi_ref, a pass of
+    the reference policy when there is one (a KL penalty): a frozen copy, or the policy itself
+    with its adapters off (`lora.AdaptersOff`), so the policy is put in eval mode for both."""
     policy.eval()
-    logprobs, entropy = per_token(r), per_token(r)
-    ref_logprobs = per_token(r) if ref_policy is not None else None
-    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
-        lp, h = token_logprobs(policy, micro, temperature)
-        T = lp.shape[1]
-        logprobs[idx, :T], entropy[idx, :T] = lp, h
-        if ref_policy is not None:
-            ref_logprobs[idx, :T] = token_logprobs(ref_policy, micro, temperature, entropy=False)[0]
-    return logprobs, entropy, ref_logprobs
+    if source == "recompute":
+        logprobs, entropy = compute_log_probs(policy, r, micro_size, temperature, max_tokens, agree, layout)
+    elif source == "rollout":
+        logprobs, entropy = r.rollout_logprobs, r.entropy
+    elif source == "first_forward":
+        logprobs = entropy = None
+    else:
+        raise ValueError(f"pi_old source {source!r}: one of {OLD_LOGPROB_SOURCES}")
+    ref = None
+    if ref_policy is not None:
+        ref = compute_log_probs(ref_policy, r, micro_size, temperature, max_tokens, agree, layout, entropy=False)[0]
+    return OldPolicy(logprobs, entropy, ref)
 
 
 @torch.no_grad()
 def compute_values(
     critic: torch.nn.Module, r: Rollout, micro_size: int, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
+    agree: Callable[[int], int] = int, layout: Layout = ROWS,
 ) -> Tensor:  # fmt: skip
     """V(s_t) at each response position, (B, T)."""
     critic.eval()
     values = per_token(r)
-    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree):
-        v = critic_values(critic, micro)
+    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
+        v = critic_values(critic, micro, layout)
         values[idx, : v.shape[1]] = v
     return values
-
-
-class OldEstimate:
-    """Where pi_old (or its entropy) or V_old of an update comes from: the no-grad pass that
-    filled `r.<name>` before it, or, on-policy (one epoch over one mini-batch, verl's
-    ``old_log_prob = log_prob.detach()``), the update's own first forward, recorded into the
-    rollout as it goes. Either way the update reads ``estimate(rows, output)``: the old
-    quantity of those rows, detached."""
-
-    def __init__(self, r: Rollout, name: str) -> None:
-        self.r, self.name = r, name
-        self.recording = getattr(r, name) is None
-        if self.recording:
-            setattr(r, name, per_token(r))
-
-    def __call__(self, rows: Tensor, output: Tensor | None, T: int | None = None) -> Tensor:
-        """The old quantity of `rows`, (len(rows), T), T = `output`'s width; `output` may be
-        None when the pass filled it (then `T` says the width)."""
-        store, T = getattr(self.r, self.name), output.shape[1] if output is not None else T
-        if self.recording:
-            store[rows, :T] = output.detach()
-        return store[rows, :T]
 
 
 # --------------------------------------------------------------------------- updates
 
 
 def update_critic(
-    critic: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, batches: list[Tensor],
-    targets: Callable[[Rollout], Tensor], algo: Algorithm, max_grad_norm: float, dp: DataParallel,
+    critic: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old_values: Tensor | None,
+    returns: Tensor, batches: list[Tensor], algo: Algorithm, max_grad_norm: float, ops: RankOps,
+    layout: Layout = ROWS,
 ) -> Stats:  # fmt: skip
     """`critic_updates_per_step` critic steps on each mini-batch of `batches`: `core.value_loss`
-    against `targets` (decoupled GAE from V_old, §4.1) over global token normalisers. V_old
-    is `r.values`, or, left None, the first forward of each row (recorded into `r`)."""
+    toward `returns` (B, T) (decoupled GAE, §4.1), clipped around V_old `old_values` (B, T)
+    (None: no clip, `algo.value_clip` None), over global token normalisers."""
     stats: Stats = defaultdict(list)
     critic.train()
     for index in batches:
         mask = r.response_mask[index]
-        n_tokens = dp.global_sum(mask.sum())  # (one all-reduce for all its steps)
-        micros = list(micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, dp.agree))
+        n_tokens = ops.global_sum(mask.sum())  # (one all-reduce for all its steps)
+        micros = list(micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree,
+                                    layout.pack))  # fmt: skip
         for _ in range(algo.critic_updates_per_step):
-            v_old = OldEstimate(r, "values")
             loss_sum = clip_sum = 0.0
             for i, (rows, micro) in enumerate(micros):
-                sync_gradients(critic, i == len(micros) - 1, dp)
-                values = critic_values(critic, micro)
-                micro.values = v_old(rows, values)
+                sync_gradients(critic, i == len(micros) - 1, ops)
+                values, T = critic_values(critic, micro, layout), micro.response_mask.shape[1]
+                v_old = None if old_values is None else old_values[rows, :T]
                 loss, clipfrac = core.value_loss(
-                    values, micro.values, targets(micro), micro.response_mask, n_tokens, algo.value_clip
+                    values, v_old, returns[rows, :T], micro.response_mask, n_tokens, algo.value_clip
                 )
-                dp.backward(loss * dp.world_size)  # DDP / FSDP average gradients
-                loss_sum += loss.detach() * dp.world_size
+                ops.backward(loss * ops.world_size)  # DDP / FSDP average gradients
+                loss_sum += loss.detach() * ops.world_size
                 clip_sum += clipfrac * micro.response_mask.sum() / mask.sum()
             stats["critic/vf_loss"].append(float(loss_sum))
             stats["critic/vf_clipfrac"].append(float(clip_sum))
@@ -230,61 +259,71 @@ def update_critic(
 
 
 def update_actor(
-    policy: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, batches: list[Tensor],
-    algo: Algorithm, temperature: float, max_grad_norm: float, dp: DataParallel,
-) -> Stats:  # fmt: skip
+    policy: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old: OldPolicy, advantages: Tensor,
+    batches: list[Tensor], algo: Algorithm, temperature: float, max_grad_norm: float, ops: RankOps,
+    layout: Layout = ROWS,
+) -> tuple[Stats, OldPolicy]:  # fmt: skip
     """One actor step on each mini-batch of `batches`: `core.actor_loss` (clipped surrogate
-    with Clip-Higher and the positive-example LM loss, §4.2-4.3) over global normalisers.
-    pi_old is `r.old_logprobs`, or, left None, the first forward of each row (on-policy)."""
+    with Clip-Higher and the positive-example LM loss, §4.2-4.3) of `advantages` (B, T) against
+    pi_old `old`, over global normalisers. Returns the statistics, and pi_old as the update
+    read it: `old`, with what it lacked (the log-probs, on-policy; the entropy) taken from the
+    update's forwards, detached."""
     stats: Stats = defaultdict(list)
     policy.train()
+    read = OldPolicy(per_token(r) if old.logprobs is None else old.logprobs,
+                     per_token(r) if old.entropy is None else old.entropy, old.ref_logprobs)  # fmt: skip
     for index in batches:
-        acc = actor_step(policy, r, index, algo, temperature, dp)
+        acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops, layout)
         for k, v in acc.items():  # losses are this rank's share of the global sum
-            stats[k].append(float(v) * (dp.world_size if k.endswith(("_loss", "entropy")) else 1))
+            stats[k].append(float(v) * (ops.world_size if k.endswith(("_loss", "entropy")) else 1))
         stats["actor/pg_clipfrac"].append(
             stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
         )
         record_step(stats, "actor", clip_and_step(opt, policy, max_grad_norm))
-    return stats
+    return stats, read
 
 
 def actor_step(
-    policy: torch.nn.Module, r: Rollout, index: Tensor, a: Algorithm, temperature: float, dp: DataParallel
-) -> dict[str, Tensor | float]:
+    policy: torch.nn.Module, r: Rollout, old: OldPolicy, read: OldPolicy, advantages: Tensor, index: Tensor,
+    a: Algorithm, temperature: float, ops: RankOps, layout: Layout,
+) -> dict[str, Tensor | float]:  # fmt: skip
     """The gradient of the actor loss on the rows `index` (micro-batch by micro-batch), and
-    the step's metrics, token-weighted."""
+    the step's metrics, token-weighted; what `old` lacks is taken from these forwards into
+    `read`."""
     mask, correct = r.response_mask[index], r.correct[index]
-    n_tokens = dp.global_sum(mask.sum())
+    n_tokens = ops.global_sum(mask.sum())
     normalizers = {
-        "normalizer": n_tokens if a.loss_agg == "token" else dp.global_sum(torch.tensor(len(index), device=mask.device)),
-        "n_correct_tokens": dp.global_sum((mask & correct[:, None]).sum()),
+        "normalizer": n_tokens if a.loss_agg == "token" else ops.global_sum(torch.tensor(len(index), device=mask.device)),
+        "n_correct_tokens": ops.global_sum((mask & correct[:, None]).sum()),
     }
-    pi_old, entropy_old = OldEstimate(r, "old_logprobs"), OldEstimate(r, "entropy")
-    micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, dp.agree))
+    micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, ops.agree, layout.pack))
     acc: dict[str, Tensor | float] = defaultdict(float)
     for i, (rows, micro) in enumerate(micros):
-        sync_gradients(policy, i == len(micros) - 1, dp)
-        m = micro.response_mask
-        # (B, T) each. The entropy: with a bonus, with its graph; without one, only pi_old's
-        # for the metric (as verl's actor/entropy), from the pi_old pass or, on-policy, here.
+        sync_gradients(policy, i == len(micros) - 1, ops)
+        m, T = micro.response_mask, micro.response_mask.shape[1]
+        # (B, T) each. The entropy: with a bonus, with its graph; without one, only its value
+        # for the metric (verl's actor/entropy), pi_old's where `old` has it.
         bonus = a.entropy_coef > 0
-        logprobs, entropy = token_logprobs(policy, micro, temperature, entropy=bonus or entropy_old.recording,
-                                           entropy_grad=bonus)  # fmt: skip
-        micro.old_logprobs = pi_old(rows, logprobs)
-        old_entropy = entropy_old(rows, entropy, m.shape[1])
+        logprobs, entropy = token_logprobs(policy, micro, temperature, entropy=bonus or old.entropy is None,
+                                           entropy_grad=bonus, layout=layout)  # fmt: skip
+        if old.logprobs is None:  # on-policy: this first forward is pi_old (verl's dp_actor)
+            read.logprobs[rows, :T] = logprobs.detach()
+        if old.entropy is None:
+            read.entropy[rows, :T] = entropy.detach()
+        pi_old, old_entropy = read.logprobs[rows, :T], read.entropy[rows, :T]
         is_weights = (  # truncated importance sampling against the engine that sampled
-            correction.truncated_is_weights(micro.old_logprobs, micro.rollout_logprobs, m, a.rollout_is_cap)
+            correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
             if a.rollout_is == "tis"
             else None
         )
         loss, st = core.actor_loss(
-            logprobs, micro.old_logprobs, micro.advantages, m, micro.correct, **normalizers,
+            logprobs, pi_old, advantages[rows, :T], m, micro.correct, **normalizers,
             clip_low=a.clip_low, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
             agg=a.loss_agg, nll_coef=a.nll_coef, entropy=entropy if bonus else None, entropy_coef=a.entropy_coef,
-            ref_logprobs=micro.ref_logprobs, kl_coef=a.kl_coef, is_weights=is_weights,
+            ref_logprobs=None if old.ref_logprobs is None else old.ref_logprobs[rows, :T], kl_coef=a.kl_coef,
+            is_weights=is_weights,
         )  # fmt: skip
-        dp.backward(loss * dp.world_size)
+        ops.backward(loss * ops.world_size)
         with torch.no_grad():
             share = m.sum() / mask.sum()  # per-token means, weighted by tokens
             for k in ("pg_loss", "nll_loss", "kl_loss"):
@@ -307,10 +346,9 @@ def adamw_with_warmup(
 
 
 def fused_adamw(params: list[Tensor]) -> bool:
-    """AdamW's fused kernel for plain fp32/bf16 parameters on the CPU or a GPU (torch's
-    default there is the per-tensor `foreach` loop): one step over SmolLM2-135M's
-    parameters took 0.06 s fused against 0.35 s on 2 CPU cores. Not for sharded (DTensor)
-    parameters, which keep torch's default."""
+    """AdamW's fused kernel (one kernel over all parameters) for plain fp32/bf16 parameters
+    on the CPU or a GPU, where torch's default is the slower per-tensor `foreach` loop. Not
+    for sharded (DTensor) parameters, which keep torch's default."""
     return bool(params) and all(
         type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16)
         for p in params

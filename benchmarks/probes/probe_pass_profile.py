@@ -33,6 +33,7 @@ import bench_real_model as bench  # noqa: E402
 from benchmarks.stamp import stamp  # noqa: E402
 from vapo_lightning.engines.sampler import sample_responses, weights_cast_once  # noqa: E402
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer  # noqa: E402
+from vapo_lightning.packing import Layout  # noqa: E402
 from vapo_lightning.rollout import assemble  # noqa: E402
 from vapo_lightning.updates import compute_values  # noqa: E402
 
@@ -107,13 +108,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     r = assemble(ids, mask, sample(192, forced=False), [tok.eos_token_id], tok.pad_token_id, 4)
-    r.pack = 4
+    layout = Layout(4)
     print(f"\nRollout: 64 answers of {r.response_lengths.float().mean():.0f} tokens on average, "
           f"{int(r.attention_mask[::4].sum() + r.response_mask.sum())} tokens in its 16 packs.\n")  # fmt: skip
 
     def values():
         with torch.autocast("cpu", torch.bfloat16):
-            compute_values(critic, r, 16)
+            compute_values(critic, r, 16, layout=layout)
 
     passes = {"V_old pass (critic, no grad)": values, "sampling, 64 rows × 64 forced tokens": lambda: sample(64, True)}
     for name, run in passes.items():
