@@ -422,6 +422,9 @@ def test_value_loss_matches_reference():
     unclipped, _ = core.value_loss(v, old, ret, mask, mask.sum(), clip_range=None)
     ref = 0.5 * ((v - ret)[mask] ** 2).mean()
     assert math.isclose(unclipped.item(), ref.item(), rel_tol=1e-5)
+    assert torch.equal(core.value_loss(v, None, ret, mask, mask.sum(), clip_range=None)[0], unclipped)
+    with pytest.raises(ValueError, match="clip_range needs the old values"):
+        core.value_loss(v, None, ret, mask, mask.sum(), clip_range=0.2)
 
 
 def test_nll_loss_uses_correct_responses_only():

@@ -340,6 +340,8 @@ def value_loss(
     err = (values - returns) ** 2
     if clip_range is None:
         return aggregate(0.5 * err, response_mask, agg, normalizer), values.new_zeros(())
+    if old_values is None:
+        raise ValueError("value_loss: clip_range needs the old values")
     old_values = torch.where(mask, old_values, torch.zeros_like(old_values))
     v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
     err_clip = (v_clip - returns) ** 2
