@@ -82,3 +82,14 @@ def test_a_yaml_layer_adds_a_reward_without_restating_the_callbacks(tmp_path):
     layered = print_config("fit", "-c", "configs/smollm2.yaml", "-c", str(layer))["trainer"]["callbacks"]
     assert [cb["class_path"] for cb in layered] == [*base, "vapo_lightning.rewards.overlong.OverlongPenalty"]
     assert layered[-1]["init_args"]["cache_length"] == 32
+
+
+def test_the_lora_layer_saves_every_step_and_keeps_the_other_callbacks():
+    """A LoRA checkpoint is small (adapters, head, their optimiser states): its layer saves each
+    rollout step, so a stop loses no finished step; its list is the base config's otherwise."""
+    base = print_config("fit", "-c", "configs/smollm2.yaml")["trainer"]["callbacks"]
+    lora = print_config("fit", "-c", "configs/smollm2.yaml", "-c", "configs/smollm2/lora.yaml")["trainer"]["callbacks"]
+    saves = [cb["init_args"] for cb in lora if cb["class_path"].endswith("ModelCheckpoint")]
+    assert [s["every_n_train_steps"] for s in saves] == [1] and saves[0]["save_last"] is True
+    others = [cb for cb in lora if not cb["class_path"].endswith("ModelCheckpoint")]
+    assert others == [cb for cb in base if not cb["class_path"].endswith("ModelCheckpoint")]
