@@ -22,6 +22,7 @@ PAGES = sorted(
     [
         ROOT / "README.md",
         ROOT / "CONTRIBUTING.md",
+        ROOT / "tests" / "README.md",
         *(ROOT / "docs").glob("*.md"),
         ROOT / "benchmarks" / "RESULTS.md",
         ROOT / "benchmarks" / "probes" / "README.md",
