@@ -42,6 +42,7 @@ print("files", sorted(p.name for p in last.parent.iterdir()))
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_last_ckpt(tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) to mount a small tmpfs")

@@ -22,6 +22,7 @@ def vapo(*args, cwd=ROOT, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_the_readme_plugin_imports_from_the_working_directory(tmp_path):
     readme = (ROOT / "README.md").read_text()
     (code,) = re.findall(r"```python\n(# my_rewards\.py.*?)```", readme, re.DOTALL)
@@ -86,6 +87,7 @@ def test_an_unreadable_checkpoint_is_named_before_any_work(capsys, tmp_path, con
     assert not (tmp_path / "lightning_logs").exists()  # nothing started
 
 
+@pytest.mark.slow
 def test_vapo_offers_exactly_the_working_commands_each_with_its_help():
     top = vapo("--help", timeout=120)
     assert top.returncode == 0

@@ -63,6 +63,7 @@ def fit_metrics(tok, root, torch_compile: bool, algorithm: Algorithm) -> dict[st
     ],
     ids=["one-pass", "epochs"],
 )
+@pytest.mark.slow
 def test_compiled_updates_match_eager(tok, tmp_path, algorithm, min_graphs):
     eager = fit_metrics(tok, tmp_path / "eager", False, algorithm)
     assert captured() == 0

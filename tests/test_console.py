@@ -4,9 +4,12 @@ Lightning's messages that do not apply (the entropy alert: tests/test_callbacks.
 import json
 import re
 
+import pytest
+
 from tests.test_cli_errors import ROOT, vapo
 
 
+@pytest.mark.slow
 def test_a_run_prints_rollout_steps_and_no_lightning_noise(tmp_path):
     done = vapo("fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), "--trainer.max_steps=2",
                 f"--trainer.default_root_dir={tmp_path}")  # fmt: skip
@@ -18,6 +21,7 @@ def test_a_run_prints_rollout_steps_and_no_lightning_noise(tmp_path):
         assert noise not in out, noise
 
 
+@pytest.mark.slow
 def test_a_resumed_run_counts_its_steps_and_logs_on_in_its_folder(tmp_path):
     """After `--ckpt_path last` the bar reads ``Rollouts 3/3`` (Lightning's read ``3/0``: its
     total counted the steps left, its counter this epoch's batches) and shows seconds per step;
@@ -35,6 +39,7 @@ def test_a_resumed_run_counts_its_steps_and_logs_on_in_its_folder(tmp_path):
     assert steps == [1] * 4 + [2] * 4 + [3] * 4
 
 
+@pytest.mark.slow
 def test_a_run_without_validation_data_in_bf16_prints_no_false_alarms(tmp_path):
     done = vapo("fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), "--trainer.max_steps=1", "--data.val=null",
                 "--trainer.precision=bf16-mixed", f"--trainer.default_root_dir={tmp_path}")  # fmt: skip

@@ -125,6 +125,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_the_gloo_process_group_is_destroyed_before_the_interpreter_exits(tmp_path):
     """Lightning registers the group's destruction at exit for NCCL only; a gloo group left to
     the interpreter's finalisation aborted a finished 2-rank run now and then (exit -6). After

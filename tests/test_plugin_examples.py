@@ -44,6 +44,7 @@ def test_multiple_choice_is_a_verifier_and_reports_rows_it_cannot_score():
         combine_rewards([MultipleChoice(on_error="abort")], samples[-1:])
 
 
+@pytest.mark.slow
 def test_vapo_imports_a_callbacks_folder_from_the_working_directory(tmp_path):
     shutil.copytree(ROOT / "callbacks", tmp_path / "callbacks")
     done = vapo("fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), "--print_config",
@@ -64,6 +65,7 @@ def test_callbacks_is_not_installed():
     assert all(p.split(".")[0] == "vapo_lightning" for p in packages), packages
 
 
+@pytest.mark.slow
 def test_built_in_rewards_are_lazy_exports():
     script = (
         "import sys, vapo_lightning.rewards as r\n"

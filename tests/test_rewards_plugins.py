@@ -141,6 +141,7 @@ def test_a_failed_call_logs_zero_counts_not_the_previous_batchs(timeout_s):
     assert out.errors == 3 and cb.metrics() == {"n/samples": 3.0, "n/zero": 0.0}  # stale
     assert out.metrics == {"n/samples": 3.0, "n/zero": 0.0}  # the healthy callback's only
 
+@pytest.mark.slow
 def test_exit_does_not_wait_for_a_hung_reward():
     script = (
         "import threading\n"
