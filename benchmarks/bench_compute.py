@@ -38,8 +38,15 @@ from vapo_lightning.rewards.math import MathReward
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
-POLICY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
-          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 1024}  # fmt: skip
+POLICY = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+}
 PROMPTS, N = 16, 4
 LENGTHS = (64, 128, 256, 512)
 PHASES = ("gen", "old_log_prob", "values", "update_critic", "update_actor")
@@ -63,8 +70,9 @@ class StepRecorder(L.Callback):
         self.rollout = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, idx):
-        self.steps.append({k[len("timing_s/") :]: float(v) for k, v in trainer.callback_metrics.items()
-                           if k.startswith("timing_s/")})  # fmt: skip
+        self.steps.append(
+            {k[len("timing_s/") :]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("timing_s/")}
+        )
 
 
 def run(T: int, steps: int, precision: str) -> tuple[VAPOModule, list[dict[str, float]]]:
@@ -78,13 +86,20 @@ def run(T: int, steps: int, precision: str) -> tuple[VAPOModule, list[dict[str, 
     )
     recorder = StepRecorder()
     data = PromptDataModule(
-        train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS,
+        train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"),
+        prompts_per_step=PROMPTS,
         chat_template=False,
     )
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        precision="bf16-mixed" if precision == "bf16" else "32-true",
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[MathReward(num_workers=1), recorder])  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        precision="bf16-mixed" if precision == "bf16" else "32-true",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MathReward(num_workers=1), recorder],
+    )
     trainer.fit(module, datamodule=data)
     return module, recorder.steps[1:]  # the first step pays one-off start-up costs
 
@@ -128,13 +143,15 @@ def plot(rows: list[dict], out_png: Path, precision: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--steps", type=int, default=3, help="rollout steps per length (first dropped)"
-    )
+    parser.add_argument("--steps", type=int, default=3, help="rollout steps per length (first dropped)")
     parser.add_argument("--out", type=Path, default=None, help="markdown file (default: stdout)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (matmul and trainer)")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="the trainer's: fp32, or bf16 mixed precision (bf16 autocast)")  # fmt: skip
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="the trainer's: fp32, or bf16 mixed precision (bf16 autocast)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().split()[:3]

@@ -79,10 +79,9 @@ def oracle_values(starts: list[int], response: str, reference: str, p: float) ->
     lost = lost_at(response, reference)
     ends = result_offsets(reference)
     return [
-        -1.0 if lost is not None and lost < start
-        else 2.0 * (1.0 - p) ** sum(1 for e in ends if e >= start) - 1.0
+        -1.0 if lost is not None and lost < start else 2.0 * (1.0 - p) ** sum(1 for e in ends if e >= start) - 1.0
         for start in starts
-    ]  # fmt: skip
+    ]
 
 
 def explained_variance(values: list[float], returns: list[float]) -> float:
@@ -102,19 +101,23 @@ def sample(rows: list[dict], tok, n: int, seed: int, max_new_tokens: int = 240) 
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(POLICY).eval()
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                add_generation_prompt=True)
+        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True)
         for r in rows
-    ]  # fmt: skip
+    ]
     batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
     out: list[list[str]] = [[] for _ in rows]
     for _ in range(n):
         with torch.no_grad():
             ids = sample_responses(
-                model, batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens,
-                stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, temperature=1.0,
-            )  # fmt: skip
+                model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=[tok.eos_token_id],
+                pad_token_id=tok.pad_token_id,
+                temperature=1.0,
+            )
         for i, row in enumerate(ids.tolist()):
             out[i].append(tok.decode(row, skip_special_tokens=True))
     return out
@@ -161,23 +164,26 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(POLICY)
     responses = sample(rows, tok, args.samples, args.seed)
     c = ceiling(rows, responses, tok)
-    text = "\n".join([
-        "# What a critic could explain on the digitwise task\n",
-        f"Command: `python benchmarks/bench_critic_ceiling.py --samples {args.samples} "
-        f"--seed {args.seed}{f' --out {os.path.relpath(args.out.resolve(), ROOT)}' if args.out else ''}`  ",
-        f"{stamp()}; one thread. {c['samples']} responses "
-        f"({len(rows)} validation problems × {args.samples}, T = 1.0) of the study's start "
-        f"`vapo_lightning/assets/digitwise_sft`, {c['tokens']} response tokens; success "
-        f"{100 * c['success']:.1f} %, per-step error rate p = {100 * c['p']:.1f} %.\n",
-        "Explained variance of the Monte-Carlo return (the ±1 outcome at every token, "
-        "λ_critic = γ = 1), 1 − Var[R − V] / Var[R] over the tokens, as "
-        "`critic/vf_explained_var`:\n",
-        "| value | explained variance |", "|---|---|",
-        f"| oracle critic (reads each step: −1 once a response has left the solution, else 2 (1 − p)^m − 1) | {c['oracle']:.2f} |",
-        f"| group mean of the prompt's other {args.samples - 1} outcomes (GRPO's baseline, leave-one-out) | {c['group mean']:.2f} |",
-        f"| mean outcome of the other samples at the problem's K (knows the problem, reads no response) | {c['difficulty mean']:.2f} |",
-        "",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "# What a critic could explain on the digitwise task\n",
+            f"Command: `python benchmarks/bench_critic_ceiling.py --samples {args.samples} "
+            f"--seed {args.seed}{f' --out {os.path.relpath(args.out.resolve(), ROOT)}' if args.out else ''}`  ",
+            f"{stamp()}; one thread. {c['samples']} responses "
+            f"({len(rows)} validation problems × {args.samples}, T = 1.0) of the study's start "
+            f"`vapo_lightning/assets/digitwise_sft`, {c['tokens']} response tokens; success "
+            f"{100 * c['success']:.1f} %, per-step error rate p = {100 * c['p']:.1f} %.\n",
+            "Explained variance of the Monte-Carlo return (the ±1 outcome at every token, "
+            "λ_critic = γ = 1), 1 − Var[R − V] / Var[R] over the tokens, as "
+            "`critic/vf_explained_var`:\n",
+            "| value | explained variance |",
+            "|---|---|",
+            f"| oracle critic (reads each step: −1 once a response has left the solution, else 2 (1 − p)^m − 1) | {c['oracle']:.2f} |",
+            f"| group mean of the prompt's other {args.samples - 1} outcomes (GRPO's baseline, leave-one-out) | {c['group mean']:.2f} |",
+            f"| mean outcome of the other samples at the problem's K (knows the problem, reads no response) | {c['difficulty mean']:.2f} |",
+            "",
+        ]
+    )
     if args.out:
         args.out.write_text(text)
     print(text)

@@ -53,9 +53,7 @@ class Probe(L.Callback):
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         rank = trainer.global_rank
         Path(self.out_dir, f"rank{rank}.json").write_text(
-            json.dumps(
-                {"times": self.times, "peak_rss_mb": peak_mb, "threads": torch.get_num_threads()}
-            )
+            json.dumps({"times": self.times, "peak_rss_mb": peak_mb, "threads": torch.get_num_threads()})
         )
 
 
@@ -82,13 +80,21 @@ class LoadProbe(L.Callback):
         )
 
 
-def fit(
-    cmd_args: list[str], out_dir: Path, devices: int, prefix: str, threads: int | None = None
-) -> list[dict]:
+def fit(cmd_args: list[str], out_dir: Path, devices: int, prefix: str, threads: int | None = None) -> list[dict]:
     """`vapo fit -c configs/tiny_cpu.yaml` with `cmd_args`; each rank's `{prefix}{rank}.json`."""
-    cmd = [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml",
-           f"--trainer.devices={devices}", f"--trainer.default_root_dir={out_dir}",
-           "--trainer.enable_progress_bar=false", "--model.val_before_train=false", *cmd_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vapo_lightning.cli",
+        "fit",
+        "-c",
+        "configs/tiny_cpu.yaml",
+        f"--trainer.devices={devices}",
+        f"--trainer.default_root_dir={out_dir}",
+        "--trainer.enable_progress_bar=false",
+        "--model.val_before_train=false",
+        *cmd_args,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if threads:  # otherwise torch's default (cores); Lightning gives each of 2 ranks cores / 2
         env["OMP_NUM_THREADS"] = str(threads)
@@ -108,12 +114,15 @@ def run(
 ) -> list[dict]:
     per_rank_prompts, mini = 8 // devices, 16 // devices
     args = [
-        f"--trainer.max_steps={steps}", f"--data.prompts_per_step={per_rank_prompts}",
-        f"--model.algorithm.mini_batch_size={mini}", f"--model.algorithm.micro_batch_size={mini}",
+        f"--trainer.max_steps={steps}",
+        f"--data.prompts_per_step={per_rank_prompts}",
+        f"--model.algorithm.mini_batch_size={mini}",
+        f"--model.algorithm.micro_batch_size={mini}",
         "--model.generation.min_new_tokens=32",  # fixed-length responses: comparable steps
         "--trainer.callbacks+=benchmarks.bench_distributed.Probe",
-        f"--trainer.callbacks.out_dir={out_dir}", *extra,
-    ]  # fmt: skip
+        f"--trainer.callbacks.out_dir={out_dir}",
+        *extra,
+    ]
     if devices > 1:
         args.append(f"--trainer.strategy={strategy}")
     return fit(args, out_dir, devices, "rank", threads)
@@ -123,9 +132,15 @@ def save_llama(directory: Path, hidden: int, layers: int, vocab: int) -> float:
     """A random Llama saved with `save_pretrained`; returns its fp32 size in MB."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-                      vocab_size=vocab, max_position_embeddings=512)  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        vocab_size=vocab,
+        max_position_embeddings=512,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters()) * 4 / 2**20
@@ -140,16 +155,20 @@ def bench_load(args: argparse.Namespace) -> list[str]:
             out = Path(tmp, strategy)
             out.mkdir()
             cmd_args = [
-                f"--model.policy.name_or_path={tmp}/ckpt", "--model.policy.config=null",
-                "--trainer.max_steps=0", "--trainer.logger=false",
+                f"--model.policy.name_or_path={tmp}/ckpt",
+                "--model.policy.config=null",
+                "--trainer.max_steps=0",
+                "--trainer.logger=false",
                 "--trainer.callbacks+=benchmarks.bench_distributed.LoadProbe",
                 f"--trainer.callbacks.out_dir={out}",
-            ] + ([f"--trainer.strategy={strategy}"] if devices > 1 else [])  # fmt: skip
+            ] + ([f"--trainer.strategy={strategy}"] if devices > 1 else [])
             ranks = fit(cmd_args, out, devices, "load")
             for rank, r in enumerate(ranks):
                 cost = r["peak_mb"] - r["before_mb"]
-                rows.append(f"| {strategy} | {rank} | {r['before_mb']:.0f} | {r['peak_mb']:.0f} | "
-                            f"{cost:.0f} | {r['after_mb']:.0f} |")  # fmt: skip
+                rows.append(
+                    f"| {strategy} | {rank} | {r['before_mb']:.0f} | {r['peak_mb']:.0f} | "
+                    f"{cost:.0f} | {r['after_mb']:.0f} |"
+                )
                 print(rows[-1], flush=True)
     return [
         "# Distributed: host memory of loading a saved checkpoint, 1 vs 2 processes\n",
@@ -208,10 +227,7 @@ def main() -> None:
         f"{stamp()}\n",
         "| setting | processes | torch threads / process | median step (s) | peak RSS per process (MB) |",
         "|---|---|---|---|---|",
-        *[
-            f"| {s} | {d} | {t} | {st:.2f} | {', '.join(map(str, rss))} |"
-            for s, d, st, rss, t in rows
-        ],
+        *[f"| {s} | {d} | {t} | {st:.2f} | {', '.join(map(str, rss))} |" for s, d, st, rss, t in rows],
     ]
     print("\n".join(lines))
     if args.out:

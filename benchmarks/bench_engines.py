@@ -41,11 +41,19 @@ from benchmarks.stamp import stamp  # noqa: E402
 ASSET = ROOT / "vapo_lightning/assets/quickstart_sft"
 PROMPTS = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
 QWEN25_1_5B = {  # Qwen/Qwen2.5-1.5B's config.json (architecture only)
-    "model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960,
-    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-    "vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "architectures": ["Qwen2ForCausalLM"],
-}  # fmt: skip
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "architectures": ["Qwen2ForCausalLM"],
+}
 DEFAULTS = {  # shape: (prompts, n, new tokens, reps, fit steps, micro-batch)
     "quickstart": (16, 8, 128, 3, 3, 32),
     "qwen2.5-1.5b": (512, 4, 1024, 2, 3, 16),
@@ -88,9 +96,12 @@ def child(args: argparse.Namespace) -> dict:
     on_gpu = args.device == "cuda"
     options = VLLMOptions(gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=1)
     gen = Generation(
-        n=args.n, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-        engine=args.engine, vllm=options,
-    )  # fmt: skip
+        n=args.n,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        engine=args.engine,
+        vllm=options,
+    )
     batch = args.prompts * args.n
     module = VAPOModule(
         policy=ModelSpec(**policy_spec(args.shape)),
@@ -100,21 +111,27 @@ def child(args: argparse.Namespace) -> dict:
         optim=Optim(actor_lr=1e-6, critic_lr=1e-6, warmup_steps=0),
         val_before_train=False,
     )
-    data = PromptDataModule(train=str(PROMPTS), prompts_per_step=args.prompts, max_prompt_length=256, chat_template=False)
+    data = PromptDataModule(
+        train=str(PROMPTS), prompts_per_step=args.prompts, max_prompt_length=256, chat_template=False
+    )
     root = tempfile.mkdtemp(prefix="bench_engines_")
     trainer = L.Trainer(
-        accelerator="gpu" if on_gpu else "cpu", devices=1, max_steps=args.fit_steps,
-        precision="bf16-mixed" if on_gpu else "32-true", callbacks=[MathReward(num_workers=1)],
-        default_root_dir=root, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, logger=L.pytorch.loggers.TensorBoardLogger(root),
-        limit_val_batches=0, log_every_n_steps=1,
-    )  # fmt: skip
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1,
+        max_steps=args.fit_steps,
+        precision="bf16-mixed" if on_gpu else "32-true",
+        callbacks=[MathReward(num_workers=1)],
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=L.pytorch.loggers.TensorBoardLogger(root),
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    )
     trainer.fit(module, datamodule=data)
     timings = logged(root, ["timing_s/step", "timing_s/gen", "timing_s/weight_sync"])
-    out = {
-        key: statistics.median(v[1:] or v)
-        for key, v in zip(["step_s", "fit_gen_s", "fit_sync_s"], timings)
-    }
+    out = {key: statistics.median(v[1:] or v) for key, v in zip(["step_s", "fit_gen_s", "fit_sync_s"], timings)}
     # The rollout alone, on the trained policy: the fit's prompts, `reps` times.
     rows = data.train_rows[: args.prompts]
     module.train()  # (sampling as in training: the engine's own stream)
@@ -172,8 +189,11 @@ def main() -> None:
     for engine in args.engines:
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_engines", *argv, "--engine", engine],
-            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         if done.returncode or not lines:
             sys.exit(f"{engine} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -189,8 +209,7 @@ def render(args: argparse.Namespace, results: dict[str, dict]) -> str:
     lines = [
         f"# Rollout engines: native sampler vs vLLM ({args.shape}, {args.device})\n",
         f"Command: `python -m benchmarks.bench_engines {flags}`  ",
-        f"{stamp()}; "
-        f"load average at the end {os.getloadavg()[0]:.2f}.  ",
+        f"{stamp()}; load average at the end {os.getloadavg()[0]:.2f}.  ",
         f"Workload: {args.prompts} prompts × {args.n} responses, each forced to {args.new_tokens} "
         f"tokens (EOS suppressed), temperature 1; rollout {args.reps} calls after a warm-up; "
         f"training {args.fit_steps} rollout steps (medians after the first), "

@@ -37,19 +37,31 @@ def hf_generate(model, ids, mask, tok, max_new, min_new):
     model.set_attn_implementation("sdpa")  # transformers' own SDPA (bf16 under autocast)
     try:
         return model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=max_new, min_new_tokens=min_new or None,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        )[:, ids.shape[1] :]  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            min_new_tokens=min_new or None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )[:, ids.shape[1] :]
     finally:
         model.set_attn_implementation(SDPA)
 
 
 def lean(model, ids, mask, tok, max_new, min_new):
     return sample_responses(
-        model, ids, mask, max_new_tokens=max_new, min_new_tokens=min_new,
-        stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        model,
+        ids,
+        mask,
+        max_new_tokens=max_new,
+        min_new_tokens=min_new,
+        stop_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
 
 
 def tokens(out, tok) -> int:
@@ -63,8 +75,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="bf16: both samplers under bf16 autocast (fp32 weights), as in bf16-mixed training")  # fmt: skip
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: both samplers under bf16 autocast (fp32 weights), as in bf16-mixed training",
+    )
     args = ap.parse_args()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     tok = load_tokenizer(str(MODEL))
@@ -82,10 +98,14 @@ def main() -> None:
     print(f"Command: `.venv/bin/python -m benchmarks.bench_generation{flags}`  ")
     print(f"{stamp()}  ")
     print(f"Load average at start {os.getloadavg()[0]:.2f}  ")
-    print(f"Model: quickstart SFT policy; 16 prompts × 8 samples = {len(ids)} responses, "
-          f"temperature 1, no top-k/top-p; {args.reps} runs per cell after one warm-up, alternating; "
-          + ("fp32.\n" if args.precision == "fp32" else "bf16 autocast around both samplers (fp32 weights).\n"))  # fmt: skip
-    print("| threads | workload | sampler | s per call, min / **median** / max | generated tokens/s (median) | speed-up |")
+    print(
+        f"Model: quickstart SFT policy; 16 prompts × 8 samples = {len(ids)} responses, "
+        f"temperature 1, no top-k/top-p; {args.reps} runs per cell after one warm-up, alternating; "
+        + ("fp32.\n" if args.precision == "fp32" else "bf16 autocast around both samplers (fp32 weights).\n")
+    )
+    print(
+        "| threads | workload | sampler | s per call, min / **median** / max | generated tokens/s (median) | speed-up |"
+    )
     print("|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -107,11 +127,15 @@ def main() -> None:
             for k in samplers:
                 med = statistics.median(times[k])
                 tps = statistics.median(c / t for c, t in zip(counts[k], times[k]))
-                print(f"| {threads} | {wname} | {k} | {min(times[k]):.2f} / **{med:.2f}** / {max(times[k]):.2f} "
-                      f"| {tps:.0f} | {base / med:.2f}x |")  # fmt: skip
-    print("\nSpeed-up: transformers' median time over this sampler's. Free sampling draws differ "
-          "run to run (the same distribution, tests/test_generation.py); tokens/s counts each "
-          "response up to its EOS.")  # fmt: skip
+                print(
+                    f"| {threads} | {wname} | {k} | {min(times[k]):.2f} / **{med:.2f}** / {max(times[k]):.2f} "
+                    f"| {tps:.0f} | {base / med:.2f}x |"
+                )
+    print(
+        "\nSpeed-up: transformers' median time over this sampler's. Free sampling draws differ "
+        "run to run (the same distribution, tests/test_generation.py); tokens/s counts each "
+        "response up to its EOS."
+    )
 
 
 if __name__ == "__main__":

@@ -56,11 +56,20 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.stamp import cpu_model, stamp  # noqa: E402
 
 SUMMARIES = ROOT / "benchmarks/results/learning_runs"
-CURVES = ("rollout/accuracy", "response_length/mean", "critic/vf_explained_var",
-          "rollout/responses_sampled", "actor/critic_baseline", "critic_probe/explained_var",
-          "critic_probe/explained_var/first_tenth", "critic_probe/explained_var/middle_tenth",
-          "critic_probe/explained_var/last_tenth", "critic_probe/calibration",
-          "critic_probe/baseline_share/critic", "critic_probe/baseline_share/group_mean")  # fmt: skip
+CURVES = (
+    "rollout/accuracy",
+    "response_length/mean",
+    "critic/vf_explained_var",
+    "rollout/responses_sampled",
+    "actor/critic_baseline",
+    "critic_probe/explained_var",
+    "critic_probe/explained_var/first_tenth",
+    "critic_probe/explained_var/middle_tenth",
+    "critic_probe/explained_var/last_tenth",
+    "critic_probe/calibration",
+    "critic_probe/baseline_share/critic",
+    "critic_probe/baseline_share/group_mean",
+)
 
 
 # (name, layer over the task's config or None, the paper's Table 1 AIME24 score)
@@ -113,86 +122,145 @@ class Task:
 
 TASKS = {
     "arithmetic": Task(
-        "configs/quickstart.yaml", "vapo_lightning/assets/arithmetic/val.jsonl", 50,
-        ((1, 3), (4, 6), (7, 10)), "benchmarks/results/learning.md", {},
-        (("α of length-adaptive GAE", "0.05",
-          "1.0: at 6-137 tokens (bare to worked answers) 0.05 gives λ_actor = 0 below 20 "
-          "(the quickstart's setting)"),
-         ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
-         ("actor / critic learning rate", "1e-6 / 2e-6",
-          "1e-4 / 5e-4: a 2.0 M model that must move in 50 updates"),
-         ("value pretraining", "50 steps", "5 steps, before the 50 policy updates"),
-         ("prompts × samples per rollout step", "512 × 16",
-          "16 × 8: the quickstart's rollout, on one core"),
-         ("mini-batch", "512 responses (16 optimiser steps per rollout)",
-          "64 responses (2 optimiser steps per rollout)"),
-         ("learning-rate warm-up", "length not given", "3 steps"),
-         ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
-          "200 validation problems × 4 samples, T = 1.0")),
+        "configs/quickstart.yaml",
+        "vapo_lightning/assets/arithmetic/val.jsonl",
+        50,
+        ((1, 3), (4, 6), (7, 10)),
+        "benchmarks/results/learning.md",
+        {},
+        (
+            (
+                "α of length-adaptive GAE",
+                "0.05",
+                "1.0: at 6-137 tokens (bare to worked answers) 0.05 gives λ_actor = 0 below 20 "
+                "(the quickstart's setting)",
+            ),
+            ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
+            ("actor / critic learning rate", "1e-6 / 2e-6", "1e-4 / 5e-4: a 2.0 M model that must move in 50 updates"),
+            ("value pretraining", "50 steps", "5 steps, before the 50 policy updates"),
+            ("prompts × samples per rollout step", "512 × 16", "16 × 8: the quickstart's rollout, on one core"),
+            (
+                "mini-batch",
+                "512 responses (16 optimiser steps per rollout)",
+                "64 responses (2 optimiser steps per rollout)",
+            ),
+            ("learning-rate warm-up", "length not given", "3 steps"),
+            ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7", "200 validation problems × 4 samples, T = 1.0"),
+        ),
         reading="learning-the-papers-table-1-in-miniature",
     ),
     "digitwise": Task(
-        "configs/digitwise.yaml", "vapo_lightning/assets/digitwise/val.jsonl", 40,
-        ((2, 9), (10, 18), (19, 26)), "benchmarks/results/learning_credit.md",
-        {"vanilla PPO": "configs/digitwise/ppo.yaml", "GRPO": "configs/digitwise/grpo.yaml",
-         "DAPO": "configs/digitwise/dapo.yaml",
-         "w/o value-pretraining": "configs/digitwise/vapo_wo_value_pretraining.yaml"},
-        (("α of length-adaptive GAE", "0.05",
-          "0.05: λ_actor 0 at 17-20 tokens to 0.90 at 209 (0.98 would need answers of ~1000 "
-          "tokens, 5× longer than the 10-minute runs allow)"),
-         ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
-         ("actor / critic learning rate", "1e-6 / 2e-6",
-          "1e-4 / 5e-4: a 0.68 M model that must move in 40 updates"),
-         ("value pretraining", "50 steps", "50 steps (the same), before the 40 policy updates"),
-         ("prompts × samples per rollout step", "512 × 16",
-          "8 × 8: one run ≤ 10 minutes on one core"),
-         ("mini-batch", "512 responses (16 optimiser steps per rollout)",
-          "16 responses (4 optimiser steps per rollout: with 1, no clip ever binds)"),
-         ("learning-rate warm-up", "length not given", "3 steps"),
-         ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
-          "125 validation problems × 2 samples, T = 1.0")),
+        "configs/digitwise.yaml",
+        "vapo_lightning/assets/digitwise/val.jsonl",
+        40,
+        ((2, 9), (10, 18), (19, 26)),
+        "benchmarks/results/learning_credit.md",
+        {
+            "vanilla PPO": "configs/digitwise/ppo.yaml",
+            "GRPO": "configs/digitwise/grpo.yaml",
+            "DAPO": "configs/digitwise/dapo.yaml",
+            "w/o value-pretraining": "configs/digitwise/vapo_wo_value_pretraining.yaml",
+        },
+        (
+            (
+                "α of length-adaptive GAE",
+                "0.05",
+                "0.05: λ_actor 0 at 17-20 tokens to 0.90 at 209 (0.98 would need answers of ~1000 "
+                "tokens, 5× longer than the 10-minute runs allow)",
+            ),
+            ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
+            ("actor / critic learning rate", "1e-6 / 2e-6", "1e-4 / 5e-4: a 0.68 M model that must move in 40 updates"),
+            ("value pretraining", "50 steps", "50 steps (the same), before the 40 policy updates"),
+            ("prompts × samples per rollout step", "512 × 16", "8 × 8: one run ≤ 10 minutes on one core"),
+            (
+                "mini-batch",
+                "512 responses (16 optimiser steps per rollout)",
+                "16 responses (4 optimiser steps per rollout: with 1, no clip ever binds)",
+            ),
+            ("learning-rate warm-up", "length not given", "3 steps"),
+            ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7", "125 validation problems × 2 samples, T = 1.0"),
+        ),
         reading="learning-on-the-credit-assignment-task",
     ),
     "smollm2": Task(
-        "configs/smollm2.yaml", "vapo_lightning/assets/word_problems/val.jsonl", 22,
-        ((1, 1), (2, 2)), "benchmarks/results/learning_real.md",
-        {"vanilla PPO": "configs/smollm2/ppo.yaml", "GRPO": "configs/smollm2/grpo.yaml",
-         "DAPO": "configs/smollm2/dapo.yaml",
-         "w/o value-pretraining": "configs/smollm2/vapo_wo_value_pretraining.yaml",
-         "VAPO, critic at random init": "configs/smollm2/random_critic.yaml",
-         PRETRAINED_CRITIC: "configs/smollm2/pretrained_critic.yaml",
-         GATED: "configs/smollm2/critic_gate.yaml"},
-        (("model", "Qwen2.5-32B (policy and critic)",
-          "SmolLM2-135M-Instruct from its GGUF (4-bit weights dequantised); the critic from its "
-          "backbone with a fresh value head, or at random init (its own row)"),
-         ("α of length-adaptive GAE", "0.05",
-          "0.05: λ_actor = 1 − 1/(0.05 l), 0.29 at 28 tokens to 0.75 at 81 (the mean answer "
-          "lengths over the first and the last 5 steps of the config's run, results/smollm2.md)"),
-         ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
-         ("actor / critic learning rate", "1e-6 / 2e-6",
-          "1e-5 / 1e-4: a 135 M pretrained model that must move in 22 updates"),
-         ("value pretraining", "50 steps",
-          "8 steps, before the 22 policy updates; every run its own (the rows that start from "
-          "the pretrained backbone's value pretraining: VAPO alone), a fixed count, not the "
-          "explained-variance threshold, so that every row gets the same policy updates"),
-         ("prompts × samples per rollout step", "512 × 16",
-          "16 × 4: sized for a run ≤ 60 min on 2 cores (runs whose answers reach the length "
-          "cap take longer: the last column)"),
-         ("mini-batch", "512 responses (16 optimiser steps per rollout)",
-          "16 responses (4 optimiser steps per rollout)"),
-         ("learning-rate warm-up", "length not given", "3 steps"),
-         ("evaluation", "AIME 2024 avg@32, T = 1.0, top-p 0.7",
-          "128 validation problems × 2 samples, T = 0.4, the config's (the start policy: 14.6 % "
-          "at 0.4, 11.5 % at 0.7, results/real_model_start.md; 1.0 not measured)")),
-        rows=("VAPO", "VAPO, critic at random init", "w/o value-pretraining", "vanilla PPO",
-              "GRPO", "DAPO", PRETRAINED_CRITIC, GATED),
+        "configs/smollm2.yaml",
+        "vapo_lightning/assets/word_problems/val.jsonl",
+        22,
+        ((1, 1), (2, 2)),
+        "benchmarks/results/learning_real.md",
+        {
+            "vanilla PPO": "configs/smollm2/ppo.yaml",
+            "GRPO": "configs/smollm2/grpo.yaml",
+            "DAPO": "configs/smollm2/dapo.yaml",
+            "w/o value-pretraining": "configs/smollm2/vapo_wo_value_pretraining.yaml",
+            "VAPO, critic at random init": "configs/smollm2/random_critic.yaml",
+            PRETRAINED_CRITIC: "configs/smollm2/pretrained_critic.yaml",
+            GATED: "configs/smollm2/critic_gate.yaml",
+        },
+        (
+            (
+                "model",
+                "Qwen2.5-32B (policy and critic)",
+                "SmolLM2-135M-Instruct from its GGUF (4-bit weights dequantised); the critic from its "
+                "backbone with a fresh value head, or at random init (its own row)",
+            ),
+            (
+                "α of length-adaptive GAE",
+                "0.05",
+                "0.05: λ_actor = 1 − 1/(0.05 l), 0.29 at 28 tokens to 0.75 at 81 (the mean answer "
+                "lengths over the first and the last 5 steps of the config's run, results/smollm2.md)",
+            ),
+            ("λ_critic, γ, clip ε_low / ε_high, μ", "1, 1, 0.2 / 0.28, 0.1", "the same"),
+            (
+                "actor / critic learning rate",
+                "1e-6 / 2e-6",
+                "1e-5 / 1e-4: a 135 M pretrained model that must move in 22 updates",
+            ),
+            (
+                "value pretraining",
+                "50 steps",
+                "8 steps, before the 22 policy updates; every run its own (the rows that start from "
+                "the pretrained backbone's value pretraining: VAPO alone), a fixed count, not the "
+                "explained-variance threshold, so that every row gets the same policy updates",
+            ),
+            (
+                "prompts × samples per rollout step",
+                "512 × 16",
+                "16 × 4: sized for a run ≤ 60 min on 2 cores (runs whose answers reach the length "
+                "cap take longer: the last column)",
+            ),
+            (
+                "mini-batch",
+                "512 responses (16 optimiser steps per rollout)",
+                "16 responses (4 optimiser steps per rollout)",
+            ),
+            ("learning-rate warm-up", "length not given", "3 steps"),
+            (
+                "evaluation",
+                "AIME 2024 avg@32, T = 1.0, top-p 0.7",
+                "128 validation problems × 2 samples, T = 0.4, the config's (the start policy: 14.6 % "
+                "at 0.4, 11.5 % at 0.7, results/real_model_start.md; 1.0 not measured)",
+            ),
+        ),
+        rows=(
+            "VAPO",
+            "VAPO, critic at random init",
+            "w/o value-pretraining",
+            "vanilla PPO",
+            "GRPO",
+            "DAPO",
+            PRETRAINED_CRITIC,
+            GATED,
+        ),
         lengths=((0, 63), (64, 127), (128, 192)),
         threads="one run at a time, two threads",
-        critics=("the prompts come in the same order in every run (`data.seed` 0); VAPO "
-                 "pretrains a critic from the policy's backbone and the random-critic row one "
-                 "from random weights, so no two rows share a value-pretrained critic"),
+        critics=(
+            "the prompts come in the same order in every run (`data.seed` 0); VAPO "
+            "pretrains a critic from the policy's backbone and the random-critic row one "
+            "from random weights, so no two rows share a value-pretrained critic"
+        ),
     ),
-}  # fmt: skip
+}
 # The credit-assignment study's first configuration, kept with its 27 runs: the whole step's
 # 64 responses in one mini-batch, so every update is on-policy and no clip binds.
 TASKS["digitwise_one_minibatch"] = replace(
@@ -204,7 +272,6 @@ TASKS["digitwise_one_minibatch"] = replace(
         for s, paper, here in TASKS["digitwise"].settings
     ),
 )
-
 
 
 def task_runs(task: Task) -> list[tuple[str, str | None, int | None]]:
@@ -247,10 +314,16 @@ def row_overrides(task: Task, layer_path: str | None) -> tuple[int, list[str]]:
 
 
 def vapo(command: str, configs: list[str], run_dir: Path, args: list[str], log: str) -> None:
-    cmd = [str(ROOT / ".venv/bin/vapo"), command, *(a for c in configs for a in ("-c", c)),
-           f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false",
-           "--trainer.callbacks+=vapo_lightning.callbacks.ValidationSamples",
-           f"--trainer.callbacks.path={run_dir / 'val_samples.jsonl'}", *args]  # fmt: skip
+    cmd = [
+        str(ROOT / ".venv/bin/vapo"),
+        command,
+        *(a for c in configs for a in ("-c", c)),
+        f"--trainer.default_root_dir={run_dir}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=vapo_lightning.callbacks.ValidationSamples",
+        f"--trainer.callbacks.path={run_dir / 'val_samples.jsonl'}",
+        *args,
+    ]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -296,17 +369,16 @@ def machine() -> str:
 
 
 def commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return proc.stdout.strip() or "unknown"
 
 
 def commit_span(commits: set[str]) -> str:
     """The runs' commits as a range in history order ("7 commits, a1b2c3d to e4f5a6b"); one
     commit, or commits this clone does not know, are named as they are."""
+
     def when(c: str) -> int | None:
-        proc = subprocess.run(["git", "show", "-s", "--format=%ct", c], cwd=ROOT,
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(["git", "show", "-s", "--format=%ct", c], cwd=ROOT, capture_output=True, text=True)
         return int(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else None
 
     times = {c: when(c) for c in commits}
@@ -332,9 +404,7 @@ def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict
     }
 
 
-def ensure_run(
-    folder: str, task: Task, job: tuple, root: Path, extra: list[str], again: bool = False
-) -> dict:
+def ensure_run(folder: str, task: Task, job: tuple, root: Path, extra: list[str], again: bool = False) -> dict:
     """The run's summary: read if committed, else the run is made and summarized. `again`:
     a committed summary whose run is still under `root` is made anew from it (what the run
     took, when and where are kept)."""
@@ -376,6 +446,7 @@ def val_points(run_dir: Path) -> list[float]:
     final `vapo validate`'s, which logs under `validate/`): not merged by step, as the two
     processes count steps apart."""
     points = []
+
     def version(path: str) -> int:
         return int(Path(path).parent.name.split("_")[1])
 
@@ -388,15 +459,11 @@ def val_points(run_dir: Path) -> list[float]:
         acc = EventAccumulator(path, size_guidance={"scalars": 0})
         acc.Reload()
         if "val/accuracy" in acc.Tags()["scalars"]:
-            points += [
-                e.value for e in sorted(acc.Scalars("val/accuracy"), key=lambda e: e.wall_time)
-            ]
+            points += [e.value for e in sorted(acc.Scalars("val/accuracy"), key=lambda e: e.wall_time)]
     return points
 
 
-def bucket_accuracy(
-    run_dir: Path, difficulty: dict[str, int], buckets, first: bool = False
-) -> list[float]:
+def bucket_accuracy(run_dir: Path, difficulty: dict[str, int], buckets, first: bool = False) -> list[float]:
     """Accuracy of the last validation's samples (`first`: the start's), per difficulty
     bucket."""
     hits: dict[int, list[bool]] = {i: [] for i in range(len(buckets))}
@@ -449,20 +516,18 @@ def holm(raw: dict[str, float]) -> dict[str, float]:
     return adjusted
 
 
-def welch_holm(
-    reference: list[float], rows: dict[str, list[float]]
-) -> dict[str, tuple[float, float]]:
+def welch_holm(reference: list[float], rows: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
     """Welch's t-test of each row against the reference, p-values Holm-adjusted over the
     rows: {name: (difference of means, adjusted p)}."""
     from scipy import stats
 
-    raw = {n: float(stats.ttest_ind(xs, reference, equal_var=False).pvalue) for n, xs in rows.items()
-           if len(xs) > 1 and len(reference) > 1}  # fmt: skip
-    adjusted = holm(raw)
-    return {
-        n: (statistics.mean(rows[n]) - statistics.mean(reference), adjusted.get(n, math.nan))
-        for n in rows
+    raw = {
+        n: float(stats.ttest_ind(xs, reference, equal_var=False).pvalue)
+        for n, xs in rows.items()
+        if len(xs) > 1 and len(reference) > 1
     }
+    adjusted = holm(raw)
+    return {n: (statistics.mean(rows[n]) - statistics.mean(reference), adjusted.get(n, math.nan)) for n in rows}
 
 
 def mean_curve(runs: list[list[tuple[int, float]]], shift: int, window: int) -> tuple[list, list]:
@@ -480,9 +545,11 @@ def plot(rows: list[dict], task_name: str, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("rollout/accuracy", "rollout accuracy (%), 5-step average", 100),
-              ("response_length/mean", "response length (tokens), 5-step average", 1),
-              ("critic/vf_explained_var", "critic's explained variance, 5-step average", 1)]  # fmt: skip
+    panels = [
+        ("rollout/accuracy", "rollout accuracy (%), 5-step average", 100),
+        ("response_length/mean", "response length (tokens), 5-step average", 1),
+        ("critic/vf_explained_var", "critic's explained variance, 5-step average", 1),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(19, 5))
     for ax, (tag, label, scale) in zip(axes, panels):
         for i, row in enumerate(rows):
@@ -490,8 +557,13 @@ def plot(rows: list[dict], task_name: str, out_png: Path) -> None:
                 continue
             steps, means = mean_curve(row["curves"][tag], row["p"], 5)
             style = "-" if row["name"] in ("VAPO", "vanilla PPO", "GRPO", "DAPO") else ":"
-            ax.plot(steps, [scale * m for m in means], style, label=row["name"],
-                    color=plt.cm.tab20.colors[(2 * i) % 20 + (2 * i) // 20])  # fmt: skip
+            ax.plot(
+                steps,
+                [scale * m for m in means],
+                style,
+                label=row["name"],
+                color=plt.cm.tab20.colors[(2 * i) % 20 + (2 * i) // 20],
+            )
         ax.axvline(0, color="grey", lw=0.5)
         ax.set_xlabel("policy-update step (value pretraining at < 0)")
         ax.set_ylabel(label + ", mean over seeds")
@@ -511,15 +583,19 @@ def ordering_vs_paper(rows: list[dict]) -> str:
         return f"Only {len(scored)} of the rows have a Table 1 score: no ordering to compare."
     ours, paper = [statistics.mean(r["final"]) for r in scored], [r["paper"] for r in scored]
     rho, p = stats.spearmanr(ours, paper)
-    pairs = [
-        (a, b) for i, a in enumerate(scored) for b in scored[i + 1 :] if a["paper"] != b["paper"]
-    ]
-    agree = sum((statistics.mean(a["final"]) - statistics.mean(b["final"])) * (a["paper"] - b["paper"]) > 0
-                for a, b in pairs)  # fmt: skip
-    weak = (f" Over {len(scored)} points (p = {p:.2f}) this is no evidence of agreement with the "
-            "paper, nor against it." if p >= 0.05 else "")
-    return (f"Spearman's rank correlation with Table 1 over the {len(scored)} rows it scores: "
-            f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.{weak}")  # fmt: skip
+    pairs = [(a, b) for i, a in enumerate(scored) for b in scored[i + 1 :] if a["paper"] != b["paper"]]
+    agree = sum(
+        (statistics.mean(a["final"]) - statistics.mean(b["final"])) * (a["paper"] - b["paper"]) > 0 for a, b in pairs
+    )
+    weak = (
+        f" Over {len(scored)} points (p = {p:.2f}) this is no evidence of agreement with the paper, nor against it."
+        if p >= 0.05
+        else ""
+    )
+    return (
+        f"Spearman's rank correlation with Table 1 over the {len(scored)} rows it scores: "
+        f"{rho:.2f}; {agree} of {len(pairs)} pairs of rows are in the paper's order.{weak}"
+    )
 
 
 def averaged_buckets(rows: list[dict]) -> list[str]:
@@ -544,13 +620,17 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
     mean = {r["name"]: statistics.mean(r["final"]) for r in rows}
     random_critic = next((r for r in rows if r["name"] == RANDOM_CRITIC), None)
     working = [r for r in rows if r["name"] in (PRETRAINED_CRITIC, GATED)]
-    others = [r for r in rows if r is not vapo_row and r is not random_critic and r not in working
-              and not r["name"].startswith("w/o ")]  # fmt: skip
+    others = [
+        r
+        for r in rows
+        if r is not vapo_row and r is not random_critic and r not in working and not r["name"].startswith("w/o ")
+    ]
     ablations = [r for r in rows if r["name"].startswith("w/o ")]
     out = ["Read against the paper, from the table above (points against VAPO, Holm p):\n"]
     if others:
-        scored = sorted((r for r in rows if r["paper"] is not None and not r["name"].startswith("w/o ")),
-                        key=lambda r: -r["paper"])  # fmt: skip
+        scored = sorted(
+            (r for r in rows if r["paper"] is not None and not r["name"].startswith("w/o ")), key=lambda r: -r["paper"]
+        )
         ours = sorted(scored, key=lambda r: -mean[r["name"]])
         paper_order = " > ".join(f"{r['name']} {r['paper']}" for r in scored)
         our_order = " > ".join(f"{r['name']} {100 * mean[r['name']]:.1f}" for r in ours)
@@ -575,11 +655,19 @@ def reading(rows: list[dict], tests: dict[str, tuple[float, float]], lo_hi: str)
         )
     stale = averaged_buckets(rows)
     if stale:
-        return [*out, f"- **By difficulty**: not read; the accuracies by difficulty of "
-                      f"{', '.join(stale)} average the start and the final validation.", ""]
-    gaps = {r["name"]: [statistics.mean(v) - statistics.mean(r_)
-                        for v, r_ in zip(zip(*vapo_row["buckets"]), zip(*r["buckets"]))]
-            for r in rows if r is not vapo_row}  # fmt: skip
+        return [
+            *out,
+            f"- **By difficulty**: not read; the accuracies by difficulty of "
+            f"{', '.join(stale)} average the start and the final validation.",
+            "",
+        ]
+    gaps = {
+        r["name"]: [
+            statistics.mean(v) - statistics.mean(r_) for v, r_ in zip(zip(*vapo_row["buckets"]), zip(*r["buckets"]))
+        ]
+        for r in rows
+        if r is not vapo_row
+    }
     grows = [n for n, g in gaps.items() if g[-1] > g[0]]
     listed = [r["name"] for r in [*others, *ablations, *([random_critic] if random_critic else []), *working]]
     by_row = "; ".join(n + " " + " / ".join(f"{100 * x:+.1f}" for x in gaps[n]) for n in listed)
@@ -631,8 +719,9 @@ def critic_pretraining(
     held = "held at Holm p < 0.05" if p < 0.05 else "not held at p < 0.05"
     critic_free = [r for r in others if r["name"] in CRITIC_FREE]
     beaten = [r["name"] for r in critic_free if tests[r["name"]][0] < 0]
-    against = "; ".join(f"{r['name']} {100 * tests[r['name']][0]:+.1f} "
-                        f"({p_value(tests[r['name']][1])})" for r in critic_free)  # fmt: skip
+    against = "; ".join(
+        f"{r['name']} {100 * tests[r['name']][0]:+.1f} ({p_value(tests[r['name']][1])})" for r in critic_free
+    )
     return (
         f"- **The critic's pretraining** (the mechanism): the critic at random init "
         f"{100 * diff:+.1f} points against VAPO's from the backbone ({p_value(p)}): the "
@@ -660,9 +749,11 @@ def a_critic_that_works(rows: list[dict], working: list[dict], tests: dict[str, 
         start = probe_at(r, r["p"])
         line += f"; the critic's held-out explained variance when the actor starts: {start}"
         parts.append(line)
-    return ("- **A critic that works?** " + "; ".join(parts) + ". With 3 seeds against 3, no "
-            "distribution-free test can go below p = 0.10 (an exact permutation test's smallest "
-            "two-sided p is 2 / 20): read a Welch p below that as a direction the seeds agree on.")
+    return (
+        "- **A critic that works?** " + "; ".join(parts) + ". With 3 seeds against 3, no "
+        "distribution-free test can go below p = 0.10 (an exact permutation test's smallest "
+        "two-sided p is 2 / 20): read a Welch p below that as a direction the seeds agree on."
+    )
 
 
 def responses_sampled(row: dict, task: Task) -> str:
@@ -708,16 +799,22 @@ def critic_share(row: dict) -> str:
 
 def samples_and_critics(task: Task, rows: list[dict]) -> list[str]:
     """Per row: responses sampled, and what the critic knows on held-out answers."""
-    out = ["", "Responses sampled and the critic on held-out answers (`CriticProbe`: the same "
-           "answers to the first 32 validation prompts × 4, sampled once from the start policy; "
-           "\"-\": not measured in that row's runs), mean over seeds:", "",
-           "| run | responses sampled per run | held-out explained variance when the actor starts "
-           "| held-out explained variance, last 10 steps | calibration of V(s_0) when the actor starts "
-           "| policy updates whose advantages used the critic |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "",
+        "Responses sampled and the critic on held-out answers (`CriticProbe`: the same "
+        "answers to the first 32 validation prompts × 4, sampled once from the start policy; "
+        '"-": not measured in that row\'s runs), mean over seeds:',
+        "",
+        "| run | responses sampled per run | held-out explained variance when the actor starts "
+        "| held-out explained variance, last 10 steps | calibration of V(s_0) when the actor starts "
+        "| policy updates whose advantages used the critic |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['name']} | {responses_sampled(r, task)} | {probe_at(r, r['p'])} | {probe_late(r)} "
-                   f"| {probe_at(r, r['p'], 'critic_probe/calibration')} | {critic_share(r)} |")  # fmt: skip
+        out.append(
+            f"| {r['name']} | {responses_sampled(r, task)} | {probe_at(r, r['p'])} | {probe_late(r)} "
+            f"| {probe_at(r, r['p'], 'critic_probe/calibration')} | {critic_share(r)} |"
+        )
     return out
 
 
@@ -736,13 +833,19 @@ def late_explained_variance(row: dict, updates: int = 10) -> str:
 
 
 def report(
-    task_name: str, task: Task, seeds: list[int], rows: list[dict], command: str, png: str,
+    task_name: str,
+    task: Task,
+    seeds: list[int],
+    rows: list[dict],
+    command: str,
+    png: str,
     folder: str | None = None,
 ) -> str:
     lo_hi = " / ".join(f"{lo}-{hi}" for lo, hi in task.buckets)
     vapo_row = next((r for r in rows if r["name"] == "VAPO"), None)
-    tests = welch_holm(vapo_row["final"], {r["name"]: r["final"] for r in rows if r is not vapo_row}
-                       ) if vapo_row else {}  # fmt: skip
+    tests = (
+        welch_holm(vapo_row["final"], {r["name"]: r["final"] for r in rows if r is not vapo_row}) if vapo_row else {}
+    )
     machines = sorted({m for r in rows for m in r["machines"]})
     dates = sorted({d for r in rows for d in r["dates"]})
     out = [
@@ -770,9 +873,17 @@ def report(
         "most ablations) the final reward itself; vanilla PPO (0.95) and w/o decoupled GAE "
         "(the actor's λ) bootstrap from the critic's own values, an easier target, so their "
         "numbers are not comparable with the others'.\n",
-        *(["Where the runs differ from the paper's setup (§5.1), for every row alike:\n",
-            "| setting | the paper | here |", "|---|---|---|",
-            *(f"| {a} | {b} | {c} |" for a, b, c in task.settings), ""] if task.settings else []),
+        *(
+            [
+                "Where the runs differ from the paper's setup (§5.1), for every row alike:\n",
+                "| setting | the paper | here |",
+                "|---|---|---|",
+                *(f"| {a} | {b} | {c} |" for a, b, c in task.settings),
+                "",
+            ]
+            if task.settings
+            else []
+        ),
         f"| run | paper (AIME24) | seeds | value-pretraining rollouts | start % | final % "
         f"| vs VAPO (points, Holm p; exact-test floor {exact_floor(rows):.3f}) "
         f"| equal rollout steps % | final % by difficulty {lo_hi} "
@@ -790,29 +901,45 @@ def report(
             f"| {statistics.mean(r['minutes']):.1f} |"
         )
     if stale := averaged_buckets(rows):
-        out += ["", f"By difficulty, {', '.join(stale)}: the average of the start and the final "
-                    "validation (summaries made before the two were told apart); the overall "
-                    "final % is right."]  # fmt: skip
+        out += [
+            "",
+            f"By difficulty, {', '.join(stale)}: the average of the start and the final "
+            "validation (summaries made before the two were told apart); the overall "
+            "final % is right.",
+        ]
     out += per_seed(rows)
     out += by_length(task, rows)
     out += samples_and_critics(task, rows)
     starts = [b for r in rows for b in r["start_buckets"]]
     if starts:
-        out += ["", "At the start, by difficulty (every row's start is the same model): "
-                + " / ".join(f"{100 * statistics.mean(b):.1f}" for b in zip(*starts)) + " %."]
+        out += [
+            "",
+            "At the start, by difficulty (every row's start is the same model): "
+            + " / ".join(f"{100 * statistics.mean(b):.1f}" for b in zip(*starts))
+            + " %.",
+        ]
     out += [
         "",
         ordering_vs_paper(rows),
         "",
         *reading(rows, tests, lo_hi),
-        *([f"The study's section in RESULTS.md, with its command, machine and reading: "
-           f"[RESULTS.md](../RESULTS.md#{task.reading}).\n"] if task.reading else []),
+        *(
+            [
+                f"The study's section in RESULTS.md, with its command, machine and reading: "
+                f"[RESULTS.md](../RESULTS.md#{task.reading}).\n"
+            ]
+            if task.reading
+            else []
+        ),
         f"![rollout accuracy and response length vs policy-update step]({png})",
         "",
     ]
     if any(r["name"] == "DAPO" for r in rows):
-        out.insert(-2, "DAPO's rollout accuracy and length are over the groups its dynamic "
-                       "sampling keeps: its curves are not comparable with the other rows.\n")  # fmt: skip
+        out.insert(
+            -2,
+            "DAPO's rollout accuracy and length are over the groups its dynamic "
+            "sampling keeps: its curves are not comparable with the other rows.\n",
+        )
     return "\n".join(out)
 
 
@@ -820,12 +947,19 @@ def per_seed(rows: list[dict]) -> list[str]:
     """Each seed's final `val/accuracy` and minutes, so that a reading can quote one seed."""
     if any(len(r.get("seed_ids", ())) != len(r["final"]) for r in rows):
         return []
-    out = ["", "Each seed's final `val/accuracy` and minutes per run:", "",
-           "| run | seeds | final % | minutes |", "|---|---|---|---|"]  # fmt: skip
+    out = [
+        "",
+        "Each seed's final `val/accuracy` and minutes per run:",
+        "",
+        "| run | seeds | final % | minutes |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['name']} | {', '.join(map(str, r['seed_ids']))} "
-                   f"| {', '.join(f'{100 * x:.1f}' for x in r['final'])} "
-                   f"| {', '.join(f'{m:.0f}' for m in r['minutes'])} |")  # fmt: skip
+        out.append(
+            f"| {r['name']} | {', '.join(map(str, r['seed_ids']))} "
+            f"| {', '.join(f'{100 * x:.1f}' for x in r['final'])} "
+            f"| {', '.join(f'{m:.0f}' for m in r['minutes'])} |"
+        )
     return out
 
 
@@ -836,25 +970,44 @@ def by_length(task: Task, rows: list[dict]) -> list[str]:
     if not task.lengths or not rows:
         return []
     heads = " | ".join(f"{lo}-{hi} tokens: % right (share of answers)" for lo, hi in task.lengths)
-    out = ["", "Final validation by answer length, mean over seeds:", "",
-           f"| run | {heads} |", "|---|" + "---|" * len(task.lengths)]  # fmt: skip
+    out = [
+        "",
+        "Final validation by answer length, mean over seeds:",
+        "",
+        f"| run | {heads} |",
+        "|---|" + "---|" * len(task.lengths),
+    ]
     for r in rows:
         cells = []
         for bucket in zip(*r["lengths"]):  # (accuracy, count) per seed
             accs = [a for a, n in bucket if n]
             share = statistics.mean(n / sum(m for _, m in seed) for (_, n), seed in zip(bucket, r["lengths"]))
-            cells.append(f"{100 * statistics.mean(accs):.1f} ({100 * share:.0f} %)" if accs else f"- ({100 * share:.0f} %)")
+            cells.append(
+                f"{100 * statistics.mean(accs):.1f} ({100 * share:.0f} %)" if accs else f"- ({100 * share:.0f} %)"
+            )
         out.append(f"| {r['name']} | {' | '.join(cells)} |")
     return out
 
 
 def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dict]) -> dict:
     p, _ = row_overrides(task, layer)
-    out = {"name": name, "paper": paper, "p": p, "seeds": len(summaries), "start": [],
-           "final": [], "equal_samples": [], "buckets": [], "start_buckets": [], "lengths": [],
-           "minutes": [s["minutes"] for s in summaries], "curves": {},
-           "machines": {s["machine"] for s in summaries}, "dates": {s["date"] for s in summaries},
-           "commits": {s["commit"] for s in summaries}}  # fmt: skip
+    out = {
+        "name": name,
+        "paper": paper,
+        "p": p,
+        "seeds": len(summaries),
+        "start": [],
+        "final": [],
+        "equal_samples": [],
+        "buckets": [],
+        "start_buckets": [],
+        "lengths": [],
+        "minutes": [s["minutes"] for s in summaries],
+        "curves": {},
+        "machines": {s["machine"] for s in summaries},
+        "dates": {s["date"] for s in summaries},
+        "commits": {s["commit"] for s in summaries},
+    }
     for s in summaries:
         val = s["val"]  # start, at `updates` rollout steps, [after P more]
         if len(val) < (3 if p else 2):
@@ -868,8 +1021,7 @@ def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dic
         if "lengths" in s:
             out["lengths"].append(s["lengths"])
     for tag in CURVES:
-        out["curves"][tag] = [[tuple(point) for point in s["curves"].get(tag, [])]
-                              for s in summaries]  # fmt: skip
+        out["curves"][tag] = [[tuple(point) for point in s["curves"].get(tag, [])] for s in summaries]
     return out
 
 
@@ -881,19 +1033,17 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="fits at a time (each gets 2/jobs threads)")
     ap.add_argument("--root", type=Path, default=None, help="default: runs/learning_<task>")
     ap.add_argument("--out", type=Path, default=None, help="markdown file (default: the task's)")
-    ap.add_argument(
-        "--updates", type=int, default=None, help="policy updates per row (default: the task's)"
-    )
+    ap.add_argument("--updates", type=int, default=None, help="policy updates per row (default: the task's)")
     ap.add_argument("--no-report", action="store_true", help="run only, write nothing")
+    ap.add_argument("--partial", action="store_true", help="report the finished runs only, running none")
     ap.add_argument(
-        "--partial", action="store_true", help="report the finished runs only, running none"
-    )
-    ap.add_argument(
-        "--summaries", default=None,
+        "--summaries",
+        default=None,
         help=f"folder of the run summaries under {os.path.relpath(SUMMARIES, ROOT)} (default: the task)",
     )
     ap.add_argument(
-        "--resummarize", action="store_true",
+        "--resummarize",
+        action="store_true",
         help="make the summaries of finished runs still under --root anew (new fields)",
     )
     ap.add_argument("extra", nargs="*", help="overrides for every run, after `--`")
@@ -911,16 +1061,18 @@ def main() -> None:
     if args.partial:
         jobs = [j for j in jobs if summary_path(folder, j[0], j[2]).exists()]
     with ThreadPoolExecutor(args.jobs) as pool:
-        summaries = dict(zip(
-            [(n, s) for n, _, s in jobs],
-            pool.map(lambda j: ensure_run(folder, task, j, root, args.extra, args.resummarize),
-                     jobs),
-        ))  # fmt: skip
+        summaries = dict(
+            zip(
+                [(n, s) for n, _, s in jobs],
+                pool.map(lambda j: ensure_run(folder, task, j, root, args.extra, args.resummarize), jobs),
+            )
+        )
     if args.no_report:
         return
-    rows = [collect(task, n, layer, paper, [summaries[n, s] for s in args.seeds
-                                            if (n, s) in summaries])
-            for n, layer, paper in runs]  # fmt: skip
+    rows = [
+        collect(task, n, layer, paper, [summaries[n, s] for s in args.seeds if (n, s) in summaries])
+        for n, layer, paper in runs
+    ]
     for r in rows:
         r["seed_ids"] = [s for s in args.seeds if (r["name"], s) in summaries]
     rows = [r for r in rows if r["seeds"]]

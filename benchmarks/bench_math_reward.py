@@ -64,12 +64,8 @@ def make_pairs(data: Path, seed: int = 0) -> list[tuple[str, str]]:
             answer = extract_answer(gold) if "####" in gold else gold
             other = golds[(i + 1) % len(golds)]
             other = extract_answer(other) if "####" in other else other
-            pairs.append(
-                (f"Reasoning...\nThe answer is $\\boxed{{{correct_form(answer)}}}$.", gold)
-            )
-            pairs.append(
-                (f"Reasoning...\nThe answer is $\\boxed{{{wrong_form(answer, other)}}}$.", gold)
-            )
+            pairs.append((f"Reasoning...\nThe answer is $\\boxed{{{correct_form(answer)}}}$.", gold))
+            pairs.append((f"Reasoning...\nThe answer is $\\boxed{{{wrong_form(answer, other)}}}$.", gold))
     random.Random(seed).shuffle(pairs)
     return pairs
 
@@ -134,10 +130,7 @@ def main() -> None:
     print(f"{stamp()}  ")
     print(f"{len(pairs)} checks (MATH-500 + GSM8K test, half correct), batches of {args.batch}\n")
     ref = bench_in_process(pairs)
-    print(
-        "| setting | checks/s (median of runs) | runs | judged correct | pooled / fast | "
-        "start-up s |"
-    )
+    print("| setting | checks/s (median of runs) | runs | judged correct | pooled / fast | start-up s |")
     print("|---|---|---|---|---|---|")
     print(f"| math-verify in-process, no time limit (reference) | {ref:,.0f} | 1 | | | |")
     for workers in args.workers:

@@ -27,8 +27,10 @@ from benchmarks.stamp import stamp  # noqa: E402
 
 VOCAB, PROMPT, RESPONSES = 151_936, 64, 16
 LENGTHS = (128, 256, 512, 768)
-CASES = {"4 responses per micro-batch": {"micro_batch_size": 4},
-         "2,048 tokens per micro-batch": {"micro_batch_size": 16, "max_tokens_per_micro_batch": 2048}}  # fmt: skip
+CASES = {
+    "4 responses per micro-batch": {"micro_batch_size": 4},
+    "2,048 tokens per micro-batch": {"micro_batch_size": 16, "max_tokens_per_micro_batch": 2048},
+}
 
 
 def one(length: int, algorithm: dict) -> dict:
@@ -41,9 +43,17 @@ def one(length: int, algorithm: dict) -> dict:
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096,
-           "vocab_size": VOCAB, "tie_word_embeddings": True}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 4096,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+    }
 
     class Tok:  # what build_policy reads of a tokenizer
         pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
@@ -54,9 +64,15 @@ def one(length: int, algorithm: dict) -> dict:
     policy = build_policy(ModelSpec(config=cfg), Tok())
     B, T = RESPONSES, length
     ids = torch.randint(3, VOCAB, (B, PROMPT + T))
-    r = Rollout(input_ids=ids, attention_mask=torch.ones(B, PROMPT + T, dtype=torch.long),
-                response_mask=torch.ones(B, T, dtype=torch.bool), group_ids=torch.arange(B),
-                truncated=torch.zeros(B, dtype=torch.bool), scores=torch.randn(B), correct=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+    r = Rollout(
+        input_ids=ids,
+        attention_mask=torch.ones(B, PROMPT + T, dtype=torch.long),
+        response_mask=torch.ones(B, T, dtype=torch.bool),
+        group_ids=torch.arange(B),
+        truncated=torch.zeros(B, dtype=torch.bool),
+        scores=torch.randn(B),
+        correct=torch.zeros(B, dtype=torch.bool),
+    )
     advantages, old = torch.randn(B, T), OldPolicy(torch.full((B, T), -11.0), None, None)
     algo = Algorithm(mini_batch_size=B, nll_coef=0.0, **algorithm)
     micros = len(list(micro_batches(r, algo.micro_batch_size, max_tokens=algo.max_tokens_per_micro_batch)))
@@ -79,27 +95,38 @@ def main() -> None:
     rows = {}
     for case in CASES:
         for length in LENGTHS:
-            out = subprocess.run([sys.executable, __file__, "--one", str(length), case], cwd=ROOT,
-                                 capture_output=True, text=True, check=True,
-                                 env={**os.environ, "OMP_NUM_THREADS": "2"})  # fmt: skip
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", str(length), case],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "2"},
+            )
             rows[case, length] = json.loads(out.stdout.strip().splitlines()[-1])
     print("# Peak memory of an actor update against answer length\n")
     print("Command: `python benchmarks/bench_memory.py > benchmarks/results/memory_token_budget.md`  ")
     print(f"{stamp()}  ")
-    print(f"2 threads, fp32, load average at end "
-          f"{os.getloadavg()[0]:.2f}  ")  # fmt: skip
-    print(f"Workload: one actor update (one mini-batch) of {RESPONSES} responses of L tokens after "
-          f"{PROMPT}-token prompts; a 2-layer Llama of width 64 with a {VOCAB:,}-token vocabulary "
-          "(Qwen2.5's), so the logits and their gradient dominate the memory.\n")
+    print(f"2 threads, fp32, load average at end {os.getloadavg()[0]:.2f}  ")
+    print(
+        f"Workload: one actor update (one mini-batch) of {RESPONSES} responses of L tokens after "
+        f"{PROMPT}-token prompts; a 2-layer Llama of width 64 with a {VOCAB:,}-token vocabulary "
+        "(Qwen2.5's), so the logits and their gradient dominate the memory.\n"
+    )
     print("| micro-batches | " + " | ".join(f"L = {n}" for n in LENGTHS) + " |")
     print("|---|" + "---|" * len(LENGTHS))
     for case in CASES:
-        cells = [f"{rows[case, n]['growth_gib']:.2f} GiB ({rows[case, n]['micro_batches']} micro-batches, "
-                 f"{rows[case, n]['seconds']:.1f} s)" for n in LENGTHS]  # fmt: skip
+        cells = [
+            f"{rows[case, n]['growth_gib']:.2f} GiB ({rows[case, n]['micro_batches']} micro-batches, "
+            f"{rows[case, n]['seconds']:.1f} s)"
+            for n in LENGTHS
+        ]
         print(f"| {case} | " + " | ".join(cells) + " |")
-    print("\nGrowth of the process's peak resident memory over the update (`ru_maxrss`), one process "
-          "per cell. By responses, the micro-batch's tokens, and so its logits, grow with L; by a "
-          "token budget the micro-batches multiply instead and the peak stays flat.")
+    print(
+        "\nGrowth of the process's peak resident memory over the update (`ru_maxrss`), one process "
+        "per cell. By responses, the micro-batch's tokens, and so its logits, grow with L; by a "
+        "token budget the micro-batches multiply instead and the peak stays flat."
+    )
 
 
 if __name__ == "__main__":

@@ -45,11 +45,16 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="quickstart-")
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     start = time.time()
-    cmd = [str(ROOT / ".venv/bin/vapo"), "fit", "-c", config, f"--trainer.default_root_dir={root}",
-           "--trainer.enable_progress_bar=false", *overrides]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True
-    )
+    cmd = [
+        str(ROOT / ".venv/bin/vapo"),
+        "fit",
+        "-c",
+        config,
+        f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
     minutes = (time.time() - start) / 60
     if proc.returncode:
         sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -59,9 +64,7 @@ def main() -> None:
     print(f"Command: `.venv/bin/python benchmarks/bench_quickstart.py {' '.join([config, *overrides])}`  ")
     print(f"{stamp()}  ")
     print(f"{cpu_facts()}; load average before: {load_before}  ")
-    print(
-        f"Wall time of the whole command (start-up, validation, training, export): **{minutes:.1f} min**\n"
-    )
+    print(f"Wall time of the whole command (start-up, validation, training, export): **{minutes:.1f} min**\n")
     phases = sorted(tag for tag in m if tag.startswith("timing_s/"))
     print("| phase | median s per rollout step | total s |\n|---|---|---|")
     for tag in phases:
@@ -71,11 +74,11 @@ def main() -> None:
     print("| rollout step | val/accuracy |\n|---|---|")
     for step, value in val:
         print(f"| {step} | {100 * value:.1f}% |")
-    print(f"\n**val/accuracy: {100 * val[0][1]:.1f}% before training -> {100 * val[-1][1]:.1f}% at the end "
-          f"({100 * (val[-1][1] - val[0][1]):+.1f} points)**\n")  # fmt: skip
     print(
-        "| rollout step | reward | rollout/accuracy | entropy | response_length/mean | warmup/active |"
+        f"\n**val/accuracy: {100 * val[0][1]:.1f}% before training -> {100 * val[-1][1]:.1f}% at the end "
+        f"({100 * (val[-1][1] - val[0][1]):+.1f} points)**\n"
     )
+    print("| rollout step | reward | rollout/accuracy | entropy | response_length/mean | warmup/active |")
     print("|---|---|---|---|---|---|")
     rows = {
         k: dict(m[k])
@@ -115,9 +118,7 @@ def tool_report(m: dict[str, list[tuple[int, float]]], samples: Path) -> None:
         print(f"| {step + 1} | {r[0]:.3f} | {r[1]:.2f} | {r[2]:.0f} | {r[3]:.2f} | {r[4]:.2f} |")
     rows = [json.loads(line) for line in samples.open()]
     first, last = min(r["step"] for r in rows), max(r["step"] for r in rows)
-    print(
-        f"\nPer difficulty, validation at rollout steps {first} and {last} (mean@k at temperature 1):\n"
-    )
+    print(f"\nPer difficulty, validation at rollout steps {first} and {last} (mean@k at temperature 1):\n")
     print(
         "| difficulty | accuracy | responses that call the tool | accuracy of those that call | of those that answer bare |"
     )
@@ -132,8 +133,14 @@ def tool_report(m: dict[str, list[tuple[int, float]]], samples: Path) -> None:
             sel = [r for r in rows if r["step"] == step and r.get("difficulty") == level]
             called = [r for r in sel if r.get("tool_calls", 0) > 0]
             bare = [r for r in sel if not r.get("tool_calls", 0)]
-            cells.append((pct([r["correct"] for r in sel]), pct([r.get("tool_calls", 0) > 0 for r in sel]),
-                          pct([r["correct"] for r in called]), pct([r["correct"] for r in bare])))  # fmt: skip
+            cells.append(
+                (
+                    pct([r["correct"] for r in sel]),
+                    pct([r.get("tool_calls", 0) > 0 for r in sel]),
+                    pct([r["correct"] for r in called]),
+                    pct([r["correct"] for r in bare]),
+                )
+            )
         print(f"| {level} | " + " | ".join(f"{a} → {b}" for a, b in zip(*cells)) + " |")
 
 

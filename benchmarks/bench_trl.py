@@ -42,11 +42,25 @@ CHILDREN = BENCH / "trl_children"
 TOKENIZER = ROOT / "vapo_lightning/assets/quickstart_sft"
 PROMPTS_FILE = ROOT / "vapo_lightning/assets/arithmetic/train.jsonl"
 SHAPES = {  # the policy's shape; critic, reward and value models share its backbone
-    "quickstart": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-                   "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512},
-    "gpt2-small": {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
-                   "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 512},
-}  # fmt: skip
+    "quickstart": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+    },
+    "gpt2-small": {
+        "model_type": "llama",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 12,
+        "max_position_embeddings": 512,
+    },
+}
 TRL = {"trl_ppo": "1.12.0", "trl_grpo": "1.16.0"}
 PRECISION = {
     "fp32": "fp32 (`bf16=False`: TRL's configs default bf16 to True)",
@@ -56,8 +70,7 @@ PRECISION = {
     "PPO's generation and reference, reward and value forwards would stay fp32: its child runs "
     "the whole step under `torch.autocast` as well)",
 }
-NAMES = {"vapo": "VAPO (vapo-lightning)", "trl_ppo": "TRL PPOTrainer 1.12.0",
-         "trl_grpo": "TRL GRPOTrainer 1.16.0"}  # fmt: skip
+NAMES = {"vapo": "VAPO (vapo-lightning)", "trl_ppo": "TRL PPOTrainer 1.12.0", "trl_grpo": "TRL GRPOTrainer 1.16.0"}
 
 
 def log(msg: str) -> None:
@@ -82,10 +95,14 @@ def ensure_venv(version: str) -> None:
     then trl==version, letting pip resolve transformers & co. with torch already pinned."""
     env = VENVS / f"trl-{version}"
     py = env / "bin" / "python"
-    ok = py.exists() and subprocess.run(
-        [str(py), "-c", f"import trl, torch; assert trl.__version__ == '{version}'"],
-        capture_output=True,
-    ).returncode == 0  # fmt: skip
+    ok = (
+        py.exists()
+        and subprocess.run(
+            [str(py), "-c", f"import trl, torch; assert trl.__version__ == '{version}'"],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
     if ok:
         return
     log(f"creating {env.relative_to(ROOT)} (torch==2.13.0, then trl=={version})")
@@ -99,8 +116,16 @@ def ensure_venv(version: str) -> None:
 
 
 def write_artefacts(
-    out: Path, prompts: int, n: int, T: int, threads: int, shape: str, device: str, precision: str,
-    compile: bool = False, micro_batch: dict[str, int] | None = None,
+    out: Path,
+    prompts: int,
+    n: int,
+    T: int,
+    threads: int,
+    shape: str,
+    device: str,
+    precision: str,
+    compile: bool = False,
+    micro_batch: dict[str, int] | None = None,
 ) -> dict:
     """The one set of inputs all three systems load (save_pretrained, safetensors, fp32)."""
     import torch
@@ -132,9 +157,16 @@ def write_artefacts(
     rows = rows[:prompts]
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lens = [len(tok(r["prompt"], add_special_tokens=False)["input_ids"]) for r in rows]
-    bench = {"prompts": prompts, "n": n, "max_new_tokens": T, "threads": threads, "device": device,
-             "precision": precision, "compile": compile,
-             "micro_batch": {s: (micro_batch or {}).get(s, prompts * n) for s in NAMES}}  # fmt: skip
+    bench = {
+        "prompts": prompts,
+        "n": n,
+        "max_new_tokens": T,
+        "threads": threads,
+        "device": device,
+        "precision": precision,
+        "compile": compile,
+        "micro_batch": {s: (micro_batch or {}).get(s, prompts * n) for s in NAMES},
+    }
     (out / "bench.json").write_text(json.dumps(bench))
     return {
         "policy_params": sum(p.numel() for p in policy.parameters()),
@@ -148,23 +180,36 @@ def write_artefacts(
 
 
 class Child:
-    def __init__(
-        self, system: str, artefacts: Path, steps: int, logdir: Path, threads: int, site: str | None
-    ):
+    def __init__(self, system: str, artefacts: Path, steps: int, logdir: Path, threads: int, site: str | None):
         self.system = system
         self.log_path = logdir / f"{system}.log"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_DATASETS_OFFLINE": "1", "WANDB_DISABLED": "true", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "WANDB_DISABLED": "true",
+            "PYTHONUNBUFFERED": "1",
+        }
         env.pop("VIRTUAL_ENV", None)
         if site:  # this TRL release installed in a folder (--trl-site), not in a venv
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
-        cmd = [str(venv_python(system, {system: site} if site else {})), str(CHILDREN / f"{system}.py"),
-               "--artefacts", str(artefacts), "--steps", str(steps)]  # fmt: skip
+        cmd = [
+            str(venv_python(system, {system: site} if site else {})),
+            str(CHILDREN / f"{system}.py"),
+            "--artefacts",
+            str(artefacts),
+            "--steps",
+            str(steps),
+        ]
         self.stderr = self.log_path.open("w")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, env=env, cwd=str(ROOT))  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env, cwd=str(ROOT)
+        )
         self.steps: list[dict] = []
 
     def read(self) -> dict:
@@ -208,8 +253,9 @@ def machine_facts(gpu: str | None) -> list[str]:
     sys.path.insert(0, str(ROOT))
     from benchmarks.stamp import stamp
 
-    mem = next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal"))  # fmt: skip
+    mem = next(
+        line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
     return [stamp(), f"{int(mem) / 2**20:.1f} GiB RAM, {gpu or 'no GPU'}; {platform.platform()}"]
 
 
@@ -221,8 +267,9 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     rss = {s: children[s].steps[-1]["peak_rss_mib"] for s in order}
     gpu_mem = {s: children[s].steps[-1]["peak_gpu_mib"] for s in order if "peak_gpu_mib" in children[s].steps[-1]}
     med = {s: statistics.median(secs[s]) for s in order}
-    lens = {s: (min(m["len_min"] for m in children[s].steps), max(m["len_max"] for m in children[s].steps))
-            for s in order}  # fmt: skip
+    lens = {
+        s: (min(m["len_min"] for m in children[s].steps), max(m["len_max"] for m in children[s].steps)) for s in order
+    }
     tokens = {s: sorted({m["gen_tokens"] for m in children[s].steps}) for s in order}
     timing = [m["timing"] for m in meas["vapo"]]
     t_med = {k: statistics.median(t[k] for t in timing) for k in timing[0]}
@@ -234,25 +281,39 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     w(f"Command: `{cmd}`  ")
     w(f"{facts[0]}  ")
     w(f"Machine: {facts[1]}  ")
-    w(f"Load average (1/5/15 min) at start: {load_start}; at end: {load_end} (the end includes "
-      f"the benchmark's own children; this is one run, {wall / 60:.1f} min wall in all)  ")  # fmt: skip
+    w(
+        f"Load average (1/5/15 min) at start: {load_start}; at end: {load_end} (the end includes "
+        f"the benchmark's own children; this is one run, {wall / 60:.1f} min wall in all)  "
+    )
     vers = {s: children[s].steps[0].get("versions", {}) for s in order}
-    w("Versions: " + "; ".join(f"{NAMES[s]}: " + ", ".join(f"{k} {v}" for k, v in vers[s].items())
-                              for s in order) + "\n")  # fmt: skip
+    w(
+        "Versions: "
+        + "; ".join(f"{NAMES[s]}: " + ", ".join(f"{k} {v}" for k, v in vers[s].items()) for s in order)
+        + "\n"
+    )
     w("## The work, per rollout step (identical in all three)\n")
     shape = SHAPES[args.shape]
-    w(f"- Model: shape `{args.shape}` (Llama, {shape['num_hidden_layers']} layers, hidden "
-      f"{shape['hidden_size']}, {shape['num_attention_heads']} heads, vocab {art_info['vocab']}), "
-      f"{art_info['policy_params'] / 1e6:.2f} M parameters, random init (seed 0), fp32, saved once with "
-      "`save_pretrained` and loaded by every child; the quickstart tokenizer; "
-      + ("on the GPU (fp32 matmuls without TF32, torch's default)." if args.device == "cuda" else "on the CPU."))  # fmt: skip
-    w(f"- Prompts: the first {args.prompts} prompts of `vapo_lightning/assets/arithmetic/train.jsonl` "
-      f"({art_info['prompt_tokens'][0]}–{art_info['prompt_tokens'][1]} tokens), the same {args.prompts} "
-      f"every step, × {args.n} samples = {args.prompts * args.n} responses.")  # fmt: skip
-    w(f"- Response length forced to exactly {args.tokens} new tokens (EOS suppressed by `min_new_tokens`; "
-      "TRL PPO additionally runs with `stop_token=None`). Measured lengths (min–max over all steps, "
-      "warm-up included): " + "; ".join(f"{NAMES[s]} {lens[s][0]}–{lens[s][1]}" for s in order)
-      + "; generated tokens per step: " + "; ".join(f"{NAMES[s]} {tokens[s]}" for s in order) + ".")  # fmt: skip
+    w(
+        f"- Model: shape `{args.shape}` (Llama, {shape['num_hidden_layers']} layers, hidden "
+        f"{shape['hidden_size']}, {shape['num_attention_heads']} heads, vocab {art_info['vocab']}), "
+        f"{art_info['policy_params'] / 1e6:.2f} M parameters, random init (seed 0), fp32, saved once with "
+        "`save_pretrained` and loaded by every child; the quickstart tokenizer; "
+        + ("on the GPU (fp32 matmuls without TF32, torch's default)." if args.device == "cuda" else "on the CPU.")
+    )
+    w(
+        f"- Prompts: the first {args.prompts} prompts of `vapo_lightning/assets/arithmetic/train.jsonl` "
+        f"({art_info['prompt_tokens'][0]}–{art_info['prompt_tokens'][1]} tokens), the same {args.prompts} "
+        f"every step, × {args.n} samples = {args.prompts * args.n} responses."
+    )
+    w(
+        f"- Response length forced to exactly {args.tokens} new tokens (EOS suppressed by `min_new_tokens`; "
+        "TRL PPO additionally runs with `stop_token=None`). Measured lengths (min–max over all steps, "
+        "warm-up included): "
+        + "; ".join(f"{NAMES[s]} {lens[s][0]}–{lens[s][1]}" for s in order)
+        + "; generated tokens per step: "
+        + "; ".join(f"{NAMES[s]} {tokens[s]}" for s in order)
+        + "."
+    )
     batch = args.prompts * args.n
     micro = {s: args.micro_batch.get(s, batch) for s in order}
 
@@ -260,32 +321,45 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
         m = micro[s]
         if m == batch:
             return f"{NAMES[s]} in one forward + backward per model"
-        knob = (f"`micro_batch_size={m}`" if s == "vapo" else
-                f"`per_device_train_batch_size={m}`, `gradient_accumulation_steps={batch // m}`"
-                + (f", `steps_per_generation={batch // m}` (one generation still feeds one "
-                   "optimizer step)" if s == "trl_grpo" else ""))  # fmt: skip
+        knob = (
+            f"`micro_batch_size={m}`"
+            if s == "vapo"
+            else f"`per_device_train_batch_size={m}`, `gradient_accumulation_steps={batch // m}`"
+            + (
+                f", `steps_per_generation={batch // m}` (one generation still feeds one optimizer step)"
+                if s == "trl_grpo"
+                else ""
+            )
+        )
         return f"{NAMES[s]} in micro-batches of {m} rows, gradients accumulated ({knob})"
 
-    w(f"- One epoch, one mini-batch of {batch} (one optimizer step per model per rollout): "
-      + "; ".join(split(s) for s in order) + ". "
-      + "AdamW (`torch.optim.AdamW` everywhere: TRL with `optim='adamw_torch'`), grad-norm "
-      f"clipping 1.0, {PRECISION[args.precision]}, {args.threads} torch "
-      "thread(s) per child, gradient checkpointing OFF in all three (TRL's default is ON; it "
-      "would add a recomputed forward to its updates).")  # fmt: skip
+    w(
+        f"- One epoch, one mini-batch of {batch} (one optimizer step per model per rollout): "
+        + "; ".join(split(s) for s in order)
+        + ". "
+        + "AdamW (`torch.optim.AdamW` everywhere: TRL with `optim='adamw_torch'`), grad-norm "
+        f"clipping 1.0, {PRECISION[args.precision]}, {args.threads} torch "
+        "thread(s) per child, gradient checkpointing OFF in all three (TRL's default is ON; it "
+        "would add a recomputed forward to its updates)."
+    )
     if args.compile:
-        w("- `torch.compile` in all three, each through its own switch (the compile itself happens "
-          "in the discarded warm-up step): VAPO `VAPOModule(torch_compile=True)` compiles the policy "
-          "and the critic for every forward but the sampler's; TRL `torch_compile=True` makes "
-          "accelerate compile the model it prepares (GRPO: the policy). PPOTrainer 1.12 ignores "
-          "that flag (it builds its own Accelerator without the Trainer's dynamo plugin), so its "
-          "child sets accelerate's `ACCELERATE_DYNAMO_BACKEND=inductor`, which compiles the "
-          "policy-and-value wrapper's training forward. `generate` and PPO's reference, reward "
-          "and rollout value forwards run eager there.")  # fmt: skip
-    w(f"- Timing: seconds from the parent's \"go\" to the end of the step, measured inside each "
-      "child (process start-up and model loading excluded; the trainer loop's work between "
-      f"steps included). {args.reps} measured steps per system after one discarded warm-up step, "
-      "alternated one step at a time (round-robin, order rotated each round), so the three "
-      "never ran at the same time. Peak RSS: the child's `ru_maxrss` after its last step.\n")  # fmt: skip
+        w(
+            "- `torch.compile` in all three, each through its own switch (the compile itself happens "
+            "in the discarded warm-up step): VAPO `VAPOModule(torch_compile=True)` compiles the policy "
+            "and the critic for every forward but the sampler's; TRL `torch_compile=True` makes "
+            "accelerate compile the model it prepares (GRPO: the policy). PPOTrainer 1.12 ignores "
+            "that flag (it builds its own Accelerator without the Trainer's dynamo plugin), so its "
+            "child sets accelerate's `ACCELERATE_DYNAMO_BACKEND=inductor`, which compiles the "
+            "policy-and-value wrapper's training forward. `generate` and PPO's reference, reward "
+            "and rollout value forwards run eager there."
+        )
+    w(
+        f'- Timing: seconds from the parent\'s "go" to the end of the step, measured inside each '
+        "child (process start-up and model loading excluded; the trainer loop's work between "
+        f"steps included). {args.reps} measured steps per system after one discarded warm-up step, "
+        "alternated one step at a time (round-robin, order rotated each round), so the three "
+        "never ran at the same time. Peak RSS: the child's `ru_maxrss` after its last step.\n"
+    )
     w("## Results\n")
     w(
         "| system | s / rollout step, min / **median** / max | generated tokens/s, min / **median** / max | peak RSS MiB |"
@@ -293,15 +367,19 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     )
     w("|---|---|---|---|" + ("---|" if gpu_mem else ""))
     for s in order:
-        w(f"| {NAMES[s]} | {fmt3(secs[s])} | {fmt3(tps[s], 0)} | {rss[s]:.0f} |"
-          + (f" {gpu_mem[s]:.0f} |" if gpu_mem else ""))  # fmt: skip
+        w(
+            f"| {NAMES[s]} | {fmt3(secs[s])} | {fmt3(tps[s], 0)} | {rss[s]:.0f} |"
+            + (f" {gpu_mem[s]:.0f} |" if gpu_mem else "")
+        )
     w("")
     r_ppo, r_grpo = med["vapo"] / med["trl_ppo"], med["vapo"] / med["trl_grpo"]
     w(f"Ratios of medians: **VAPO / TRL PPO = {r_ppo:.3f}**, **VAPO / TRL GRPO = {r_grpo:.3f}**  ")
-    w(f"(per-round ratios VAPO / TRL PPO: min {min(a / b for a, b in zip(secs['vapo'], secs['trl_ppo'])):.3f}, "
-      f"max {max(a / b for a, b in zip(secs['vapo'], secs['trl_ppo'])):.3f}; VAPO / TRL GRPO: min "
-      f"{min(a / b for a, b in zip(secs['vapo'], secs['trl_grpo'])):.3f}, max "
-      f"{max(a / b for a, b in zip(secs['vapo'], secs['trl_grpo'])):.3f})\n")  # fmt: skip
+    w(
+        f"(per-round ratios VAPO / TRL PPO: min {min(a / b for a, b in zip(secs['vapo'], secs['trl_ppo'])):.3f}, "
+        f"max {max(a / b for a, b in zip(secs['vapo'], secs['trl_ppo'])):.3f}; VAPO / TRL GRPO: min "
+        f"{min(a / b for a, b in zip(secs['vapo'], secs['trl_grpo'])):.3f}, max "
+        f"{max(a / b for a, b in zip(secs['vapo'], secs['trl_grpo'])):.3f})\n"
+    )
     w("VAPO's phases (median s over the measured steps, from the module's `timing_s/*` metrics):\n")
     w("| " + " | ".join(sorted(t_med)) + " |\n|" + "---|" * len(t_med))
     w("| " + " | ".join(f"{t_med[k]:.3f}" for k in sorted(t_med)) + " |\n")
@@ -309,12 +387,16 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
     cu, ca = statistics.median(critic_upd), statistics.median(critic_all)
     w("## Targets\n")
     w("| target | measured | met? |\n|---|---|---|")
-    w(f"| VAPO step ≤ 0.5 × TRL PPO's step | {med['vapo']:.2f} s vs 0.5 × {med['trl_ppo']:.2f} = "
-      f"{0.5 * med['trl_ppo']:.2f} s (ratio {r_ppo:.3f}) | {'**met**' if r_ppo <= 0.5 else '**not met**'} |")  # fmt: skip
-    w(f"| VAPO's extra time over TRL GRPO ≤ its critic's own forward/backward time | extra = "
-      f"{med['vapo']:.2f} − {med['trl_grpo']:.2f} = {extra:.2f} s; critic update (fwd + bwd + AdamW step, "
-      f"`timing_s/update_critic`) = {cu:.2f} s; critic incl. any separate no-grad value forward "
-      f"(`+ timing_s/values`, none at one epoch over one mini-batch) = {ca:.2f} s | {'**met**' if extra <= cu else ('**met only counting the value forward**' if extra <= ca else '**not met**')} |\n")  # fmt: skip
+    w(
+        f"| VAPO step ≤ 0.5 × TRL PPO's step | {med['vapo']:.2f} s vs 0.5 × {med['trl_ppo']:.2f} = "
+        f"{0.5 * med['trl_ppo']:.2f} s (ratio {r_ppo:.3f}) | {'**met**' if r_ppo <= 0.5 else '**not met**'} |"
+    )
+    w(
+        f"| VAPO's extra time over TRL GRPO ≤ its critic's own forward/backward time | extra = "
+        f"{med['vapo']:.2f} − {med['trl_grpo']:.2f} = {extra:.2f} s; critic update (fwd + bwd + AdamW step, "
+        f"`timing_s/update_critic`) = {cu:.2f} s; critic incl. any separate no-grad value forward "
+        f"(`+ timing_s/values`, none at one epoch over one mini-batch) = {ca:.2f} s | {'**met**' if extra <= cu else ('**met only counting the value forward**' if extra <= ca else '**not met**')} |\n"
+    )
     olp = t_med.get("old_log_prob", 0.0)
     if olp > 0:  # a two-pass update (more than one mini-batch or epoch)
         w(
@@ -404,15 +486,11 @@ def report(args, facts, art_info, children, load_start, load_end, wall, cmd) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--reps", type=int, default=8, help="measured steps per system (after 1 warm-up)"
-    )
+    p.add_argument("--reps", type=int, default=8, help="measured steps per system (after 1 warm-up)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per response (fixed)")
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch threads per child (see the report)"
-    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per child (see the report)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="quickstart", help="the policy's shape")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
@@ -450,12 +528,25 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the artefacts and child logs")
     args = p.parse_args()
     in_venv = Path(sys.executable).is_relative_to(ROOT / ".venv")
-    cmd = (".venv/bin/python" if in_venv else "python3") + " benchmarks/bench_trl.py" + "".join(
-        f" --{k} {getattr(args, k)}"
-        for k, d in [("reps", 8), ("prompts", 16), ("n", 4), ("tokens", 128), ("threads", 1),
-                     ("shape", "quickstart"), ("device", "cpu"), ("precision", "fp32")]
-        if getattr(args, k) != d
-    ) + (" --compile" if args.compile else "")  # fmt: skip
+    cmd = (
+        (".venv/bin/python" if in_venv else "python3")
+        + " benchmarks/bench_trl.py"
+        + "".join(
+            f" --{k} {getattr(args, k)}"
+            for k, d in [
+                ("reps", 8),
+                ("prompts", 16),
+                ("n", 4),
+                ("tokens", 128),
+                ("threads", 1),
+                ("shape", "quickstart"),
+                ("device", "cpu"),
+                ("precision", "fp32"),
+            ]
+            if getattr(args, k) != d
+        )
+        + (" --compile" if args.compile else "")
+    )
     cmd += "".join(f" --micro-batch {item}" for item in args.micro_batch)
     micro: dict[str, int] = {}
     for item in args.micro_batch:
@@ -479,8 +570,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_trl_"))
     try:
         art_info = write_artefacts(
-            work, args.prompts, args.n, args.tokens, args.threads, args.shape, args.device,
-            args.precision, args.compile, args.micro_batch,
+            work,
+            args.prompts,
+            args.n,
+            args.tokens,
+            args.threads,
+            args.shape,
+            args.device,
+            args.precision,
+            args.compile,
+            args.micro_batch,
         )
         children: dict[str, Child] = {}
         order = ["vapo", "trl_ppo", "trl_grpo"]

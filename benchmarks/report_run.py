@@ -92,17 +92,25 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=5)
     args = ap.parse_args()
     logged = read_scalars(args.run)
-    lines = [f"# {args.title}\n", f"Run: `{args.command}`  ",
-             f"Report: `.venv/bin/python benchmarks/report_run.py {args.run} ...`  ",
-             f"{stamp()}  ", f"{cpu_facts()}\n", "## Validations\n",
-             "| after rollout steps | " + " | ".join(tag for tag, _ in VALIDATION) + " |",
-             "|---|" + "---|" * len(VALIDATION)]  # fmt: skip
+    lines = [
+        f"# {args.title}\n",
+        f"Run: `{args.command}`  ",
+        f"Report: `.venv/bin/python benchmarks/report_run.py {args.run} ...`  ",
+        f"{stamp()}  ",
+        f"{cpu_facts()}\n",
+        "## Validations\n",
+        "| after rollout steps | " + " | ".join(tag for tag, _ in VALIDATION) + " |",
+        "|---|" + "---|" * len(VALIDATION),
+    ]
     for i, (step, _) in enumerate(logged.get("val/accuracy", [])):
         cells = [f"{scale * logged[tag][i][1]:.1f} %" if tag in logged else "-" for tag, scale in VALIDATION]
         lines.append(f"| {after_steps(logged, step)} | " + " | ".join(cells) + " |")
-    lines += ["", f"## Training, mean over windows of {args.window} rollout steps\n",
-              "| steps | " + " | ".join(label for _, label, _ in CURVES) + " | seconds per step |",
-              "|---|" + "---|" * (len(CURVES) + 1)]  # fmt: skip
+    lines += [
+        "",
+        f"## Training, mean over windows of {args.window} rollout steps\n",
+        "| steps | " + " | ".join(label for _, label, _ in CURVES) + " | seconds per step |",
+        "|---|" + "---|" * (len(CURVES) + 1),
+    ]
     columns = [windows(by_rollout_step(logged, tag), args.window) for tag, _, _ in CURVES]
     seconds = windows(by_rollout_step(logged, "timing_s/step"), args.window)
     for i, (span, step_seconds) in enumerate(seconds):

@@ -1,7 +1,7 @@
 """The line that heads every results file: the date, the commit and the machine it ran on.
 
-    from benchmarks.stamp import stamp
-    print(stamp() + "  ")
+from benchmarks.stamp import stamp
+print(stamp() + "  ")
 """
 
 from __future__ import annotations

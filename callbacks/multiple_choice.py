@@ -36,9 +36,7 @@ class MultipleChoice(RewardCallback):
     def score_one(self, sample: Sample) -> float | SampleError:
         gold = str(sample.ground_truth or "").strip().strip("()").upper()
         if len(gold) != 1 or gold not in self.letters:
-            return SampleError(
-                f"answer {sample.ground_truth!r} is not one of {self.letters}", kind="bad answer"
-            )
+            return SampleError(f"answer {sample.ground_truth!r} is not one of {self.letters}", kind="bad answer")
         found = ANSWER.findall(sample.response)
         return self.correct if found and found[-1].upper() == gold else self.wrong
 

@@ -16,6 +16,4 @@ class ShortAnswerBonus(RewardCallback):
 
     def score(self, samples: list[Sample]) -> list[float]:
         # Sample: prompt, response, response_ids, truncated, ground_truth, data_source, extra_info
-        return [
-            float(len(s.response_ids) < self.limit and "\\boxed" in s.response) for s in samples
-        ]
+        return [float(len(s.response_ids) < self.limit and "\\boxed" in s.response) for s in samples]

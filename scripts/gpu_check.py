@@ -46,12 +46,22 @@ def main() -> None:
 
     tok = train_bpe([f"{a} + {b} = {a + b}" for a in range(50) for b in range(50)], 512)
     shape = (
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2}
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
         if args.tiny
-        else {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-              "num_attention_heads": 14, "num_key_value_heads": 2}  # Qwen2.5-0.5B-like
-    )  # fmt: skip
+        else {
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+        }  # Qwen2.5-0.5B-like
+    )
     spec = ModelSpec(
         config={
             "model_type": "llama",
@@ -82,19 +92,13 @@ def main() -> None:
         sync(device)
         t0 = time.perf_counter()
         out = model(input_ids=ids, use_cache=False).logits
-        loss = (
-            out[..., 0].float().pow(2).mean()
-            if name == "critic"
-            else out.float().logsumexp(-1).mean()
-        )
+        loss = out[..., 0].float().pow(2).mean() if name == "critic" else out.float().logsumexp(-1).mean()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sync(device)
         report[f"{name}_step_s"] = round(time.perf_counter() - t0, 3)
-        report[f"{name}_grad_norm"] = float(
-            norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        )
+        report[f"{name}_grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         report["param_dtype_in_forward"] = str(out.dtype)
         del out, loss, opt
 
@@ -107,9 +111,14 @@ def main() -> None:
         gathered_weights(policy),  # as `rollout.generate` samples (generation.gather_weights)
     ):
         gen = sample_responses(
-            policy, prompt, torch.ones_like(prompt), max_new_tokens=T, min_new_tokens=T,
-            stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-        )  # fmt: skip
+            policy,
+            prompt,
+            torch.ones_like(prompt),
+            max_new_tokens=T,
+            min_new_tokens=T,
+            stop_token_ids=[tok.eos_token_id],
+            pad_token_id=tok.pad_token_id,
+        )
     sync(device)
     seconds = time.perf_counter() - t0
     report["gen_tokens_per_s"] = round(gen.shape[1] * B / seconds, 1)

@@ -23,12 +23,27 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QWEN05 = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-          "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151_936,
-          "max_position_embeddings": 4096, "tie_word_embeddings": True}  # fmt: skip
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 151_936,
-        "max_position_embeddings": 4096}  # fmt: skip
+QWEN05 = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151_936,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 151_936,
+    "max_position_embeddings": 4096,
+}
 
 
 class Tok:
@@ -63,11 +78,15 @@ def token_budget(cpu: bool) -> str:
     budget, prompt, B, out = 4096, 256, 8, []
     for T in (64, 256) if cpu else (512, 2048):
         on = {"device": device}
-        r = Rollout(input_ids=torch.randint(3, 151_000, (B, prompt + T), **on),
-                    attention_mask=torch.ones(B, prompt + T, dtype=torch.long, **on),
-                    response_mask=torch.ones(B, T, dtype=torch.bool, **on), group_ids=torch.arange(B, **on),
-                    truncated=torch.zeros(B, dtype=torch.bool, **on), scores=torch.randn(B, **on),
-                    correct=torch.zeros(B, dtype=torch.bool, **on))  # fmt: skip
+        r = Rollout(
+            input_ids=torch.randint(3, 151_000, (B, prompt + T), **on),
+            attention_mask=torch.ones(B, prompt + T, dtype=torch.long, **on),
+            response_mask=torch.ones(B, T, dtype=torch.bool, **on),
+            group_ids=torch.arange(B, **on),
+            truncated=torch.zeros(B, dtype=torch.bool, **on),
+            scores=torch.randn(B, **on),
+            correct=torch.zeros(B, dtype=torch.bool, **on),
+        )
         advantages, old = torch.randn(B, T, **on), OldPolicy(torch.full((B, T), -11.0, **on), None, None)
         algo = Algorithm(mini_batch_size=B, micro_batch_size=B, max_tokens_per_micro_batch=budget, nll_coef=0.0)
         if not cpu:
@@ -77,11 +96,26 @@ def token_budget(cpu: bool) -> str:
         with torch.autocast(device.type, torch.bfloat16, enabled=not cpu):
             update_actor(policy, opt, r, old, advantages, [torch.arange(B)], algo, 1.0, 1.0, RankOps())
         peak = torch.cuda.max_memory_allocated() if not cpu else float("nan")
-        plan = memory_plan(shape, None, world=1, sharded=True, reference=False, prompt=prompt, max_new_tokens=T,
-                           responses=B, micro_batch=B, max_tokens=budget, checkpointing=False, engine="native",
-                           device_bytes=0, gpu_memory_utilization=0)  # fmt: skip
-        out.append(f"T={T}: peak {peak / GiB:.2f} GiB, plan {plan.actor_update / GiB:.2f} GiB, "
-                   f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+        plan = memory_plan(
+            shape,
+            None,
+            world=1,
+            sharded=True,
+            reference=False,
+            prompt=prompt,
+            max_new_tokens=T,
+            responses=B,
+            micro_batch=B,
+            max_tokens=budget,
+            checkpointing=False,
+            engine="native",
+            device_bytes=0,
+            gpu_memory_utilization=0,
+        )
+        out.append(
+            f"T={T}: peak {peak / GiB:.2f} GiB, plan {plan.actor_update / GiB:.2f} GiB, "
+            f"{time.perf_counter() - start:.1f} s"
+        )
     dist.destroy_process_group()
     return "token_budget: " + "; ".join(out)
 
@@ -89,25 +123,55 @@ def token_budget(cpu: bool) -> str:
 def fit(cpu: bool) -> str:
     accel = "cpu" if cpu else "gpu"
     with tempfile.TemporaryDirectory() as tmp:
-        common = ["-c", "configs/tiny_cpu.yaml", f"--trainer.accelerator={accel}", "--trainer.devices=1",
-                  "--trainer.strategy=fsdp", f"--trainer.precision={'32-true' if cpu else 'bf16-mixed'}",
-                  f"--trainer.default_root_dir={tmp}", "--trainer.enable_progress_bar=false",
-                  "--model.algorithm.micro_batch_size=4", "--model.val_before_train=false"]  # fmt: skip
+        common = [
+            "-c",
+            "configs/tiny_cpu.yaml",
+            f"--trainer.accelerator={accel}",
+            "--trainer.devices=1",
+            "--trainer.strategy=fsdp",
+            f"--trainer.precision={'32-true' if cpu else 'bf16-mixed'}",
+            f"--trainer.default_root_dir={tmp}",
+            "--trainer.enable_progress_bar=false",
+            "--model.algorithm.micro_batch_size=4",
+            "--model.val_before_train=false",
+        ]
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
         env["HF_HUB_OFFLINE"] = "1"  # (the fit starts its own process group)
         codes = []
         for args in (["--trainer.max_steps=3"], ["--trainer.max_steps=4", "--ckpt_path=last"]):
-            done = subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "fit", *common, *args], cwd=ROOT,
-                                  env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "vapo_lightning.cli", "fit", *common, *args],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             codes.append(done.returncode)
             if done.returncode:
                 return f"fit: FAILED (exit {done.returncode}): {done.stderr.strip().splitlines()[-1]}"
-        export = subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "export", "--ckpt_path",
-                                 f"{tmp}/checkpoints/last.ckpt", "--out", f"{tmp}/export"], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        export = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vapo_lightning.cli",
+                "export",
+                "--ckpt_path",
+                f"{tmp}/checkpoints/last.ckpt",
+                "--out",
+                f"{tmp}/export",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         saves = sorted(p.name for p in Path(tmp, "checkpoints", "last.ckpt.saves").iterdir())
         ok = export.returncode == 0 and (Path(tmp) / "export" / "policy" / "config.json").exists()
-        return f"fit: 3 steps, then 1 resumed, exit codes {codes}; saves kept {saves}; export {'ok' if ok else 'FAILED'}"
+        return (
+            f"fit: 3 steps, then 1 resumed, exit codes {codes}; saves kept {saves}; export {'ok' if ok else 'FAILED'}"
+        )
 
 
 def main() -> None:

@@ -26,9 +26,18 @@ TIMED = ("timing_s/", "perf/")  # wall-clock numbers: never equal from one run t
 def run(out: Path, steps: int, config: str) -> None:
     from vapo_lightning.cli import main
 
-    main(["fit", "-c", config, f"--trainer.max_steps={steps}", f"--trainer.default_root_dir={out}",
-          "--trainer.limit_val_batches=0", "--model.val_before_train=false",
-          f"--model.hf_export_dir={out / 'hf'}"])  # fmt: skip
+    main(
+        [
+            "fit",
+            "-c",
+            config,
+            f"--trainer.max_steps={steps}",
+            f"--trainer.default_root_dir={out}",
+            "--trainer.limit_val_batches=0",
+            "--model.val_before_train=false",
+            f"--model.hf_export_dir={out / 'hf'}",
+        ]
+    )
 
 
 def scalars(root: Path) -> dict[str, list[tuple[int, float]]]:

@@ -76,12 +76,8 @@ def scripted_generate(
     )
 
 
-def main(
-    out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool, compiled: bool
-) -> None:
-    native.generate = (
-        scripted_generate  # the native engine's sampler (a missed patch fails parity)
-    )
+def main(out: Path, train: str, tokenizer: str, strategy: str, devices: int, broken: bool, compiled: bool) -> None:
+    native.generate = scripted_generate  # the native engine's sampler (a missed patch fails parity)
     if broken:  # negative control: per-rank normalisers, as if nothing were all-reduced
         vapo_module.VAPOModule.global_sum = lambda self, x: x.float()
     L.seed_everything(0)

@@ -48,11 +48,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def build_tokenizer(directory: Path) -> Path:
-    texts = [
-        f"What is {a} + {b}? {a} + {b} = {a + b}. \\boxed{{{a + b}}}"
-        for a in range(10)
-        for b in range(10)
-    ]
+    texts = [f"What is {a} + {b}? {a} + {b} = {a + b}. \\boxed{{{a + b}}}" for a in range(10) for b in range(10)]
     train_bpe(texts * 3, vocab_size=300).save_pretrained(directory)
     return directory
 
@@ -111,11 +107,7 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set[str]:
     """The names of the trainable parameters that differ from `snapshot`'s copy."""
-    return {
-        n
-        for n, p in model.named_parameters()
-        if p.requires_grad and not torch.equal(before[n], p.detach())
-    }
+    return {n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())}
 
 
 def scalars(root: Path) -> dict[str, list[tuple[int, float]]]:

@@ -73,8 +73,9 @@ def uneven_config(policy, tok) -> Generation:
     calls of different lengths."""
     probe = Generation(n=1, max_new_tokens=2, temperature=0.0)
     second = generate(policy, PROMPTS[:1], probe, tok.pad_token_id, tok.eos_token_id)
-    return Generation(n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1,
-                            stop_token_ids=[int(second.responses[0, 1])])  # fmt: skip
+    return Generation(
+        n=1, max_new_tokens=NEW_TOKENS, temperature=0.0, max_batch_size=1, stop_token_ids=[int(second.responses[0, 1])]
+    )
 
 
 def uneven_prompts(rank: int) -> list[list[int]]:
@@ -86,9 +87,7 @@ def greedy_tokens(policy: torch.nn.Module, pad_token_id: int) -> torch.Tensor:
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     with torch.no_grad():
-        return policy.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False
-        )
+        return policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -140,10 +139,12 @@ class Inspect(L.Callback):
         for gather in (False, True):  # per layer per decoding step / once per rollout
             with count_all_gathers() as calls:
                 uneven = generate(
-                    policy, uneven_prompts(trainer.global_rank),
+                    policy,
+                    uneven_prompts(trainer.global_rank),
                     dataclasses.replace(cfg, gather_weights=gather),
-                    tok.pad_token_id, tok.eos_token_id,
-                )  # fmt: skip
+                    tok.pad_token_id,
+                    tok.eos_token_id,
+                )
             record[f"uneven_responses_gather_{gather}"] = uneven.responses
             record[f"all_gathers_gather_{gather}"] = calls[0]
         record["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in policy.modules())
@@ -157,17 +158,14 @@ class Inspect(L.Callback):
 
         mlp.forward, failed = boom, False
         try:
-            generate(policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id,
-                     tok.eos_token_id)  # fmt: skip
+            generate(policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id, tok.eos_token_id)
         except RuntimeError:
             failed = True
         finally:
             del mlp.forward
         record["failed_inside"] = failed
         record["sharded_after_error"] = is_sharded(policy)
-        again = generate(
-            policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id, tok.eos_token_id
-        )
+        again = generate(policy, uneven_prompts(trainer.global_rank), cfg, tok.pad_token_id, tok.eos_token_id)
         record["responses_after_error"] = again.responses
         torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 

@@ -56,8 +56,9 @@ def test_built_models_use_it_and_do_not_save_it(models, tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # without this package's name
     ids, mask = batch()
     with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).logits,
-                           policy(input_ids=ids, attention_mask=mask).logits)  # fmt: skip
+        assert torch.equal(
+            reloaded(input_ids=ids, attention_mask=mask).logits, policy(input_ids=ids, attention_mask=mask).logits
+        )
 
 
 def test_fp32_outputs_and_padding_masks_equal_transformers_sdpa(models):
@@ -132,8 +133,9 @@ def test_under_cpu_autocast_attention_runs_in_fp32_except_while_decoding(models,
 
 def test_only_standard_model_types_use_it():
     """Some architectures test the name "sdpa" in their own code: they keep it."""
-    gpt2 = build_policy(ModelSpec(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 32,
-                                          "n_head": 2, "n_positions": 64}), Tok())  # fmt: skip
+    gpt2 = build_policy(
+        ModelSpec(config={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}), Tok()
+    )
     assert gpt2.config._attn_implementation == "sdpa"
 
 

@@ -90,25 +90,16 @@ def test_dapo_overlong_window_starts_above_the_longest_correct_answer(task):
     from vapo_lightning.tokenization import train_bpe
 
     t = B.TASKS[task]
-    rows = read_jsonl(B.ROOT / t.val) + read_jsonl(
-        B.ROOT / t.val.replace("val.jsonl", "train.jsonl")
-    )
+    rows = read_jsonl(B.ROOT / t.val) + read_jsonl(B.ROOT / t.val.replace("val.jsonl", "train.jsonl"))
     if task == "arithmetic":
         tok = AutoTokenizer.from_pretrained(B.ROOT / "vapo_lightning/assets/quickstart_sft")
     else:
         tok = train_bpe([r["prompt"] for r in rows] + [r["solution"] for r in rows])
-    longest = (
-        max(len(tok(" " + r["solution"], add_special_tokens=False)["input_ids"]) for r in rows) + 1
-    )
+    longest = max(len(tok(" " + r["solution"], add_special_tokens=False)["input_ids"]) for r in rows) + 1
     layer = B.load(t.layers.get("DAPO", "configs/baselines/dapo.yaml"))
-    (cb,) = [
-        c for c in layer["trainer"]["callbacks"] if c["class_path"].endswith("OverlongPenalty")
-    ]
+    (cb,) = [c for c in layer["trainer"]["callbacks"] if c["class_path"].endswith("OverlongPenalty")]
     assert cb["init_args"]["max_length"] - cb["init_args"]["cache_length"] > longest
-    assert (
-        cb["init_args"]["max_length"] <= B.load(t.config)["model"]["generation"]["max_new_tokens"]
-    )
-
+    assert cb["init_args"]["max_length"] <= B.load(t.config)["model"]["generation"]["max_new_tokens"]
 
 
 def _numbers(text: str) -> list[float]:
@@ -132,15 +123,17 @@ def test_each_tasks_settings_table_says_what_its_config_runs(task):
     responses = data["prompts_per_step"] * n
     assert _numbers(here["α of length-adaptive GAE"]) == [algo.get("alpha", Algorithm.alpha)]
     assert _numbers(here["actor / critic learning rate"]) == [
-        optim.get("actor_lr", Optim.actor_lr), optim.get("critic_lr", Optim.critic_lr)]
-    assert _numbers(here["value pretraining"])[:2] == [
-        B.value_pretraining_steps(base, {}), t.updates]
+        optim.get("actor_lr", Optim.actor_lr),
+        optim.get("critic_lr", Optim.critic_lr),
+    ]
+    assert _numbers(here["value pretraining"])[:2] == [B.value_pretraining_steps(base, {}), t.updates]
     assert _numbers(here["prompts × samples per rollout step"]) == [data["prompts_per_step"], n]
     mini = algo.get("mini_batch_size")
     assert _numbers(here["mini-batch"])[:2] == [mini, responses // mini]
     assert _numbers(here["learning-rate warm-up"]) == [optim["warmup_steps"]]
     val_rows = len(Path(B.ROOT / t.val).read_text().splitlines())
     assert _numbers(here["evaluation"])[:2] == [val_rows, base["model"]["val_generation"]["n"]]
+
 
 def test_holm_matches_a_published_example():
     """Wikipedia's Holm-Bonferroni example: p = 0.01, 0.04, 0.03, 0.005 at alpha = 0.05 rejects
@@ -184,8 +177,9 @@ def test_exact_floor_is_the_smallest_permutation_p():
     rows = [{"name": "VAPO", "seeds": 5}, {"name": "GRPO", "seeds": 5}]
     assert B.exact_floor(rows) == pytest.approx(2 / 252)
     # an exact two-sided permutation test on perfectly separated 3 vs 3 reaches that floor
-    res = stats.permutation_test(([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]),
-                                 lambda a, b: sum(a) / 3 - sum(b) / 3, n_resamples=10_000)  # fmt: skip
+    res = stats.permutation_test(
+        ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]), lambda a, b: sum(a) / 3 - sum(b) / 3, n_resamples=10_000
+    )
     assert res.pvalue == pytest.approx(0.1)
 
 
@@ -234,8 +228,7 @@ def test_bucket_accuracy_tells_the_final_validate_from_the_start_at_the_same_ste
 
 def test_accuracy_by_answer_length_counts_the_last_validations_answers(tmp_path):
     with (tmp_path / "val_samples.jsonl").open("w") as f:
-        for step, n, ok in ((0, 10, True), (22, 10, True), (22, 70, False), (22, 80, True),
-                            (22, 200, False)):
+        for step, n, ok in ((0, 10, True), (22, 10, True), (22, 70, False), (22, 80, True), (22, 200, False)):
             f.write(json.dumps({"step": step, "prompt": "p", "response_tokens": n, "correct": ok}) + "\n")
     got = B.length_accuracy(tmp_path, ((0, 63), (64, 127), (128, 192), (193, 300)))
     assert got == [(1.0, 1), (0.5, 2), (pytest.approx(math.nan, nan_ok=True), 0), (0.0, 1)]
@@ -266,8 +259,9 @@ def _fake_run(task, seed_acc):
         rows = B.read_jsonl(B.ROOT / t.val)[:3]
         with (run_dir / "val_samples.jsonl").open("w") as f:
             for i, row in enumerate(rows):
-                f.write(json.dumps({"step": 45, "prompt": f"User: {row['prompt']}\nAssistant:",
-                                    "correct": i == 0}) + "\n")  # fmt: skip
+                f.write(
+                    json.dumps({"step": 45, "prompt": f"User: {row['prompt']}\nAssistant:", "correct": i == 0}) + "\n"
+                )
 
     return run
 
@@ -318,8 +312,10 @@ def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
             monkeypatch.setattr(B, "run", _fake_run(task, 0.4 + 0.05 * seed + 0.1 * (name == "VAPO")))
             layer = task.layers.get(name)
             summaries[name, seed] = B.ensure_run("digitwise", task, (name, layer, seed), tmp_path, [])
-    rows = [B.collect(task, n, task.layers.get(n), None, [v for (m, _), v in summaries.items()
-                                                          if m == n]) for n in ("VAPO", "GRPO")]  # fmt: skip
+    rows = [
+        B.collect(task, n, task.layers.get(n), None, [v for (m, _), v in summaries.items() if m == n])
+        for n in ("VAPO", "GRPO")
+    ]
     text = B.report("digitwise", task, [0, 1, 2], rows, "cmd", "x.png")
     vapo, grpo = [line for line in text.splitlines() if line.startswith(("| VAPO", "| GRPO"))][:2]  # the main table
     assert vapo.split(" | ")[2] == "3" and grpo.split(" | ")[2] == "2"
@@ -332,11 +328,22 @@ def test_a_partial_study_reports_its_seeds_per_row(tmp_path, monkeypatch):
 
 def test_commit_span_orders_the_runs_commits_by_history(tmp_path, monkeypatch):
     def git(*args, **env):
-        out = subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True,
-                             check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                                              "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-                                              "GIT_COMMITTER_NAME": "t",
-                                              "GIT_COMMITTER_EMAIL": "t@t", **env})  # fmt: skip
+        out = subprocess.run(
+            ["git", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={
+                "PATH": "/usr/bin:/bin",
+                "HOME": str(tmp_path),
+                "GIT_AUTHOR_NAME": "t",
+                "GIT_AUTHOR_EMAIL": "t@t",
+                "GIT_COMMITTER_NAME": "t",
+                "GIT_COMMITTER_EMAIL": "t@t",
+                **env,
+            },
+        )
         return out.stdout.strip()
 
     git("init", "-q")
@@ -352,8 +359,15 @@ def test_commit_span_orders_the_runs_commits_by_history(tmp_path, monkeypatch):
 
 
 def _row(name, paper, finals, buckets, p=0):
-    return {"name": name, "paper": paper, "final": finals, "buckets": buckets, "p": p,
-            "seeds": len(finals), "start_buckets": [[0.5, 0.5]] * len(finals)}  # fmt: skip
+    return {
+        "name": name,
+        "paper": paper,
+        "final": finals,
+        "buckets": buckets,
+        "p": p,
+        "seeds": len(finals),
+        "start_buckets": [[0.5, 0.5]] * len(finals),
+    }
 
 
 def test_the_reading_is_computed_from_the_table():
@@ -370,18 +384,26 @@ def test_the_reading_is_computed_from_the_table():
     text = "\n".join(B.reading(rows, tests, "2-9 / 10-26"))
     p = {n: f"{v[1]:.3f}" for n, v in tests.items()}
     assert f"vanilla PPO -20.0 (p = {p['vanilla PPO']}); DAPO +11.0 (p = {p['DAPO']})" in text
-    assert "Table 1's order VAPO 60 > DAPO 50 > vanilla PPO 5; here DAPO 71.0 > VAPO 60.0 > " \
-           "vanilla PPO 40.0: not the same." in text  # fmt: skip
-    assert (f"direction, 1 of 2: w/o value-pretraining -9.7 (p = {p['w/o value-pretraining']})."
-            f" Not lower: w/o clip-higher +4.7 (p = {p['w/o clip-higher']}).") in text
+    assert (
+        "Table 1's order VAPO 60 > DAPO 50 > vanilla PPO 5; here DAPO 71.0 > VAPO 60.0 > "
+        "vanilla PPO 40.0: not the same." in text
+    )
+    assert (
+        f"direction, 1 of 2: w/o value-pretraining -9.7 (p = {p['w/o value-pretraining']})."
+        f" Not lower: w/o clip-higher +4.7 (p = {p['w/o clip-higher']})."
+    ) in text
     # p 0.010; w/o clip-higher's p 0.036 is below 0.05 too, but it is higher, not lower
     assert tests["w/o value-pretraining"][1] < 0.05 and tests["w/o clip-higher"][1] < 0.05
     assert "Lower with Holm p < 0.05: w/o value-pretraining." in text
     # every row counted is listed, the ablations too
-    assert ("VAPO minus each row at 2-9 / 10-26: vanilla PPO +10.0 / +40.0; DAPO -5.0 / +10.0; "
-            "w/o value-pretraining +0.0 / +10.0; w/o clip-higher -5.0 / -10.0.") in text
-    assert ("higher on the hardest bucket than on the easiest against 3 of the 4 other rows: "
-            "vanilla PPO, DAPO, w/o value-pretraining (") in text
+    assert (
+        "VAPO minus each row at 2-9 / 10-26: vanilla PPO +10.0 / +40.0; DAPO -5.0 / +10.0; "
+        "w/o value-pretraining +0.0 / +10.0; w/o clip-higher -5.0 / -10.0."
+    ) in text
+    assert (
+        "higher on the hardest bucket than on the easiest against 3 of the 4 other rows: "
+        "vanilla PPO, DAPO, w/o value-pretraining ("
+    ) in text
     # in the paper's order when the rows are
     rows[2]["final"] = [0.50, 0.51, 0.49]
     tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
@@ -390,8 +412,10 @@ def test_the_reading_is_computed_from_the_table():
     # a row whose summaries averaged start and final by difficulty: that bullet is not read
     rows[3].update(p=50, start_buckets=[])
     text = "\n".join(B.reading(rows, tests, "2-9 / 10-26"))
-    assert "**By difficulty**: not read; the accuracies by difficulty of w/o value-pretraining " \
-           "average the start and the final validation." in text  # fmt: skip
+    assert (
+        "**By difficulty**: not read; the accuracies by difficulty of w/o value-pretraining "
+        "average the start and the final validation." in text
+    )
     assert "VAPO minus each row" not in text and "**Ablations**" in text
 
 
@@ -402,25 +426,32 @@ def test_the_reading_answers_whether_the_pretrained_critic_helps():
     ev = {"critic/vf_explained_var": [[(s, 0.4) for s in range(12)]] * 3}
     rows = [
         {**_row("VAPO", 60, [0.30, 0.32, 0.28], [[0.5, 0.1]] * 3), "curves": ev},
-        {**_row(B.RANDOM_CRITIC, None, [0.10, 0.12, 0.11], [[0.2, 0.0]] * 3),
-         "curves": {"critic/vf_explained_var": [[(s, 0.1) for s in range(12)]] * 3}},
+        {
+            **_row(B.RANDOM_CRITIC, None, [0.10, 0.12, 0.11], [[0.2, 0.0]] * 3),
+            "curves": {"critic/vf_explained_var": [[(s, 0.1) for s in range(12)]] * 3},
+        },
         _row("GRPO", None, [0.35, 0.36, 0.34], [[0.6, 0.1]] * 3),
         _row("DAPO", 50, [0.25, 0.26, 0.24], [[0.4, 0.1]] * 3),
-    ]  # fmt: skip
+    ]
     tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
     text = "\n".join(B.reading(rows, tests, "1-1 / 2-2"))
     p = {n: f"{v[1]:.3f}" for n, v in tests.items()}
-    assert (f"the critic at random init -19.0 points against VAPO's from the backbone "
-            f"(p = {p[B.RANDOM_CRITIC]}): the pretrained critic is ahead of the random one here "
-            "(held at Holm p < 0.05).") in text
+    assert (
+        f"the critic at random init -19.0 points against VAPO's from the backbone "
+        f"(p = {p[B.RANDOM_CRITIC]}): the pretrained critic is ahead of the random one here "
+        "(held at Holm p < 0.05)."
+    ) in text
     assert "over the last 10 updates: 0.40 from the backbone, 0.10 at random init." in text
-    assert (f"critic-free rows: GRPO +5.0 (p = {p['GRPO']}); DAPO -5.0 (p = {p['DAPO']}); "
-            "VAPO ahead of 1 of 2: DAPO.") in text
+    assert (
+        f"critic-free rows: GRPO +5.0 (p = {p['GRPO']}); DAPO -5.0 (p = {p['DAPO']}); VAPO ahead of 1 of 2: DAPO."
+    ) in text
     assert B.RANDOM_CRITIC not in text.split("**Baselines**")[1].split("\n")[0]
     assert f"GRPO -10.0 / +0.0; DAPO +10.0 / +0.0; {B.RANDOM_CRITIC} +30.0 / +10.0." in text
     # the random critic ahead, from one seed: no p, and not held
     rows[1]["final"] = [0.5]
     tests = B.welch_holm(rows[0]["final"], {r["name"]: r["final"] for r in rows[1:]})
     text = "\n".join(B.reading(rows, tests, "1-1 / 2-2"))
-    assert ("+20.0 points against VAPO's from the backbone (no p: one seed): the pretrained "
-            "critic is not ahead of the random one here (not held at p < 0.05).") in text
+    assert (
+        "+20.0 points against VAPO's from the backbone (no p: one seed): the pretrained "
+        "critic is not ahead of the random one here (not held at p < 0.05)."
+    ) in text

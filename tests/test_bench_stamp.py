@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def test_the_stamp_names_the_date_the_commit_and_the_machine():
@@ -28,8 +27,11 @@ def test_the_stamp_names_the_date_the_commit_and_the_machine():
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     assert ("+ uncommitted changes" in line) == dirty
     cpuinfo = Path("/proc/cpuinfo")
-    models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-              if ln.startswith("model name")] if cpuinfo.exists() else []  # fmt: skip
+    models = (
+        [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        if cpuinfo.exists()
+        else []
+    )
     if models:
         assert f"machine: {models[0]}, " in line
     assert f"{os.cpu_count()} logical CPUs" in line
@@ -38,8 +40,7 @@ def test_the_stamp_names_the_date_the_commit_and_the_machine():
 
 def calls_stamp(source: str) -> bool:
     return any(
-        isinstance(node, ast.Call)
-        and "stamp" in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
+        isinstance(node, ast.Call) and "stamp" in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
         for node in ast.walk(ast.parse(source))
     )
 

@@ -28,9 +28,7 @@ from vapo_lightning.tasks import bignum as B
 from vapo_lightning.tokenization import train_bpe
 
 ASSETS = Path(__file__).resolve().parents[1] / "vapo_lightning" / "assets" / "bignum"
-SOLUTION = re.compile(
-    r"<code>(print\((\d+)([+*])(\d+)\))</code><output>(\d+)</output> \\boxed\{(\d+)\}"
-)
+SOLUTION = re.compile(r"<code>(print\((\d+)([+*])(\d+)\))</code><output>(\d+)</output> \\boxed\{(\d+)\}")
 
 
 def _run(program: str) -> str:
@@ -78,10 +76,7 @@ def test_levels_grade_the_operand_lengths():
         assert seen == set(B.digit_counts(d))  # every length pair of the level occurs
     assert B.digit_counts(1) == [(1, 1), (1, 2), (2, 1)] and B.digit_counts(5) == [(5, 5)]
     # Both operations at every level; harder levels have longer answers.
-    assert all(
-        {"+", "*"} <= {B.operands(r["prompt"])[1] for r in rows if r["difficulty"] == d}
-        for d in range(1, 6)
-    )
+    assert all({"+", "*"} <= {B.operands(r["prompt"])[1] for r in rows if r["difficulty"] == d} for d in range(1, 6))
     mean = [sum(len(r["answer"]) for r in rows if r["difficulty"] == d) / 400 for d in range(1, 6)]
     assert mean == sorted(mean) and mean[0] < 2.5 and mean[-1] > 7
     with pytest.raises(ValueError, match="difficulty"):
@@ -113,10 +108,7 @@ def reward():
 
 def _score(reward, responses: list[str], answers: list[str]) -> list[float]:
     return reward.score(
-        [
-            Sample("", text, [], False, ground_truth=gold, data_source="bignum")
-            for text, gold in zip(responses, answers)
-        ]
+        [Sample("", text, [], False, ground_truth=gold, data_source="bignum") for text, gold in zip(responses, answers)]
     )
 
 
@@ -127,10 +119,7 @@ def test_math_reward_scores_both_forms(reward):
     assert _score(reward, [" " + B.bare(r) for r in rows], answers) == [1.0] * 50
     assert B.check([r["solution"] for r in rows], rows) == [True] * 50
     off = [str(int(a) + 1) for a in answers]
-    wrong_box = [
-        r["solution"].replace(f"\\boxed{{{r['answer']}}}", f"\\boxed{{{o}}}")
-        for r, o in zip(rows, off)
-    ]
+    wrong_box = [r["solution"].replace(f"\\boxed{{{r['answer']}}}", f"\\boxed{{{o}}}") for r, o in zip(rows, off)]
     assert _score(reward, wrong_box, answers) == [-1.0] * 50  # the box decides, not the output
     assert B.check(wrong_box, rows) == [False] * 50
     no_box = [r["solution"].split(" \\boxed")[0] for r in rows]  # the tool ran, no answer given
@@ -162,9 +151,7 @@ def test_split_observations():
 @pytest.fixture(scope="module")
 def tok():
     rows = B.generate(600, seed=9)
-    texts = [r["prompt"] for r in rows] + [
-        t for r in rows for t, _ in split_observations(r["solution"])
-    ]
+    texts = [r["prompt"] for r in rows] + [t for r in rows for t, _ in split_observations(r["solution"])]
     return train_bpe(texts, vocab_size=400)
 
 
@@ -207,11 +194,7 @@ def test_a_batch_encodes_as_each_solution_on_its_own(tok):
 def test_rows_without_observations_encode_as_one_segment(tok):
     for r in arithmetic.generate(50, seed=2):
         ids, labels = encode_response(tok, r["solution"])
-        assert (
-            ids
-            == labels
-            == [*tok(" " + r["solution"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
-        )
+        assert ids == labels == [*tok(" " + r["solution"], add_special_tokens=False)["input_ids"], tok.eos_token_id]
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +216,7 @@ def data(tmp_path_factory) -> SFTDataModule:
 
 def test_sft_mixes_tool_and_bare_answers_at_every_level(data):
     assert TASKS["bignum"].answer_only is B.bare
-    held_out = {r["prompt"] for r in data.val_rows} | {
-        r["prompt"] for r in B.make_splits(100, 20, 7)[0]
-    }
+    held_out = {r["prompt"] for r in data.val_rows} | {r["prompt"] for r in B.make_splits(100, 20, 7)[0]}
     assert not held_out & {r["prompt"] for r in data.train_rows}
     for d in range(1, 6):
         level = [r for r in data.train_rows if r["difficulty"] == d]
@@ -258,9 +239,7 @@ def test_sft_batches_label_model_tokens_only(data):
         labels, ids = batch["labels"][k], batch["input_ids"][k]
         response = slice(n_prompt, n_prompt + len(example.response_ids))
         assert (labels[:n_prompt] == IGNORE_INDEX).all()
-        assert tok.decode(ids[response][labels[response] == IGNORE_INDEX]) == B.observation(
-            row["answer"]
-        )
+        assert tok.decode(ids[response][labels[response] == IGNORE_INDEX]) == B.observation(row["answer"])
         code, _, rest = (t for t, _ in split_observations(row["solution"]))
         assert tok.decode(labels[labels != IGNORE_INDEX]) == " " + code + rest + tok.eos_token
     # The validation loss skips the observations too.
@@ -284,10 +263,7 @@ def test_answer_only_from_step_opens_with_full_solutions(tmp_path):
     plain = SFTDataModule(**paths, **kw)
     assert data.train_rows == plain.train_rows  # the mix itself is unchanged
     assert (
-        data.warmup_rows
-        == B.generate(800, seed=1234, exclude=[r["prompt"] for r in val + train], distinct=False)[
-            :160
-        ]
+        data.warmup_rows == B.generate(800, seed=1234, exclude=[r["prompt"] for r in val + train], distinct=False)[:160]
     )
     batches = data._batches(data.seed)
     assert len(batches) == 10 + 800 // 16

@@ -41,7 +41,6 @@ def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
         torch.testing.assert_close(reloaded.state_dict()[name], p.detach())
 
 
-
 def test_value_pretraining_ends_early_at_its_explained_variance_threshold(tok, tmp_path):
     """The phase is the module's, from the rollout step's index: a threshold every critic
     reaches ends it after its first step, and the actor learns from the second."""
@@ -56,14 +55,13 @@ def test_value_pretraining_ends_early_at_its_explained_variance_threshold(tok, t
     assert [v for _, v in logged["warmup/active"]] == [1.0, 0.0, 0.0]
     assert len(logged["actor/pg_loss"]) == 2
 
+
 def test_entropy_collapse_is_judged_against_the_runs_early_entropy(recwarn):
     tracker = EntropyTracker(reference_steps=3)
     for step, mean in enumerate([0.06, 0.05, 0.04, 0.017, 0.012], 1):  # short, certain answers
         tracker._warn(mean, step)
     assert len(recwarn) == 0
-    with pytest.warns(
-        UserWarning, match=r"0\.0040 nats at rollout step 6, below 0\.1 × this run's early"
-    ):
+    with pytest.warns(UserWarning, match=r"0\.0040 nats at rollout step 6, below 0\.1 × this run's early"):
         tracker._warn(0.004, 6)
     resumed = EntropyTracker(reference_steps=3)
     resumed.load_state_dict(tracker.state_dict())
@@ -90,9 +88,10 @@ def test_validation_generations_go_to_a_jsonl_file(tmp_path):
     } <= rows[0].keys()
     assert all(r["reward"] in (1.0, -1.0) and r["correct"] == (r["reward"] > 0) for r in rows)
     r = trainer.lightning_module.last_val_rollout  # the last batch's: its rows end the file
-    assert [row["response_tokens"] for row in rows[-len(r):]] == r.response_extent.tolist()
-    assert {r["prompt"] for r in rows} == {f"What is {a} + {b}?" for a, b in
-                                            (((i % 7) + 1, (3 * i) % 5 + 1) for i in range(100, 106))}  # fmt: skip
+    assert [row["response_tokens"] for row in rows[-len(r) :]] == r.response_extent.tolist()
+    assert {r["prompt"] for r in rows} == {
+        f"What is {a} + {b}?" for a, b in (((i % 7) + 1, (3 * i) % 5 + 1) for i in range(100, 106))
+    }
 
 
 def test_validation_before_training_is_written_at_step_0(tmp_path):
@@ -101,8 +100,13 @@ def test_validation_before_training_is_written_at_step_0(tmp_path):
     tok = build_tokenizer(tmp_path / "tok")
     out = tmp_path / "samples.jsonl"
     module = tiny_module(tok)
-    trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[ValidationSamples(str(out))],
-                           val_check_interval=2, check_val_every_n_epoch=None)  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path,
+        max_steps=2,
+        callbacks=[ValidationSamples(str(out))],
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
+    )
     trainer.fit(module, datamodule=tiny_data(tmp_path))
     rows = [json.loads(line) for line in out.open()]
     assert [r["step"] for r in rows] == [0] * 12 + [2] * 12
@@ -134,8 +138,9 @@ def test_training_samples_are_the_scored_responses_of_each_step(tok, tmp_path):
 
     L.seed_everything(2)
     seen, out = Seen(), tmp_path / "samples.jsonl"
-    trainer = tiny_trainer(tmp_path, max_steps=2, limit_val_batches=0,
-                           callbacks=[Half(), seen, TrainingSamples(k=3, path=str(out))])  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path, max_steps=2, limit_val_batches=0, callbacks=[Half(), seen, TrainingSamples(k=3, path=str(out))]
+    )
     trainer.fit(tiny_module(tok, val_before_train=False), datamodule=tiny_data(tmp_path))
     rows = [json.loads(line) for line in out.open()]
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]

@@ -48,11 +48,17 @@ def test_a_full_disk_keeps_the_previous_last_ckpt(tmp_path):
         pytest.skip("needs unshare(1) to mount a small tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
-    cmd = (f'mount -t tmpfs -o size=1m tmpfs "{disk}" && '
-           f'exec env TMPDIR="{tmp_path}" "{sys.executable}" -c "$0" "{disk}"')  # fmt: skip
+    cmd = (
+        f'mount -t tmpfs -o size=1m tmpfs "{disk}" && exec env TMPDIR="{tmp_path}" "{sys.executable}" -c "$0" "{disk}"'
+    )
     runner = [] if Path("/proc/self").owner() == "root" else ["-r"]
-    done = subprocess.run(["unshare", *runner, "-m", "sh", "-c", cmd, FULL_DISK],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])  # fmt: skip
+    done = subprocess.run(
+        ["unshare", *runner, "-m", "sh", "-c", cmd, FULL_DISK],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
     if "mount" in done.stderr and done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -79,8 +85,13 @@ def test_an_unreadable_checkpoint_is_named(tmp_path, content):
 
 
 def test_the_cli_writes_checkpoints_atomically(tmp_path):
-    cli = VAPOCLI(VAPOModule, PromptDataModule, run=False, auto_configure_optimizers=False,
-                  args=["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    cli = VAPOCLI(
+        VAPOModule,
+        PromptDataModule,
+        run=False,
+        auto_configure_optimizers=False,
+        args=["-c", str(CONFIGS / "tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}"],
+    )
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
 
 
@@ -106,7 +117,14 @@ def test_a_resumed_run_logs_on_in_its_tensorboard_folder(tmp_path):
     assert [d.name for d in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
     acc = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("reward")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("reward")] == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+        (3, 13.0),
+        (4, 14.0),
+        (5, 15.0),
+    ]
     fresh = L.Trainer(default_root_dir=tmp_path / "other", logger=TensorBoardLogger(tmp_path / "other"))
     continue_logging(fresh, None)  # not resuming: a new version as always
     assert fresh.logger.version == 0 and "purge_step" not in fresh.logger._kwargs

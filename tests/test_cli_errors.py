@@ -17,9 +17,7 @@ VAPO = Path(sys.executable).parent / "vapo"  # the console script, as installed
 def vapo(*args, cwd=ROOT, timeout=300):
     if not VAPO.exists():
         pytest.skip("the vapo console script is not installed")
-    return subprocess.run(
-        [str(VAPO), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([str(VAPO), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -27,9 +25,15 @@ def test_the_readme_plugin_imports_from_the_working_directory(tmp_path):
     readme = (ROOT / "README.md").read_text()
     (code,) = re.findall(r"```python\n(# my_rewards\.py.*?)```", readme, re.DOTALL)
     (tmp_path / "my_rewards.py").write_text(code)
-    done = vapo("fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), "--print_config",
-                "--trainer.callbacks+=my_rewards.ShortAnswerBonus",
-                "--trainer.callbacks.weight=0.1", cwd=tmp_path)  # fmt: skip
+    done = vapo(
+        "fit",
+        "-c",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        "--print_config",
+        "--trainer.callbacks+=my_rewards.ShortAnswerBonus",
+        "--trainer.callbacks.weight=0.1",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "class_path: my_rewards.ShortAnswerBonus" in done.stdout
 
@@ -50,12 +54,14 @@ def one_line_error(capsys, *args):
         (["--model.val_generation.n=0"], "model.val_generation: generation.n"),
         (["--model.generation.n=0"], "model.generation: generation.n"),
         (["--model.optim.actor_lr=-1e-4"], "model.optim: learning rates"),
-        (["--model.policy.config=null", "--model.policy.name_or_path=./no/such/model"],
-         "model.policy.name_or_path='./no/such/model': no such folder"),
+        (
+            ["--model.policy.config=null", "--model.policy.name_or_path=./no/such/model"],
+            "model.policy.name_or_path='./no/such/model': no such folder",
+        ),
         (["--model.critic.name_or_path=/no/critic"], "model.critic.name_or_path='/no/critic'"),
     ],
     ids=["val_generation-n", "generation-n", "negative-lr", "policy-path", "critic-path"],
-)  # fmt: skip
+)
 def test_bad_values_are_one_line_naming_the_field(capsys, args, named):
     assert named in one_line_error(capsys, *args)
 
@@ -67,7 +73,7 @@ def test_a_plugin_class_path_that_does_not_import_says_why(capsys, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     line = one_line_error(capsys, "--trainer.callbacks+=my_reward.BoxedFormat")
-    assert 'trainer.callbacks' in line and "No module named 'my_reward'" in line
+    assert "trainer.callbacks" in line and "No module named 'my_reward'" in line
     line = one_line_error(capsys, "--trainer.callbacks+=my_rewards.BoxedFromat")
     assert f"module my_rewards ({tmp_path / 'my_rewards.py'}) has no 'BoxedFromat'" in line
 
@@ -96,9 +102,7 @@ def test_vapo_offers_exactly_the_working_commands_each_with_its_help():
     assert "test" not in top.stdout and "predict" not in top.stdout
     for command in ("fit", "validate", "sft", "export"):
         done = vapo(command, "--help", timeout=120)
-        assert done.returncode == 0 and done.stdout.startswith(f"usage: vapo {command} ["), (
-            done.stdout[:200]
-        )
+        assert done.returncode == 0 and done.stdout.startswith(f"usage: vapo {command} ["), done.stdout[:200]
     for command in ("test", "predict"):
         done = vapo(command, timeout=120)
         assert done.returncode != 0 and f"unknown command '{command}'" in done.stderr
@@ -106,10 +110,18 @@ def test_vapo_offers_exactly_the_working_commands_each_with_its_help():
 
 def test_a_reward_failing_everywhere_ends_the_run_with_one_line(tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), f"--trainer.default_root_dir={tmp_path}",
-              "--trainer.max_steps=4", "--trainer.enable_progress_bar=false",
-              "--trainer.callbacks+=vapo_lightning.rewards.verl.VerlReward",
-              f"--trainer.callbacks.path={ROOT / 'tests/verl_reward_score'}"])  # fmt: skip
+        main(
+            [
+                "fit",
+                "-c",
+                str(ROOT / "configs/tiny_cpu.yaml"),
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.max_steps=4",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.callbacks+=vapo_lightning.rewards.verl.VerlReward",
+                f"--trainer.callbacks.path={ROOT / 'tests/verl_reward_score'}",
+            ]
+        )
     message = str(exit_.value.code)
     assert message.startswith("vapo: error: reward callback VerlReward(verl_reward_score/)")
     assert "no reward file for data_source='arithmetic'" in message

@@ -95,11 +95,17 @@ def test_code_reward_scores_the_rows_as_written():
     reward = CodeReward(all_or_nothing=True, num_workers=2, program_timeout_s=5.0)
     try:
         samples = [
-            Sample(prompt=r["prompt"], response=response, response_ids=[1], truncated=False,
-                   ground_truth=r["tests"], extra_info={"fn_name": r["fn_name"]})
+            Sample(
+                prompt=r["prompt"],
+                response=response,
+                response_ids=[1],
+                truncated=False,
+                ground_truth=r["tests"],
+                extra_info={"fn_name": r["fn_name"]},
+            )
             for r in rows
             for response in (" " + r["solution"], _off_by_one(r["solution"]))
-        ]  # fmt: skip
+        ]
         assert reward.score(samples) == [1.0, 0.0] * len(rows)
     finally:
         reward.close()
@@ -109,8 +115,12 @@ def test_sft_data_for_the_functions_task(tmp_path):
     train, val = F.make_splits(64, 10, seed=9)
     F.write_jsonl(train, tmp_path / "train.jsonl")
     F.write_jsonl(val, tmp_path / "val.jsonl")
-    data = SFTDataModule(task="functions", val_path=str(tmp_path / "val.jsonl"),
-                         rl_train_path=str(tmp_path / "train.jsonl"), num_train=300)  # fmt: skip
+    data = SFTDataModule(
+        task="functions",
+        val_path=str(tmp_path / "val.jsonl"),
+        rl_train_path=str(tmp_path / "train.jsonl"),
+        num_train=300,
+    )
     held_out = {r["prompt"] for r in train + val}
     assert not held_out & {r["prompt"] for r in data.train_rows}
     tok = data.tokenizer
@@ -136,12 +146,24 @@ def test_the_configs_parse_with_the_real_cli():
 def test_short_fit_scores_rollouts_in_the_sandbox(tmp_path):
     """Two rollout steps of the shipped code quickstart (small batches): the CodeReward
     scores reach the logs, with no reward errors, and validation runs before training."""
-    main(["fit", "-c", str(ROOT / "configs" / "quickstart_code.yaml"),
-          f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2",
-          "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1",
-          "--data.prompts_per_step=4", "--data.val_batch_size=8", "--model.generation.n=4",
-          "--model.val_generation.n=2", "--model.algorithm.mini_batch_size=16",
-          "--model.algorithm.micro_batch_size=8", f"--model.hf_export_dir={tmp_path / 'hf'}"])  # fmt: skip
+    main(
+        [
+            "fit",
+            "-c",
+            str(ROOT / "configs" / "quickstart_code.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=2",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.limit_val_batches=1",
+            "--data.prompts_per_step=4",
+            "--data.val_batch_size=8",
+            "--model.generation.n=4",
+            "--model.val_generation.n=2",
+            "--model.algorithm.mini_batch_size=16",
+            "--model.algorithm.micro_batch_size=8",
+            f"--model.hf_export_dir={tmp_path / 'hf'}",
+        ]
+    )
     (event_file,) = glob.glob(f"{tmp_path}/lightning_logs/version_0/events.out.tfevents.*")
     acc = EventAccumulator(event_file, size_guidance={"histograms": 0})
     acc.Reload()

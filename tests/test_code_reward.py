@@ -130,9 +130,7 @@ def test_a_failed_sandbox_is_a_counted_error_not_a_zero(monkeypatch):
     monkeypatch.setattr(code_mod, "Pool", FailingPool)
     cb = CodeReward(num_workers=1, max_error_share=None)
     tests = [{"input": [1], "output": 1}]
-    samples = [
-        _sample(f"# {c}\ndef f(x): return x", tests, fn_name="f") for c in ("setup", "server", "ok")
-    ]
+    samples = [_sample(f"# {c}\ndef f(x): return x", tests, fn_name="f") for c in ("setup", "server", "ok")]
     with pytest.warns(UserWarning) as shown:
         outcome = combine_rewards([cb], samples)
     assert outcome.errors == 2 and outcome.rewards == [0.0, 0.0, 1.0]
@@ -153,7 +151,6 @@ def test_tests_that_are_not_run_are_counted_and_shown():
         assert cb.last_stats["tests_skipped"] == 1.0 and cb.metrics()["code/tests_skipped"] == 1.0
     finally:
         cb.close()
-
 
 
 def test_a_row_whose_tests_are_all_skipped_says_so():
@@ -184,6 +181,7 @@ def test_a_sandbox_that_cannot_set_up_is_a_counted_error_with_its_reason():
     finally:
         cb.close()
 
+
 def test_hostile_response_scores_zero_through_the_callback(reward):
     taco = {"inputs": [[1]], "outputs": [[12345]], "fn_name": "f"}
     resp = "```python\nimport os\ndef f(x):\n    os._exit(0)\n```"
@@ -192,9 +190,10 @@ def test_hostile_response_scores_zero_through_the_callback(reward):
 
 def test_isolation_gate_names_what_is_missing():
     assert missing_isolation(list(ALL_LAYERS), "full", is_root=True) == []
-    assert missing_isolation(
-        ["rlimits", "clean_env", "session", "subreaper"], "strong", is_root=False
-    ) == ["filesystem", "network"]
+    assert missing_isolation(["rlimits", "clean_env", "session", "subreaper"], "strong", is_root=False) == [
+        "filesystem",
+        "network",
+    ]
     assert "not_root" in missing_isolation(["rlimits"], "basic", is_root=True)
     with pytest.raises(ValueError):
         missing_isolation([], "paranoid", is_root=False)

@@ -73,8 +73,15 @@ def test_compiled_updates_match_eager(tok, tmp_path, algorithm, min_graphs):
     # gradient norms equal up to the compiled kernels' float reassociation.
     for key in ("response_length/mean", "critic/score/mean"):
         assert compiled[key] == eager[key], key
-    for key in ("critic/vf_loss", "actor/pg_loss", "actor/nll_loss", "actor/entropy",
-                "actor/grad_norm", "critic/grad_norm", "actor/ppo_kl"):  # fmt: skip
+    for key in (
+        "critic/vf_loss",
+        "actor/pg_loss",
+        "actor/nll_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/grad_norm",
+        "actor/ppo_kl",
+    ):
         assert compiled[key][0] == pytest.approx(eager[key][0], rel=1e-4, abs=1e-6), key
 
 
@@ -95,9 +102,14 @@ def test_sampler_never_traces_a_compiled_model(tok):
     ids = torch.tensor([[tokenizer.pad_token_id, 5, 6, 7], [8, 9, 10, 11]])
     mask = (ids != tokenizer.pad_token_id).long()
     out = sample_responses(
-        model, ids, mask, max_new_tokens=6, stop_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id, min_new_tokens=6,
-    )  # fmt: skip
+        model,
+        ids,
+        mask,
+        max_new_tokens=6,
+        stop_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        min_new_tokens=6,
+    )
     assert out.shape == (2, 6)
     assert captured() == 0
     # The same model's training-style forward is compiled: the check above can fail.

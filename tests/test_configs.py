@@ -31,8 +31,12 @@ def test_config_parses(path):
         cfg = print_config("sft", "-c", str(path))
         assert cfg["model"] and cfg["data"]
         return
-    base = {"ablations": "quickstart.yaml", "baselines": "quickstart.yaml", "digitwise": "digitwise.yaml",
-            "smollm2": "smollm2.yaml"}  # fmt: skip
+    base = {
+        "ablations": "quickstart.yaml",
+        "baselines": "quickstart.yaml",
+        "digitwise": "digitwise.yaml",
+        "smollm2": "smollm2.yaml",
+    }
     layers = ["-c", str(CONFIGS / base[path.parent.name])] if path.parent.name in base else []
     cfg = print_config("fit", *layers, "-c", str(path))
     assert cfg["model"]["policy"] and cfg["data"]["train"]

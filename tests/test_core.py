@@ -56,9 +56,7 @@ def random_batch(B, T, seed, holes=False):
 
 
 def spec_batch():
-    values = torch.tensor(
-        [[0.1, 0.2, 0.3, 0.4, 9, 9, 9, 9], [0, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7]]
-    )
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.4, 9, 9, 9, 9], [0, -0.1, -0.2, -0.3, -0.4, -0.5, -0.6, -0.7]])
     mask = torch.tensor([[1] * 4 + [0] * 4, [1] * 8], dtype=torch.bool)
     rewards = core.sparse_rewards(torch.tensor([1.0, -1.0]), mask)
     return rewards, values, mask
@@ -72,9 +70,7 @@ def test_gae_spec_vectors():
     assert ret[0, 4:].abs().sum() == 0
 
     adv, _ = core.gae(rewards, values, mask, gamma=1.0, lam=0.95)
-    torch.testing.assert_close(
-        adv[0, :4], torch.tensor([0.799675, 0.7365, 0.67, 0.6]), atol=1e-6, rtol=0
-    )
+    torch.testing.assert_close(adv[0, :4], torch.tensor([0.799675, 0.7365, 0.67, 0.6]), atol=1e-6, rtol=0)
     seq1 = [-0.812827, -0.750344, -0.684572, -0.615339, -0.542462, -0.46575, -0.385, -0.3]
     torch.testing.assert_close(adv[1], torch.tensor(seq1), atol=1e-6, rtol=0)
 
@@ -99,9 +95,7 @@ def test_gae_garbage_at_masked_positions_changes_nothing():
     rewards, values, mask, _ = random_batch(6, 50, seed=3, holes=True)
     adv, ret = core.gae(rewards, values, mask, 1.0, 0.9)
     values2 = values.clone()
-    values2[~mask] = torch.tensor([float("nan"), float("inf"), -7.0]).repeat(100)[
-        : int((~mask).sum())
-    ]
+    values2[~mask] = torch.tensor([float("nan"), float("inf"), -7.0]).repeat(100)[: int((~mask).sum())]
     adv2, ret2 = core.gae(rewards, values2, mask, 1.0, 0.9)
     assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
 
@@ -110,16 +104,12 @@ def test_lambda_one_returns_are_reward_to_go_and_lambda_zero_is_td():
     rewards, values, mask, _ = random_batch(7, 33, seed=11)
     _, ret = core.gae(rewards, values, mask, 1.0, 1.0)
     mc = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1])
-    torch.testing.assert_close(
-        ret, torch.where(mask, mc, torch.zeros_like(mc)), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(ret, torch.where(mask, mc, torch.zeros_like(mc)), atol=1e-5, rtol=1e-5)
 
     adv, _ = core.gae(rewards, values, mask, 1.0, 0.0)
     next_v = torch.where(mask[:, 1:], values[:, 1:], torch.zeros_like(values[:, 1:]))
     td = rewards + torch.cat([next_v, torch.zeros(7, 1)], 1) - values
-    torch.testing.assert_close(
-        adv, torch.where(mask, td, torch.zeros_like(td)), atol=1e-6, rtol=1e-6
-    )
+    torch.testing.assert_close(adv, torch.where(mask, td, torch.zeros_like(td)), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("T,block", [(1, 4), (7, 4), (64, 8), (1000, 16), (5000, 64)])
@@ -190,13 +180,9 @@ def test_entropy_and_logprobs_match_log_softmax():
     labels = torch.randint(0, 50, (3, 7), generator=g)
     logp = torch.log_softmax(logits.double(), -1)
     ref_ent = -(logp.exp() * logp).sum(-1)
-    torch.testing.assert_close(
-        core.entropy_from_logits(logits, chunk_rows=4).double(), ref_ent, atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(core.entropy_from_logits(logits, chunk_rows=4).double(), ref_ent, atol=1e-5, rtol=1e-5)
     ref_lp = logp.gather(-1, labels[..., None]).squeeze(-1)
-    torch.testing.assert_close(
-        core.logprobs_from_logits(logits, labels).double(), ref_lp, atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(core.logprobs_from_logits(logits, labels).double(), ref_lp, atol=1e-5, rtol=1e-5)
 
 
 def test_logprobs_and_entropy_of_bf16_logits_are_fp32():
@@ -224,9 +210,7 @@ def test_logprob_and_entropy_gradients_match_autograd_of_the_plain_formula():
         assert torch.autograd.gradcheck(
             lambda z, tau=tau: core.logprobs_from_logits(z, labels, tau, chunk_rows=3), (logits,)
         )
-        assert torch.autograd.gradcheck(
-            lambda z, tau=tau: core.entropy_from_logits(z, tau, chunk_rows=3), (logits,)
-        )
+        assert torch.autograd.gradcheck(lambda z, tau=tau: core.entropy_from_logits(z, tau, chunk_rows=3), (logits,))
         w = torch.randn(10, generator=g, dtype=torch.float64)  # a weighted sum, like the losses
         logp = torch.log_softmax(logits / tau, -1)
         ref_lp = logp.gather(-1, labels[:, None]).squeeze(-1)
@@ -336,15 +320,9 @@ def test_policy_loss_matches_reference(agg, c):
     ref = policy_loss_reference(lp.detach(), old, adv, mask, 0.2, 0.28, agg, c)
     assert math.isclose(loss.item(), ref, rel_tol=1e-5)
     ratio = torch.exp(lp.detach() - old)[mask]
-    assert math.isclose(
-        stats["clipfrac_high"].item(), ((ratio > 1.28) & (adv[mask] > 0)).float().mean().item()
-    )
-    assert math.isclose(
-        stats["clipfrac_low"].item(), ((ratio < 0.8) & (adv[mask] < 0)).float().mean().item()
-    )
-    assert math.isclose(
-        stats["approx_kl"].item(), (old - lp.detach())[mask].mean().item(), rel_tol=1e-5
-    )
+    assert math.isclose(stats["clipfrac_high"].item(), ((ratio > 1.28) & (adv[mask] > 0)).float().mean().item())
+    assert math.isclose(stats["clipfrac_low"].item(), ((ratio < 0.8) & (adv[mask] < 0)).float().mean().item())
+    assert math.isclose(stats["approx_kl"].item(), (old - lp.detach())[mask].mean().item(), rel_tol=1e-5)
 
 
 def test_clip_higher_is_asymmetric():
@@ -397,9 +375,7 @@ def test_losses_invariant_to_micro_batching(agg):
         adv,
         mask,
     )
-    assert not math.isclose(
-        buggy.item(), core.policy_loss(lp, old, adv, mask, mask.sum())[0].item(), rel_tol=1e-3
-    )
+    assert not math.isclose(buggy.item(), core.policy_loss(lp, old, adv, mask, mask.sum())[0].item(), rel_tol=1e-3)
 
 
 def test_value_loss_matches_reference():
@@ -462,9 +438,22 @@ def test_actor_loss_matches_reference(agg):
     norm = mask.sum() if agg == "token" else mask.shape[0]
     n_correct = (mask & correct[:, None]).sum()
     loss, stats = core.actor_loss(
-        lp, old, adv, mask, correct, norm, n_correct, 0.2, 0.28, agg=agg, nll_coef=0.1,
-        entropy=entropy, entropy_coef=0.01, ref_logprobs=ref, kl_coef=0.05,
-    )  # fmt: skip
+        lp,
+        old,
+        adv,
+        mask,
+        correct,
+        norm,
+        n_correct,
+        0.2,
+        0.28,
+        agg=agg,
+        nll_coef=0.1,
+        entropy=entropy,
+        entropy_coef=0.01,
+        ref_logprobs=ref,
+        kl_coef=0.05,
+    )
 
     def agg_ref(per_token):  # token: sum / tokens; sequence: mean of per-sequence means
         seqs = [[per_token(b, t) for t in range(mask.shape[1]) if mask[b, t]] for b in range(mask.shape[0])]

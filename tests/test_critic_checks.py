@@ -79,14 +79,21 @@ def test_baseline_shares_against_loops():
     shares = cc.baseline_shares(values, scores, group_ids, mask)
     R = [float(scores[i]) for i in range(len(scores)) for t in range(mask.shape[1]) if mask[i, t]]
     mean = {int(gid): float(scores[group_ids == gid].mean()) for gid in group_ids.unique()}
-    resid_g = [float(scores[i]) - mean[int(group_ids[i])] for i in range(len(scores)) for t in range(mask.shape[1]) if mask[i, t]]
+    resid_g = [
+        float(scores[i]) - mean[int(group_ids[i])]
+        for i in range(len(scores))
+        for t in range(mask.shape[1])
+        if mask[i, t]
+    ]
     resid_c = [float(scores[i] - values[i, t]) for i in range(len(scores)) for t in range(mask.shape[1]) if mask[i, t]]
     var_r = statistics.variance(R)
     assert float(shares["group_mean"]) == pytest.approx(1 - statistics.variance(resid_g) / var_r, abs=1e-5)
     assert float(shares["critic"]) == pytest.approx(1 - statistics.variance(resid_c) / var_r, abs=1e-5)
     # a critic that knows each prompt's mean reward removes what the group mean removes
     knows = torch.tensor([mean[int(gid)] for gid in group_ids])[:, None].expand_as(values)
-    assert float(cc.baseline_shares(knows, scores, group_ids, mask)["critic"]) == pytest.approx(float(shares["group_mean"]), abs=1e-5)
+    assert float(cc.baseline_shares(knows, scores, group_ids, mask)["critic"]) == pytest.approx(
+        float(shares["group_mean"]), abs=1e-5
+    )
 
 
 def _two_ranks(rank: int, init: str, out: str) -> None:

@@ -19,9 +19,18 @@ def rollout(values: str) -> tuple[Rollout, torch.Tensor]:
     lengths = torch.tensor([6, 4, 5, 3, 6, 2, 4, 5])
     mask = torch.arange(T)[None] < lengths[:, None]
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
-    v = scores[:, None] + 0.1 * torch.randn(B, T, generator=g) if values == "knows" else 3 * torch.randn(B, T, generator=g)
-    r = Rollout(input_ids=torch.zeros(B, 2 + T, dtype=torch.long), attention_mask=torch.ones(B, 2 + T, dtype=torch.long),
-                response_mask=mask, group_ids=torch.arange(B) // 4, truncated=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+    v = (
+        scores[:, None] + 0.1 * torch.randn(B, T, generator=g)
+        if values == "knows"
+        else 3 * torch.randn(B, T, generator=g)
+    )
+    r = Rollout(
+        input_ids=torch.zeros(B, 2 + T, dtype=torch.long),
+        attention_mask=torch.ones(B, 2 + T, dtype=torch.long),
+        response_mask=mask,
+        group_ids=torch.arange(B) // 4,
+        truncated=torch.zeros(B, dtype=torch.bool),
+    )
     r.scores = scores
     return r, v * mask
 

@@ -28,16 +28,24 @@ def config(tmp_path_factory) -> Path:
     val = write_jsonl(tmp / "val.jsonl", make_rows(4, offset=100))
     cfg = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "enable_progress_bar": False,
-                    "enable_model_summary": False, "default_root_dir": str(tmp / "fit"),
-                    "callbacks": [{"class_path": "tests.helpers.ParityReward"}]},
-        "model": {"policy": {"config": TINY_LLAMA, "tokenizer": "vapo_lightning/assets/quickstart_sft"},
-                  "generation": {"n": 2, "max_new_tokens": 8, "temperature": 1.0},
-                  "val_before_train": False,
-                  "algorithm": {"mini_batch_size": 8, "micro_batch_size": 4},
-                  "optim": {"actor_lr": 1e-3, "critic_lr": 1e-3, "warmup_steps": 0}},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(tmp / "fit"),
+            "callbacks": [{"class_path": "tests.helpers.ParityReward"}],
+        },
+        "model": {
+            "policy": {"config": TINY_LLAMA, "tokenizer": "vapo_lightning/assets/quickstart_sft"},
+            "generation": {"n": 2, "max_new_tokens": 8, "temperature": 1.0},
+            "val_before_train": False,
+            "algorithm": {"mini_batch_size": 8, "micro_batch_size": 4},
+            "optim": {"actor_lr": 1e-3, "critic_lr": 1e-3, "warmup_steps": 0},
+        },
         "data": {"train": str(train), "val": str(val), "prompts_per_step": 4, "chat_template": False},
-    }  # fmt: skip
+    }
     path = tmp / "tiny.yaml"
     path.write_text(json.dumps(cfg))  # (JSON is YAML)
     return path
@@ -94,8 +102,15 @@ def test_pretrain_critic_stops_and_writes_a_critic_that_vapo_fit_loads(config, t
     # The critic written is the best epoch's and loads as a run's critic.
     critic_dir = tmp_path / "critic"
     saved = load_file(next(critic_dir.glob("*.safetensors")))
-    main(["fit", "-c", str(config), f"--model.critic.name_or_path={critic_dir}",
-          f"--trainer.default_root_dir={tmp_path / 'fit'}"])  # fmt: skip
+    main(
+        [
+            "fit",
+            "-c",
+            str(config),
+            f"--model.critic.name_or_path={critic_dir}",
+            f"--trainer.default_root_dir={tmp_path / 'fit'}",
+        ]
+    )
     from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer
 
     tok = load_tokenizer("vapo_lightning/assets/quickstart_sft")

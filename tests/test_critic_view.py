@@ -88,9 +88,18 @@ def test_the_picture_of_a_long_wrong_answer_holds_its_last_token_and_its_drop():
 
     n, drop = 128, 108
     value = [0.5 - 0.001 * t - (0.3 if t >= drop else 0.0) for t in range(n)]
-    view = TokenView(prompt="p", response="r", reward=-1.0, correct=False,
-                     tokens=[f"<{t}>" for t in range(n)], action=[True] * n, value=value,
-                     td_error=[0.0] * (n - 1) + [-1.0 - value[-1]], advantage=[0.1] * n, drop=drop)  # fmt: skip
+    view = TokenView(
+        prompt="p",
+        response="r",
+        reward=-1.0,
+        correct=False,
+        tokens=[f"<{t}>" for t in range(n)],
+        action=[True] * n,
+        value=value,
+        td_error=[0.0] * (n - 1) + [-1.0 - value[-1]],
+        advantage=[0.1] * n,
+        drop=drop,
+    )
     fig = figure(view)
     try:
         for ax in fig.axes:
@@ -136,7 +145,7 @@ def test_the_view_draws_the_values_and_advantages_the_update_used(tok, tmp_path,
     algo = Algorithm(mini_batch_size=8, micro_batch_size=4, whiten_advantages=False)
     module = tiny_module(tok, algorithm=algo, tools=[EverySpace()])
     tiny_trainer(tmp_path, max_steps=1).fit(module, datamodule=tiny_data(tmp_path))
-    (r, values, advantages), = seen
+    ((r, values, advantages),) = seen
     mask = r.response_mask
     assert (~mask & (r.attention_mask[:, r.prompt_length :] > 0)).any()  # observations inside
     views = token_views(r, values, algo, load_tokenizer(str(tok)))
@@ -155,8 +164,7 @@ def test_a_validation_writes_the_view_to_tensorboard_and_files(tok, tmp_path):
     L.seed_everything(0)
     module = tiny_module(tok)
     view = CriticView(k=3)
-    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[view], val_check_interval=1,
-                           check_val_every_n_epoch=None)  # fmt: skip
+    trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[view], val_check_interval=1, check_val_every_n_epoch=None)
     trainer.fit(module, datamodule=tiny_data(tmp_path))
     folder = tmp_path / "critic_view"
     text = (folder / "critic_view.md").read_text()
@@ -178,26 +186,63 @@ def test_a_validation_writes_the_view_to_tensorboard_and_files(tok, tmp_path):
         with torch.no_grad():
             alone = critic_values(module.critic, r.select([b]).trimmed())[0]
         actions = [t for t, a in enumerate(shown.action) if a]
-        torch.testing.assert_close(torch.tensor([shown.value[t] for t in actions]), alone[actions], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor([shown.value[t] for t in actions]), alone[actions], atol=1e-5, rtol=1e-4
+        )
 
 
 @pytest.mark.slow
 def test_vapo_inspect_draws_the_view_of_a_checkpoint_on_a_prompt_file(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    short = ["-c", "configs/tiny_cpu.yaml", "--model.generation.max_new_tokens=8", "--data.prompts_per_step=4",
-             "--model.algorithm.mini_batch_size=16", "--trainer.enable_progress_bar=false"]  # fmt: skip
-    fit = subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "fit", *short, "--trainer.max_steps=1",
-                          "--model.val_before_train=false", f"--trainer.default_root_dir={tmp_path / 'run'}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    short = [
+        "-c",
+        "configs/tiny_cpu.yaml",
+        "--model.generation.max_new_tokens=8",
+        "--data.prompts_per_step=4",
+        "--model.algorithm.mini_batch_size=16",
+        "--trainer.enable_progress_bar=false",
+    ]
+    fit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vapo_lightning.cli",
+            "fit",
+            *short,
+            "--trainer.max_steps=1",
+            "--model.val_before_train=false",
+            f"--trainer.default_root_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "Evaluate left to right: 2 + 3 * 4", "answer": "20"}\n'
-                       '{"prompt": "Evaluate left to right: 7 - 2 + 1", "answer": "6"}\n')  # fmt: skip
+    prompts.write_text(
+        '{"prompt": "Evaluate left to right: 2 + 3 * 4", "answer": "20"}\n'
+        '{"prompt": "Evaluate left to right: 7 - 2 + 1", "answer": "6"}\n'
+    )
     out = tmp_path / "inspect"
-    done = subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "inspect", *short,
-                           f"--ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}", f"--data.val={prompts}",
-                           f"--trainer.default_root_dir={out}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vapo_lightning.cli",
+            "inspect",
+            *short,
+            f"--ckpt_path={tmp_path / 'run/checkpoints/last.ckpt'}",
+            f"--data.val={prompts}",
+            f"--trainer.default_root_dir={out}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     text = (out / "critic_view" / "critic_view.md").read_text()
     assert text.count(", response ") == 2 and "| t | token | V | TD error | advantage |" in text

@@ -19,7 +19,6 @@ from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-
 @pytest.fixture(autouse=True)
 def exact_fp32():
     """fp32 matmuls in fp32 (no TF32), so CPU and GPU differ by rounding only."""
@@ -61,12 +60,14 @@ def test_sampler_on_cuda_scores_like_cpu(tok):
     policy = build_policy(ModelSpec(config=TINY_LLAMA), tokenizer).eval()
     prompts = [f"What is {a} + {a + 1}?" for a in range(6)]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-    kwargs = {"max_new_tokens": 16, "stop_token_ids": [tokenizer.eos_token_id],
-              "pad_token_id": tokenizer.pad_token_id, "temperature": 0.0}  # fmt: skip
+    kwargs = {
+        "max_new_tokens": 16,
+        "stop_token_ids": [tokenizer.eos_token_id],
+        "pad_token_id": tokenizer.pad_token_id,
+        "temperature": 0.0,
+    }
     cpu = sample_responses(policy, enc.input_ids, enc.attention_mask, **kwargs)
-    gpu = sample_responses(
-        policy.cuda(), enc.input_ids.cuda(), enc.attention_mask.cuda(), **kwargs
-    ).cpu()
+    gpu = sample_responses(policy.cuda(), enc.input_ids.cuda(), enc.attention_mask.cuda(), **kwargs).cpu()
     policy.cpu()
     # A near-tie can break differently under different rounding: allow one row to differ.
     same_rows = sum(torch.equal(a, b) for a, b in zip(cpu, gpu))
@@ -105,11 +106,7 @@ def test_bf16_fit_on_cuda_updates_both_models(tok, tmp_path):
     assert trainer.global_step == 2
     assert seen.devices == {"cuda"}  # fit moves the models back to the CPU when it ends
     for name, model in (("policy", module.policy), ("critic", module.critic)):
-        changed = {
-            n
-            for n, p in model.named_parameters()
-            if not torch.equal(before[name][n], p.detach().cpu())
-        }
+        changed = {n for n, p in model.named_parameters() if not torch.equal(before[name][n], p.detach().cpu())}
         assert changed == set(before[name]), f"{name}: {set(before[name]) - changed} unchanged"
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
@@ -128,8 +125,9 @@ def test_bf16_autocast_decoding_keeps_a_bf16_cache_on_cuda(tok, monkeypatch):
     torch.manual_seed(0)
     tokenizer = load_tokenizer(str(tok))
     policy = build_policy(ModelSpec(config=TINY_LLAMA), tokenizer).eval().cuda()
-    enc = tokenizer([f"What is {a} + 2?" for a in range(6)], return_tensors="pt", padding=True,
-                    padding_side="left").to("cuda")  # fmt: skip
+    enc = tokenizer([f"What is {a} + 2?" for a in range(6)], return_tensors="pt", padding=True, padding_side="left").to(
+        "cuda"
+    )
     dtypes, init = [], generation.GrowingLayer.lazy_initialization
 
     def recording_init(self, k, v):
@@ -139,9 +137,16 @@ def test_bf16_autocast_decoding_keeps_a_bf16_cache_on_cuda(tok, monkeypatch):
     monkeypatch.setattr(generation.GrowingLayer, "lazy_initialization", recording_init)
 
     def decode():
-        return sample_responses(policy, enc.input_ids, enc.attention_mask, max_new_tokens=16,
-                                min_new_tokens=16, stop_token_ids=[tokenizer.eos_token_id],
-                                pad_token_id=tokenizer.pad_token_id, temperature=0.0)  # fmt: skip
+        return sample_responses(
+            policy,
+            enc.input_ids,
+            enc.attention_mask,
+            max_new_tokens=16,
+            min_new_tokens=16,
+            stop_token_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=0.0,
+        )
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
         fast = decode()

@@ -21,15 +21,13 @@ def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
     with path.open("a") as f:
         f.write('{"prompt": "What is 1 + 1?", "answer": "2"\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:4: malformed JSON"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
-        )
+        tiny_trainer(tmp_path).fit(tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path)))
 
     write_jsonl(path, [*make_rows(2), {"prompt": "What is 1 + 1?"}])
-    with pytest.raises(DataError, match=r"bad\.jsonl:3: no field 'answer' \(the row has 'prompt'\); set data\.answer_field"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
-        )
+    with pytest.raises(
+        DataError, match=r"bad\.jsonl:3: no field 'answer' \(the row has 'prompt'\); set data\.answer_field"
+    ):
+        tiny_trainer(tmp_path).fit(tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path)))
 
     dm = tiny_data(tmp_path, train=str(path), bad_rows="skip", val=None)
     tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
@@ -45,15 +43,11 @@ def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
 def test_overlong_prompts_error_or_drop(tok, tmp_path):
     rows = [*make_rows(4), {"prompt": "What is " + " + ".join(["1"] * 50) + "?", "answer": "50"}]
     path = write_jsonl(tmp_path / "long.jsonl", rows)
-    with pytest.raises(
-        DataError, match=r"long\.jsonl:5: prompt is \d+ tokens, over data.max_prompt_length=20"
-    ):
+    with pytest.raises(DataError, match=r"long\.jsonl:5: prompt is \d+ tokens, over data.max_prompt_length=20"):
         tiny_trainer(tmp_path).fit(
             tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path), max_prompt_length=20)
         )
-    dm = tiny_data(
-        tmp_path, train=str(path), max_prompt_length=20, overlong_prompts="drop", val=None
-    )
+    dm = tiny_data(tmp_path, train=str(path), max_prompt_length=20, overlong_prompts="drop", val=None)
     tiny_trainer(tmp_path, max_steps=1).fit(tiny_module(tok), datamodule=dm)
     assert dm.skipped["train/overlong_prompts"] == 1
 
@@ -72,30 +66,26 @@ def test_overlong_prompts_error_or_drop(tok, tmp_path):
             r"bad\.jsonl:3: field 'data_source' must be a string",
         ),
         (["not", "an", "object"], r"bad\.jsonl:3: expected a JSON object"),
-        ({"question": "What is 1 + 1?", "answer": "2"},
-         r"bad\.jsonl:3: no field 'prompt' \(the row has 'question', 'answer'\); set data\.prompt_field"),
+        (
+            {"question": "What is 1 + 1?", "answer": "2"},
+            r"bad\.jsonl:3: no field 'prompt' \(the row has 'question', 'answer'\); set data\.prompt_field",
+        ),
     ],
     ids=["empty-prompt", "mistyped-prompt", "empty-answer", "mistyped-source", "not-an-object", "gsm8k-fields"],
 )
 def test_bad_rows_name_file_line_and_field(tok, tmp_path, row, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [*make_rows(2), row])
     with pytest.raises(DataError, match=match):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path))
-        )
+        tiny_trainer(tmp_path).fit(tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(path)))
 
 
 def test_empty_or_missing_dataset_is_an_error_before_training(tok, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DataError, match=r"data.train: no usable rows"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(empty))
-        )
+        tiny_trainer(tmp_path).fit(tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(empty)))
     with pytest.raises(DataError, match=r"data.train: file .*nope.jsonl does not exist"):
-        tiny_trainer(tmp_path).fit(
-            tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl"))
-        )
+        tiny_trainer(tmp_path).fit(tiny_module(tok), datamodule=tiny_data(tmp_path, train=str(tmp_path / "nope.jsonl")))
 
 
 def test_a_prompt_template_with_a_single_brace_is_one_line_before_any_work(tmp_path, monkeypatch):
@@ -112,8 +102,15 @@ def test_a_prompt_template_with_a_single_brace_is_one_line_before_any_work(tmp_p
     monkeypatch.setattr(vapo_module, "build_policy", no_model)
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     with pytest.raises(SystemExit) as stop:
-        main(["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
-              "--data.prompt_template={prompt} Put it in \\boxed{}."])  # fmt: skip
+        main(
+            [
+                "fit",
+                "-c",
+                "configs/tiny_cpu.yaml",
+                f"--trainer.default_root_dir={tmp_path}",
+                "--data.prompt_template={prompt} Put it in \\boxed{}.",
+            ]
+        )
     line = str(stop.value.code)
     assert line.startswith("vapo: error: data.prompt_template=") and "\n" not in line
     assert "found '{}'" in line and "\\boxed{{}}" in line
@@ -142,8 +139,10 @@ def test_an_empty_system_prompt_drops_the_templates_default(tok, tmp_path, syste
     tokenizer.chat_template = DEFAULT_SYSTEM_TEMPLATE
     data = tiny_data(tmp_path, chat_template=True, system_prompt=system_prompt)
     row = data._prepare({"prompt": "What is 2 + 3?", "answer": "5"}, "train.jsonl:1", tokenizer)
-    assert row["prompt_text"] == (f"<|im_start|>system\n{system_text}<|im_end|>\n"
-                                  "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    assert row["prompt_text"] == (
+        f"<|im_start|>system\n{system_text}<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize("template", [DEFAULT_SYSTEM_TEMPLATE, None], ids=["instruct", "base"])

@@ -160,12 +160,15 @@ def test_the_shipped_sft_start_solves_the_task_greedily():
     tok = AutoTokenizer.from_pretrained(root / "digitwise_sft")
     model = AutoModelForCausalLM.from_pretrained(root / "digitwise_sft").eval()
     rows = read_jsonl(root / "digitwise/val.jsonl")[:20]
-    chats = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],
-                                     add_generation_prompt=True, tokenize=False) for r in rows]  # fmt: skip
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)
+        for r in rows
+    ]
     batch = tok(chats, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=224, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+        out = model.generate(
+            **batch, max_new_tokens=224, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+        )
     texts = tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     right = [D.is_correct(t.strip(), r["answer"]) for t, r in zip(texts, rows)]
     assert sum(right) >= 17, list(zip(texts, right))

@@ -36,15 +36,28 @@ def run(*args: str, timeout: int = 240) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("LOCAL_RANK", None)  # a fresh launch, never a rank of an outer run
     done = subprocess.run(
-        [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def vapo_fit(root: Path, strategy: str, *extra: str) -> None:
-    run("vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml", "--trainer.devices=2",
-        f"--trainer.strategy={strategy}", f"--trainer.default_root_dir={root}", *SHORT, *extra)  # fmt: skip
+    run(
+        "vapo_lightning.cli",
+        "fit",
+        "-c",
+        "configs/tiny_cpu.yaml",
+        "--trainer.devices=2",
+        f"--trainer.strategy={strategy}",
+        f"--trainer.default_root_dir={root}",
+        *SHORT,
+        *extra,
+    )
 
 
 def scalars(version_dir: Path) -> dict[str, list[float]]:
@@ -57,7 +70,7 @@ def scalars(version_dir: Path) -> dict[str, list[float]]:
 def is_dcp_folder(path: Path) -> bool:
     """A sharded checkpoint: a folder with DCP metadata and one shard file per rank."""
     shards = sorted(p.name for p in path.glob("*.distcp"))
-    return path.is_dir() and (path / ".metadata").exists() and shards == ["__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+    return path.is_dir() and (path / ".metadata").exists() and shards == ["__0_0.distcp", "__1_0.distcp"]
 
 
 @pytest.mark.slow
@@ -80,8 +93,9 @@ def test_cli_ddp_resumes_and_reproduces_the_uninterrupted_run(tmp_path):
     vapo_fit(tmp_path / "full", "ddp", "--trainer.max_steps=3")
     vapo_fit(tmp_path / "part", "ddp", "--trainer.max_steps=2")
     vapo_fit(tmp_path / "part", "ddp", "--trainer.max_steps=3", "--ckpt_path=last")
-    full, part = (torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)
-                  for run in ("full", "part"))  # fmt: skip
+    full, part = (
+        torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False) for run in ("full", "part")
+    )
     assert full["global_step"] == part["global_step"] == 3
     assert full["state_dict"].keys() == part["state_dict"].keys()
     for name, value in full["state_dict"].items():
@@ -135,8 +149,7 @@ def test_the_gloo_process_group_is_destroyed_before_the_interpreter_exits(tmp_pa
     script.write_text(EXIT_PROBE)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("LOCAL_RANK", None)
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "after fit: gloo True" in done.stdout, done.stdout
     assert "at exit: False []" in done.stdout, done.stdout
@@ -154,8 +167,7 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
     assert is_dcp_folder(ckpt)
 
     export = tmp_path / "export"
-    vapo_fit(tmp_path, "fsdp", "--trainer.max_steps=3", "--ckpt_path=last",
-             f"--model.hf_export_dir={export}")  # fmt: skip
+    vapo_fit(tmp_path, "fsdp", "--trainer.max_steps=3", "--ckpt_path=last", f"--model.hf_export_dir={export}")
     logged = scalars(logs / "version_1")
     assert logged["rollout_step"] == [3.0]  # continues at the third rollout step
     assert logged["warmup/active"] == [0.0]  # the 2 warm-up steps were done before
@@ -165,9 +177,7 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
     state = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
     policy = AutoModelForCausalLM.from_pretrained(export / "policy")
     critic = AutoModelForTokenClassification.from_pretrained(export / "critic")
-    assert json.loads((export / "policy" / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLM"
-    ]
+    assert json.loads((export / "policy" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     for prefix, model in [("policy.", policy), ("critic.", critic)]:
         for name, p in model.state_dict().items():
             torch.testing.assert_close(p, state[prefix + name], rtol=0, atol=0)
@@ -193,11 +203,26 @@ def test_a_sharded_save_that_fails_on_one_rank_leaves_the_last_one_whole(tmp_pat
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("LOCAL_RANK", None)
     done = subprocess.run(
-        [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/tiny_cpu.yaml", "--trainer.devices=2",
-         "--trainer.strategy=fsdp", f"--trainer.default_root_dir={tmp_path}", *SHORT, "--trainer.max_steps=4",
-         "--trainer.callbacks+=tests.helpers.FailingSaveOnRank1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vapo_lightning.cli",
+            "fit",
+            "-c",
+            "configs/tiny_cpu.yaml",
+            "--trainer.devices=2",
+            "--trainer.strategy=fsdp",
+            f"--trainer.default_root_dir={tmp_path}",
+            *SHORT,
+            "--trainer.max_steps=4",
+            "--trainer.callbacks+=tests.helpers.FailingSaveOnRank1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0 and "failed to save; the previous save is kept" in done.stderr, done.stderr[-3000:]
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert last.is_symlink() and is_dcp_folder(last)
@@ -217,8 +242,11 @@ def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    sft = ["--model.policy.config=null", "--model.policy.name_or_path=vapo_lightning/assets/quickstart_sft",
-           "--model.policy.tokenizer=null"]  # a base from a folder: ddp checkpoints leave it out  # fmt: skip
+    sft = [
+        "--model.policy.config=null",
+        "--model.policy.name_or_path=vapo_lightning/assets/quickstart_sft",
+        "--model.policy.tokenizer=null",
+    ]  # a base from a folder: ddp checkpoints leave it out
     lora = ['--model.policy.lora={"r": 4, "alpha": 8}', "--model.algorithm.kl_coef=0.05", *sft]
     vapo_fit(tmp_path, strategy, "--trainer.max_steps=3", *lora)  # 2 warm-up steps, then the actor
     logged = scalars(tmp_path / "lightning_logs" / "version_0")
@@ -291,8 +319,7 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     expected_tokens = greedy_tokens(policy, tok.pad_token_id)
     uneven = uneven_config(policy, tok)
     expected_uneven = [
-        generate(policy, uneven_prompts(r), uneven, tok.pad_token_id, tok.eos_token_id)
-        for r in range(2)
+        generate(policy, uneven_prompts(r), uneven, tok.pad_token_id, tok.eos_token_id) for r in range(2)
     ]
     # rank 0's second prompt decodes longer than the first prompt (rank 1's only one)
     lengths = [r.response_mask.sum(-1).tolist() for r in expected_uneven]
@@ -339,9 +366,7 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     # weights; rank 1 never called from_pretrained and held no parameter off the meta device
     # before sharding (policy, critic).
     assert ranks[0]["from_pretrained_calls"] == ["LlamaForCausalLM"]
-    assert ranks[0]["numel_before_sharding"] == [
-        sum(p.numel() for p in m.parameters()) for m in (policy, critic)
-    ]
+    assert ranks[0]["numel_before_sharding"] == [sum(p.numel() for p in m.parameters()) for m in (policy, critic)]
     assert ranks[1]["from_pretrained_calls"] == []
     assert ranks[1]["numel_before_sharding"] == [0, 0]
 
@@ -381,8 +406,15 @@ def test_two_ranks_update_like_one_process_on_the_same_global_batch(parity_input
     assert got.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    for key in ["critic/grad_norm", "actor/grad_norm", "critic/vf_loss", "actor/nll_loss",
-                "actor/entropy", "rollout/accuracy", "response_length/mean"]:  # fmt: skip
+    for key in [
+        "critic/grad_norm",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "actor/nll_loss",
+        "actor/entropy",
+        "rollout/accuracy",
+        "response_length/mean",
+    ]:
         assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5), key
 
 
@@ -403,8 +435,14 @@ def test_compiled_two_ranks_update_like_one_eager_process(parity_inputs, strateg
     assert got.keys() == ref.keys()  # no `_orig_mod.` or other renamed parameters
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=3e-5, msg=lambda m, name=name: f"{name}: {m}")
-    for key in ["critic/grad_norm", "actor/grad_norm", "critic/vf_loss", "actor/nll_loss",
-                "actor/entropy", "response_length/mean"]:  # fmt: skip
+    for key in [
+        "critic/grad_norm",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "actor/nll_loss",
+        "actor/entropy",
+        "response_length/mean",
+    ]:
         assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4), key
 
 
@@ -446,16 +484,36 @@ def test_fsdp_fit_with_a_threshold_the_critic_view_micro_batches_and_a_save_ever
     sharded critic run on every rank), micro-batches smaller than the mini-batch and a
     sharded checkpoint every step; the run finishes (a rank left waiting would hang it)."""
     layer = tmp_path / "layer.yaml"
-    layer.write_text(json.dumps({"trainer": {"callbacks": [
-        {"class_path": "tests.helpers.ParityReward"},  # rewards that vary: a defined explained variance
-        {"class_path": "vapo_lightning.callbacks.ValuePretraining",
-         "init_args": {"steps": 3, "explained_variance_threshold": -1e9}},
-        {"class_path": "vapo_lightning.critic_view.CriticView", "init_args": {"k": 2}},
-        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-         "init_args": {"save_last": True, "every_n_train_steps": 1, "save_top_k": 0}},
-    ]}}))  # fmt: skip
-    vapo_fit(tmp_path, "fsdp", "-c", str(layer), "--trainer.max_steps=3", "--trainer.val_check_interval=2",
-             "--model.algorithm.micro_batch_size=4", "--data.val_batch_size=8")  # fmt: skip
+    layer.write_text(
+        json.dumps(
+            {
+                "trainer": {
+                    "callbacks": [
+                        {"class_path": "tests.helpers.ParityReward"},  # rewards that vary: a defined explained variance
+                        {
+                            "class_path": "vapo_lightning.callbacks.ValuePretraining",
+                            "init_args": {"steps": 3, "explained_variance_threshold": -1e9},
+                        },
+                        {"class_path": "vapo_lightning.critic_view.CriticView", "init_args": {"k": 2}},
+                        {
+                            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                            "init_args": {"save_last": True, "every_n_train_steps": 1, "save_top_k": 0},
+                        },
+                    ]
+                }
+            }
+        )
+    )
+    vapo_fit(
+        tmp_path,
+        "fsdp",
+        "-c",
+        str(layer),
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=2",
+        "--model.algorithm.micro_batch_size=4",
+        "--data.val_batch_size=8",
+    )
     logged = scalars(tmp_path / "lightning_logs" / "version_0")
     assert logged["warmup/active"] == [1.0, 0.0, 0.0]  # the threshold ended it after one step
     assert len(logged["actor/pg_loss"]) == 2
@@ -467,8 +525,15 @@ def test_fsdp_fit_with_a_threshold_the_critic_view_micro_batches_and_a_save_ever
 def test_fsdp_fit_with_dapo_dynamic_sampling(tmp_path):
     """DAPO's extra sampling rounds under fsdp: the ranks agree each round whether any still
     needs responses (a sum over ranks, on the module's device) and end with equal batches."""
-    vapo_fit(tmp_path, "fsdp", "-c", "configs/baselines/dapo.yaml", "--trainer.max_steps=2",
-             f"--trainer.default_root_dir={tmp_path}", "--trainer.callbacks+=tests.helpers.ParityReward")  # fmt: skip
+    vapo_fit(
+        tmp_path,
+        "fsdp",
+        "-c",
+        "configs/baselines/dapo.yaml",
+        "--trainer.max_steps=2",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks+=tests.helpers.ParityReward",
+    )
     logged = scalars(tmp_path / "lightning_logs" / "version_0")
     assert logged["rollout_step"] == [1.0, 2.0]
     assert all(n >= 32 for n in logged["rollout/responses_sampled"])  # 2 ranks × 4 prompts × 4, or more rounds

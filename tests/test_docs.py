@@ -126,9 +126,7 @@ def vapo_commands() -> list[str]:
         lines = [line.strip() for b in blocks for line in b.replace("\\\n", " ").splitlines()]
         lines += CODE_SPAN.findall(FENCE.sub("", text))
         for line in lines:
-            for cmd in re.findall(
-                r"(?:^|&& |\.venv/bin/)(vapo (?:fit|validate|sft)\b[^&#]*)", line
-            ):
+            for cmd in re.findall(r"(?:^|&& |\.venv/bin/)(vapo (?:fit|validate|sft)\b[^&#]*)", line):
                 found += expand(cmd.strip())
     return sorted(set(found))
 
@@ -166,9 +164,7 @@ def test_the_readme_starts_with_the_quickstart_and_the_ci_test_command():
     assert second == f"python3 -m venv .venv && {ci[-1]}"
 
 
-HISTORY = re.compile(
-    r"(?i)\b(session|issue|work period) #?\d+|\bissue #\d+|\bPLATFORM_NOTES\b|VAPO_SPEC"
-)
+HISTORY = re.compile(r"(?i)\b(session|issue|work period) #?\d+|\bissue #\d+|\bPLATFORM_NOTES\b|VAPO_SPEC")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
@@ -180,10 +176,7 @@ def test_no_work_history(page):
 
 def test_slug_matches_githubs_anchors():
     assert slug("Asking for a minimum: `min_isolation`") == "asking-for-a-minimum-min_isolation"
-    assert (
-        slug("Learning: the paper's *Table 1* in miniature")
-        == "learning-the-papers-table-1-in-miniature"
-    )
+    assert slug("Learning: the paper's *Table 1* in miniature") == "learning-the-papers-table-1-in-miniature"
     assert slug("[Tools](tools.md) and _emphasis_") == "tools-and-emphasis"
 
 
@@ -275,16 +268,13 @@ def contains(source: str, number: str, unit: str | None = None) -> bool:
     if unit and not decimals:
         after = SAME_UNIT.get(unit, re.escape(unit))
         return any(
-            re.search(rf"{t}\s?{after}", source) or re.search(rf"^\|.*{t}", source, re.MULTILINE)
-            for t in tokens
+            re.search(rf"{t}\s?{after}", source) or re.search(rf"^\|.*{t}", source, re.MULTILINE) for t in tokens
         )
     if any(re.search(t, source) for t in tokens):
         return True
     if not decimals:
         return False
-    for found in re.findall(
-        rf"(?<![\d.]){re.escape(plain.partition('.')[0])}\.\d{{{decimals + 1},}}", source
-    ):
+    for found in re.findall(rf"(?<![\d.]){re.escape(plain.partition('.')[0])}\.\d{{{decimals + 1},}}", source):
         if Decimal(found).quantize(Decimal(1).scaleb(-decimals), ROUND_HALF_UP) == Decimal(plain):
             return True
     return False
@@ -314,8 +304,7 @@ def unbacked_figures(page: Path, text: str) -> list[str]:
             problems.append(f"{[n for n, _ in found]} in {where!r}: names no file")
             continue
         settings = any(f.suffix in SETTINGS for f in files)  # a config writes no units
-        problems += [f"{n} in {where!r}" for n, unit in found
-                     if not contains(sources, n, None if settings else unit)]  # fmt: skip
+        problems += [f"{n} in {where!r}" for n, unit in found if not contains(sources, n, None if settings else unit)]
     return problems
 
 

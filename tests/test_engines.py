@@ -14,11 +14,11 @@ def test_validation_follows_the_training_engine_unless_told(tmp_path):
     policy = ModelSpec(config=TINY_LLAMA, tokenizer=tok)
     default = VAPOModule(policy=policy)
     assert (default.gen.engine, default.val_gen.engine) == ("native", "native")
-    follows = VAPOModule(policy=policy, generation=Generation(engine="vllm"),
-                         val_generation=Generation(n=1, temperature=0.0))  # fmt: skip
+    follows = VAPOModule(
+        policy=policy, generation=Generation(engine="vllm"), val_generation=Generation(n=1, temperature=0.0)
+    )
     assert (follows.gen.engine, follows.val_gen.engine) == ("vllm", "vllm")
-    told = VAPOModule(policy=policy, generation=Generation(engine="vllm"),
-                      val_generation=Generation(engine="native"))  # fmt: skip
+    told = VAPOModule(policy=policy, generation=Generation(engine="vllm"), val_generation=Generation(engine="native"))
     assert told.val_gen.engine == "native"
     native = VAPOModule(policy=policy, val_generation=Generation(engine="native"))
     assert (native.gen.engine, native.val_gen.engine) == ("native", "native")
@@ -44,8 +44,14 @@ def test_native_engine_samples_the_policy_itself(tmp_path):
     policy = build_policy(ModelSpec(config=TINY_LLAMA), tok)
     engine = NativeEngine(policy, tok, [])
     assert not engine.sync()
-    rows = [{"prompt_ids": tok("1 + 2 =")["input_ids"], "prompt_text": "1 + 2 =", "ground_truth": "3",
-             "data_source": "sums"}]  # fmt: skip
+    rows = [
+        {
+            "prompt_ids": tok("1 + 2 =")["input_ids"],
+            "prompt_text": "1 + 2 =",
+            "ground_truth": "3",
+            "data_source": "sums",
+        }
+    ]
     torch.manual_seed(0)
     r = engine.sample(rows, Generation(n=3, max_new_tokens=6))
     assert len(r) == 3 and len(r.samples) == 3 and r.rollout_logprobs is None  # not asked
@@ -88,6 +94,7 @@ def test_sleep_discards_weights_only_when_an_update_replaces_them(monkeypatch):
     engine.llm, engine.options, engine.on_gpu = FakeLLM(), VLLMOptions(), True
     engine.asleep, engine.weights_stale, engine.policy = set(), False, "policy"
     loads = []
+
     def load_weights(self, policy):  # the real one's wake-up and bookkeeping, no copy
         loads.append(policy)
         with self._awake(("weights",)):
@@ -132,8 +139,13 @@ def test_rewards_read_the_response_without_special_tokens(tmp_path):
     eos = tok.eos_token_id
     prompt, response = torch.tensor([[7, 8]]), torch.tensor([[*answer, eos, eos, eos]])
     mask = torch.arange(response.shape[1])[None] <= len(answer)
-    r = Rollout(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([torch.ones_like(prompt), mask.long()], 1),
-                response_mask=mask, group_ids=torch.tensor([0]), truncated=torch.tensor([False]))  # fmt: skip
+    r = Rollout(
+        input_ids=torch.cat([prompt, response], 1),
+        attention_mask=torch.cat([torch.ones_like(prompt), mask.long()], 1),
+        response_mask=mask,
+        group_ids=torch.tensor([0]),
+        truncated=torch.tensor([False]),
+    )
     (sample,) = samples_of(r, [{"prompt_text": "p", "ground_truth": "5"}], tok)
     assert sample.response == "What is 2 + 3? 2 + 3 = 5"
     assert sample.response_ids == [*answer, eos]

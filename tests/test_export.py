@@ -14,9 +14,7 @@ def test_export_writes_the_checkpoints_policy_and_critic(tmp_path):
     tok = build_tokenizer(tmp_path / "tok")
     module = tiny_module(tok, val_before_train=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
-    tiny_trainer(tmp_path, max_steps=2, callbacks=[ckpt]).fit(
-        module, datamodule=tiny_data(tmp_path)
-    )
+    tiny_trainer(tmp_path, max_steps=2, callbacks=[ckpt]).fit(module, datamodule=tiny_data(tmp_path))
     main(
         [
             "export",
@@ -47,10 +45,12 @@ def test_a_weights_only_checkpoint_exports_and_refuses_to_resume(tmp_path, capsy
     tok = build_tokenizer(tmp_path / "tok")
     module = tiny_module(tok, val_before_train=False)
     full = ModelCheckpoint(dirpath=tmp_path / "full", save_last=True, save_top_k=0, every_n_train_steps=1)
-    light = ModelCheckpoint(dirpath=tmp_path / "light", save_last=True, save_top_k=0,
-                            every_n_train_steps=2, save_weights_only=True)  # fmt: skip
-    tiny_trainer(tmp_path, max_steps=2, callbacks=[full, light], plugins=[AtomicCheckpointIO()],
-                 limit_val_batches=0).fit(module, datamodule=tiny_data(tmp_path))  # fmt: skip
+    light = ModelCheckpoint(
+        dirpath=tmp_path / "light", save_last=True, save_top_k=0, every_n_train_steps=2, save_weights_only=True
+    )
+    tiny_trainer(
+        tmp_path, max_steps=2, callbacks=[full, light], plugins=[AtomicCheckpointIO()], limit_val_batches=0
+    ).fit(module, datamodule=tiny_data(tmp_path))
     weights = sum(p.numel() * 4 for m in (module.policy, module.critic) for p in m.parameters())
     sizes = {name: (tmp_path / name / "last.ckpt").stat().st_size for name in ("full", "light")}
     assert weights < sizes["light"] < 1.2 * weights + 200_000 and sizes["full"] > 2.9 * weights
@@ -61,8 +61,15 @@ def test_a_weights_only_checkpoint_exports_and_refuses_to_resume(tmp_path, capsy
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "policy")
     assert all(torch.equal(policy.state_dict()[k], v) for k, v in module.policy.state_dict().items())
     with pytest.raises(SystemExit):
-        main(["fit", "-c", str(Path(__file__).parents[1] / "configs/tiny_cpu.yaml"), f"--ckpt_path={tmp_path / 'light' / 'last.ckpt'}",
-              f"--trainer.default_root_dir={tmp_path / 'resumed'}"])  # fmt: skip
+        main(
+            [
+                "fit",
+                "-c",
+                str(Path(__file__).parents[1] / "configs/tiny_cpu.yaml"),
+                f"--ckpt_path={tmp_path / 'light' / 'last.ckpt'}",
+                f"--trainer.default_root_dir={tmp_path / 'resumed'}",
+            ]
+        )
     err = capsys.readouterr().err
     assert "holds weights only (ModelCheckpoint save_weights_only): it cannot resume" in err
     assert not (tmp_path / "resumed").exists()

@@ -48,9 +48,15 @@ def rollout(vocab: int, B: int = 8, P: int = 5, T: int = 12):
     attn = torch.cat([torch.ones(B, P, dtype=torch.bool), response_mask], 1)
     ids = torch.where(attn, torch.randint(3, vocab, (B, P + T), generator=g), 0)
     scores = torch.randn(B, generator=g)
-    r = Rollout(input_ids=ids, attention_mask=attn.long(), response_mask=response_mask,
-                group_ids=torch.arange(B) // 4, truncated=torch.zeros(B, dtype=torch.bool),
-                scores=scores, correct=scores > 0)  # fmt: skip
+    r = Rollout(
+        input_ids=ids,
+        attention_mask=attn.long(),
+        response_mask=response_mask,
+        group_ids=torch.arange(B) // 4,
+        truncated=torch.zeros(B, dtype=torch.bool),
+        scores=scores,
+        correct=scores > 0,
+    )
     return r, torch.randn(B, T, generator=g) * response_mask
 
 

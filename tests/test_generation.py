@@ -74,11 +74,20 @@ def test_greedy_equals_uncached_full_forwards(model, compact_fraction):
     """Stops: the most common greedy token of the free run, so rows end at different steps
     and (with a small compact_fraction) leave the batch one by one."""
     ids, mask = left_pad(PROMPTS)
-    free = sample_responses(model, ids, mask, max_new_tokens=20, stop_token_ids=[EOS],
-                            pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    free = sample_responses(
+        model, ids, mask, max_new_tokens=20, stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0
+    )
     stop = int(free[:, 1:].flatten().mode().values)
-    out = sample_responses(model, ids, mask, max_new_tokens=20, stop_token_ids=[EOS, stop],
-                           pad_token_id=PAD, temperature=0.0, compact_fraction=compact_fraction)  # fmt: skip
+    out = sample_responses(
+        model,
+        ids,
+        mask,
+        max_new_tokens=20,
+        stop_token_ids=[EOS, stop],
+        pad_token_id=PAD,
+        temperature=0.0,
+        compact_fraction=compact_fraction,
+    )
     want = [greedy_reference(model, p, 20, {EOS, stop}) for p in PROMPTS]
     assert rows(out) == want
     assert len({len(w) for w in want}) > 2  # rows really ended at different steps
@@ -93,14 +102,16 @@ def test_a_prompt_asked_n_times_is_prefilled_once(model, monkeypatch):
     ids, mask = left_pad(group)
     batches = []
     forward = type(model).forward
-    monkeypatch.setattr(type(model), "forward", lambda self, **kw: (batches.append(len(kw["input_ids"])), forward(self, **kw))[1])
-    out = sample_responses(model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
-                           temperature=0.0)  # fmt: skip
+    monkeypatch.setattr(
+        type(model), "forward", lambda self, **kw: (batches.append(len(kw["input_ids"])), forward(self, **kw))[1]
+    )
+    out = sample_responses(model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)
     assert batches[:2] == [3, 6]
     assert rows(out) == [greedy_reference(model, p, 12, {EOS}) for p in group]
     torch.manual_seed(0)
-    sampled = sample_responses(model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
-                               temperature=1.0)  # fmt: skip
+    sampled = sample_responses(
+        model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD, temperature=1.0
+    )
     assert len({tuple(r) for r in rows(sampled)[::2]}) > 1  # rows 0, 2, 4: one prompt, three samples
 
 
@@ -117,16 +128,31 @@ def test_rows_of_one_prompt_share_its_cache(model, monkeypatch):
     read = []
     scores = SharedPrefix.scores
     monkeypatch.setattr(SharedPrefix, "scores", lambda self, q: (read.append(len(self.keys)), scores(self, q))[1])
-    free = sample_responses(shared_model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD,
-                            temperature=0.0)  # fmt: skip
+    free = sample_responses(
+        shared_model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0
+    )
     stop = int(free[:, 1:].flatten().mode().values)
-    out = sample_responses(shared_model, ids, mask, max_new_tokens=12, stop_token_ids=[EOS, stop], pad_token_id=PAD,
-                           temperature=0.0, compact_fraction=0.01)  # fmt: skip
+    out = sample_responses(
+        shared_model,
+        ids,
+        mask,
+        max_new_tokens=12,
+        stop_token_ids=[EOS, stop],
+        pad_token_id=PAD,
+        temperature=0.0,
+        compact_fraction=0.01,
+    )
     want = [greedy_reference(model, p, 12, {EOS, stop}) for p in group]
     assert rows(out) == want and len({len(w) for w in want}) > 2
     assert read and max(read) == 3  # three prompts' caches, each read once per step and layer
-    kwargs = dict(max_new_tokens=12, stop_token_ids=[EOS, 3, 4], pad_token_id=PAD, temperature=0.8,
-                  compact_fraction=0.2, logprobs=True)  # fmt: skip
+    kwargs = dict(
+        max_new_tokens=12,
+        stop_token_ids=[EOS, 3, 4],
+        pad_token_id=PAD,
+        temperature=0.8,
+        compact_fraction=0.2,
+        logprobs=True,
+    )
     torch.manual_seed(0)
     got = sample_responses(shared_model, ids, mask, **kwargs)
     monkeypatch.setattr(sampler, "shares_prompt_cache", lambda *args: False)
@@ -140,8 +166,16 @@ def test_rows_of_one_prompt_share_its_cache(model, monkeypatch):
 def test_long_forced_responses_equal_the_reference(model):
     """100 forced tokens (min_new_tokens): every position still matches full forwards."""
     ids, mask = left_pad(PROMPTS[:2])
-    out = sample_responses(model, ids, mask, max_new_tokens=100, min_new_tokens=100,
-                           stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    out = sample_responses(
+        model,
+        ids,
+        mask,
+        max_new_tokens=100,
+        min_new_tokens=100,
+        stop_token_ids=[EOS],
+        pad_token_id=PAD,
+        temperature=0.0,
+    )
     assert out.shape == (2, 100)
     for p, got in zip(PROMPTS[:2], out.tolist()):
         assert got == greedy_reference(model, p, 100, {EOS}, min_new=100)
@@ -156,9 +190,19 @@ def test_sampled_logprobs_equal_full_forwards(model):
     the trainer's); 0 after each row's stop token."""
     ids, mask = left_pad(PROMPTS)
     torch.manual_seed(0)
-    out, logprobs, entropy = sample_responses(model, ids, mask, max_new_tokens=16, min_new_tokens=2,
-                                              stop_token_ids=[EOS, 3, 4], pad_token_id=PAD, temperature=0.7,
-                                              top_p=0.9, compact_fraction=0.01, logprobs=True)  # fmt: skip
+    out, logprobs, entropy = sample_responses(
+        model,
+        ids,
+        mask,
+        max_new_tokens=16,
+        min_new_tokens=2,
+        stop_token_ids=[EOS, 3, 4],
+        pad_token_id=PAD,
+        temperature=0.7,
+        top_p=0.9,
+        compact_fraction=0.01,
+        logprobs=True,
+    )
     assert logprobs.shape == entropy.shape == out.shape and logprobs.dtype == torch.float32
     lengths = [len(r) for r in rows(out)]
     assert len(set(lengths)) > 1  # rows ended at different steps
@@ -170,8 +214,18 @@ def test_sampled_logprobs_equal_full_forwards(model):
         torch.testing.assert_close(h[:n], -(log_p.exp() * log_p).sum(-1), atol=1e-5, rtol=1e-5)
         assert (lp[n:] == 0).all() and (h[n:] == 0).all()
     torch.manual_seed(0)
-    plain = sample_responses(model, ids, mask, max_new_tokens=16, min_new_tokens=2, stop_token_ids=[EOS, 3, 4],
-                             pad_token_id=PAD, temperature=0.7, top_p=0.9, compact_fraction=0.01)  # fmt: skip
+    plain = sample_responses(
+        model,
+        ids,
+        mask,
+        max_new_tokens=16,
+        min_new_tokens=2,
+        stop_token_ids=[EOS, 3, 4],
+        pad_token_id=PAD,
+        temperature=0.7,
+        top_p=0.9,
+        compact_fraction=0.01,
+    )
     assert torch.equal(plain, out)  # the same draws with or without log-probs
 
 
@@ -191,12 +245,12 @@ def test_growing_layer_keeps_what_was_written():
 
 def test_min_new_tokens_and_padding_after_stop(model):
     ids, mask = left_pad(PROMPTS)
-    free = sample_responses(model, ids, mask, max_new_tokens=3, min_new_tokens=2,
-                            stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+    free = sample_responses(model, ids, mask, max_new_tokens=3, min_new_tokens=2, stop_token_ids=[], pad_token_id=PAD)
     assert free.shape == (len(PROMPTS), 3)  # no stop tokens at all: every row runs to the end
     torch.manual_seed(1)
-    out = sample_responses(model, ids, mask, max_new_tokens=12, min_new_tokens=6,
-                           stop_token_ids=[EOS, 7, 8, 9], pad_token_id=PAD)  # fmt: skip
+    out = sample_responses(
+        model, ids, mask, max_new_tokens=12, min_new_tokens=6, stop_token_ids=[EOS, 7, 8, 9], pad_token_id=PAD
+    )
     for row in out.tolist():
         assert not {7, 8, 9, EOS} & set(row[:6])
         ends = [i for i, t in enumerate(row) if t in {7, 8, 9, EOS}]
@@ -273,8 +327,15 @@ def test_sampling_end_to_end_matches_the_model_distribution(model):
     ids, mask = left_pad([PROMPTS[2]])
     n, temperature = 20_000, 1.3
     torch.manual_seed(3)
-    out = sample_responses(model, ids.expand(n, -1), mask.expand(n, -1), max_new_tokens=1,
-                           stop_token_ids=[EOS], pad_token_id=PAD, temperature=temperature)  # fmt: skip
+    out = sample_responses(
+        model,
+        ids.expand(n, -1),
+        mask.expand(n, -1),
+        max_new_tokens=1,
+        stop_token_ids=[EOS],
+        pad_token_id=PAD,
+        temperature=temperature,
+    )
     with torch.no_grad():
         p = (model(input_ids=ids).logits[0, -1] / temperature).softmax(-1)
     freq = torch.bincount(out[:, 0], minlength=V) / n
@@ -299,8 +360,7 @@ def test_sampling_records_no_autograd_graph(model, monkeypatch):
     grad_modes = record_in_forwards(monkeypatch, model, torch.is_grad_enabled)
     ids, mask = left_pad([[5, 6, 7], [8, 9]])
     assert torch.is_grad_enabled()
-    sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,
-                     stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+    sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0, stop_token_ids=[], pad_token_id=PAD)
     assert grad_modes and not any(grad_modes)
 
 
@@ -311,8 +371,7 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
     allowed = record_in_forwards(monkeypatch, model, torch.backends.cuda.cudnn_sdp_enabled)
     ids, mask = left_pad([[5, 6, 7], [8, 9]])
     assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default
-    sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,
-                     stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+    sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0, stop_token_ids=[], pad_token_id=PAD)
     assert allowed and not any(allowed)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored for training
 
@@ -326,8 +385,7 @@ def test_decoding_never_uses_cudnn_attention(model, monkeypatch):
     monkeypatch.setattr(model, "forward", failing_forward)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0,
-                             stop_token_ids=[], pad_token_id=PAD)  # fmt: skip
+            sample_responses(model, ids, mask, max_new_tokens=3, temperature=0.0, stop_token_ids=[], pad_token_id=PAD)
     finally:
         torch.backends.cuda.enable_flash_sdp(True)
     assert flash == [False]
@@ -404,8 +462,16 @@ class CastCounter(torch.utils._python_dispatch.TorchDispatchMode):
 def greedy_decode(model, tokens: int = 10) -> torch.Tensor:
     """Greedy responses to PROMPTS, forced to `tokens` tokens each."""
     ids, mask = left_pad(PROMPTS)
-    return sample_responses(model, ids, mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                            stop_token_ids=[EOS], pad_token_id=PAD, temperature=0.0)  # fmt: skip
+    return sample_responses(
+        model,
+        ids,
+        mask,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        stop_token_ids=[EOS],
+        pad_token_id=PAD,
+        temperature=0.0,
+    )
 
 
 def cast_weights(model) -> set[str]:

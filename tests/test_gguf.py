@@ -22,9 +22,7 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 def write_tiny_llama(path, seed=0):
     """A 2-layer Llama GGUF as llama.cpp's converter lays it out: no `output.weight` (the LM
     head is the embedding), the layers' matrices in Q8_0, norms in F32."""
-    tok = train_bpe(
-        [f"{a} + {b} = {a + b}. The answer is {a * b}." for a in range(20) for b in range(9)], 300
-    )
+    tok = train_bpe([f"{a} + {b} = {a + b}. The answer is {a * b}." for a in range(20) for b in range(9)], 300)
     backend = json.loads(tok.backend_tokenizer.to_str())["model"]
     tokens = sorted(backend["vocab"], key=backend["vocab"].get)  # by id
     merges = [m if isinstance(m, str) else " ".join(m) for m in backend["merges"]]
@@ -121,20 +119,14 @@ def test_a_file_that_is_not_a_gguf_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["convert-gguf", str(bad), str(tmp_path / "out")])
     message = str(exit_.value.code)
-    assert (
-        message
-        == f"vapo convert-gguf: error: {bad}: not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF')"
-    )
+    assert message == f"vapo convert-gguf: error: {bad}: not a GGUF file (it starts with b'PK\\x03\\x04', not b'GGUF')"
     assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main(["convert-gguf", str(tmp_path / "nothing.gguf"), str(tmp_path / "out")])
-    assert (
-        str(exit_.value.code)
-        == f"vapo convert-gguf: error: {tmp_path / 'nothing.gguf'}: no such file"
-    )
+    assert str(exit_.value.code) == f"vapo convert-gguf: error: {tmp_path / 'nothing.gguf'}: no such file"
 
 
 def test_a_folder_that_is_not_empty_is_refused_before_any_work(tiny_gguf, tmp_path):
@@ -143,10 +135,7 @@ def test_a_folder_that_is_not_empty_is_refused_before_any_work(tiny_gguf, tmp_pa
     (out / "notes.txt").write_text("keep me")
     with pytest.raises(SystemExit) as exit_:
         main(["convert-gguf", str(tiny_gguf), str(out)])
-    assert (
-        str(exit_.value.code)
-        == f"vapo convert-gguf: error: {out}: not empty; give a new or empty folder"
-    )
+    assert str(exit_.value.code) == f"vapo convert-gguf: error: {out}: not empty; give a new or empty folder"
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
@@ -177,9 +166,7 @@ def test_without_the_extra_the_error_names_it(tiny_gguf, tmp_path, monkeypatch):
     )
 
 
-def test_a_saved_model_whose_logits_differ_is_refused_and_nothing_is_left(
-    tiny_gguf, tmp_path, monkeypatch
-):
+def test_a_saved_model_whose_logits_differ_is_refused_and_nothing_is_left(tiny_gguf, tmp_path, monkeypatch):
     check = convert_gguf.verify
 
     def verify_after_a_drift(model, tokenizer, folder):  # the saved weights no longer match

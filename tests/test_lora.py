@@ -139,14 +139,19 @@ def test_only_adapters_and_the_value_head_change_and_the_base_stays_bit_identica
     module = lora_module(policy_dir, algorithm=Algorithm(mini_batch_size=8, micro_batch_size=4, kl_coef=0.1))
     module.configure_model()
     assert isinstance(module.ref_policy, AdaptersOff) and module.ref_policy.model is module.policy
-    before = {m: {n: p.detach().clone() for n, p in getattr(module, m).named_parameters()} for m in ("policy", "critic")}
-    trained = {m: {n for n, p in getattr(module, m).named_parameters() if p.requires_grad} for m in ("policy", "critic")}
+    before = {
+        m: {n: p.detach().clone() for n, p in getattr(module, m).named_parameters()} for m in ("policy", "critic")
+    }
+    trained = {
+        m: {n for n, p in getattr(module, m).named_parameters() if p.requires_grad} for m in ("policy", "critic")
+    }
     assert all("lora_" in n for n in trained["policy"])
     head = "base_model.model.score.modules_to_save.default."
     assert {n for n in trained["critic"] if "lora_" not in n} == {head + "weight", head + "bias"}  # in full
     opts = module.configure_optimizers()[0]
     assert [sum(p.numel() for g in o.param_groups for p in g["params"]) for o in opts] == [
-        sum(p.numel() for n, p in getattr(module, m).named_parameters() if n in trained[m]) for m in ("policy", "critic")
+        sum(p.numel() for n, p in getattr(module, m).named_parameters() if n in trained[m])
+        for m in ("policy", "critic")
     ]  # the optimisers hold the trainable parameters only
     tiny_trainer(tmp_path, max_steps=2).fit(module, datamodule=tiny_data(tmp_path))
     for m in ("policy", "critic"):
@@ -199,8 +204,15 @@ def test_a_lora_checkpoint_refuses_a_full_model_config_and_other_base_weights(to
     run(tmp_path / "part", tmp_path, policy_dir, 1)
     last = str(tmp_path / "part/ckpt/last.ckpt")
     with pytest.raises(SetupError, match=r"holds LoRA adapters for the policy, but model\.policy\.lora is not set"):
-        run(tmp_path / "full", tmp_path, policy_dir, 2, ckpt_path=last,
-            policy=ModelSpec(name_or_path=str(policy_dir)), critic=ModelSpec(lora=None))  # fmt: skip
+        run(
+            tmp_path / "full",
+            tmp_path,
+            policy_dir,
+            2,
+            ckpt_path=last,
+            policy=ModelSpec(name_or_path=str(policy_dir)),
+            critic=ModelSpec(lora=None),
+        )
     other = AutoModelForCausalLM.from_pretrained(policy_dir)
     with torch.no_grad():
         other.model.norm.weight.add_(1e-3)
@@ -240,10 +252,16 @@ def test_export_writes_merged_models_and_on_request_the_adapters(tok, policy_dir
 @pytest.mark.parametrize(
     ("lora", "message"),
     [
-        (LoRA(target_modules=["no_such_layer"]), r"model\.policy\.lora: peft cannot put adapters on LlamaForCausalLM with target_modules=\['no_such_layer'\]: .*its linear layers: .*q_proj"),
-        (LoRA(target_modules=["input_layernorm"]), r"model\.policy\.lora: peft cannot put adapters on LlamaForCausalLM with target_modules=\['input_layernorm'\]"),
+        (
+            LoRA(target_modules=["no_such_layer"]),
+            r"model\.policy\.lora: peft cannot put adapters on LlamaForCausalLM with target_modules=\['no_such_layer'\]: .*its linear layers: .*q_proj",
+        ),
+        (
+            LoRA(target_modules=["input_layernorm"]),
+            r"model\.policy\.lora: peft cannot put adapters on LlamaForCausalLM with target_modules=\['input_layernorm'\]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_lora_setup_fails_in_one_line_before_any_step(tok, policy_dir, tmp_path, lora, message):
     module = tiny_module(policy_dir, policy=ModelSpec(name_or_path=str(policy_dir), lora=lora))
     with pytest.raises(SetupError, match=message) as error:
@@ -272,7 +290,9 @@ def test_tools_value_pretraining_and_extra_critic_steps_run_with_lora(tok, polic
     module = lora_module(policy_dir, tools=[EverySpace(fail_over=2)], algorithm=algo)
     module.configure_model()
     frozen = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
-    tiny_trainer(tmp_path, max_steps=3, callbacks=[ValuePretraining(steps=1)]).fit(module, datamodule=tiny_data(tmp_path))
+    tiny_trainer(tmp_path, max_steps=3, callbacks=[ValuePretraining(steps=1)]).fit(
+        module, datamodule=tiny_data(tmp_path)
+    )
     logged = scalars(tmp_path)
     assert min(v for _, v in logged["tools/calls/mean"]) > 0  # the policy called the tool
     assert len(logged["critic/grad_norm"]) == 3 and len(logged["actor/grad_norm"]) == 2  # (means per step)

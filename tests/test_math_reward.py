@@ -74,7 +74,11 @@ def test_extract_answer(response, answer):
 def test_answer_shares_count_readable_and_boxed_answers():
     responses = ["so \\boxed{12}.", "Answer: 12", "The answer is 12.", "It is 12.", "\\boxed{}"]
     assert [answer_forms(r) for r in responses] == [
-        (True, True), (True, False), (True, False), (False, False), (False, False)
+        (True, True),
+        (True, False),
+        (True, False),
+        (False, False),
+        (False, False),
     ]
     assert answer_shares("val", responses) == {"val/answer_share": 0.6, "val/boxed_share": 0.2}
     assert answer_shares("rollout", []) == {"rollout/answer_share": 0.0, "rollout/boxed_share": 0.0}
@@ -137,8 +141,7 @@ def test_a_small_or_large_float_gold_is_written_out_not_in_scientific_notation(v
     assert number_text(1e-05) == "0.00001" and number_text(142.0) == "142"
     assert number_text(2.5e-07) == "0.00000025" and number_text(1e16) == "10000000000000000"
     assert number_text(0.1) == "0.1" and number_text(7) == "7"
-    assert verifier.check_batch([boxed("0.00001"), boxed("0.00002")], [1e-05, 1e-05]) == [
-        True, False]  # fmt: skip
+    assert verifier.check_batch([boxed("0.00001"), boxed("0.00002")], [1e-05, 1e-05]) == [True, False]
 
 
 def test_missing_ground_truth_is_none_not_false(verifier):
@@ -147,9 +150,7 @@ def test_missing_ground_truth_is_none_not_false(verifier):
 
 def test_works_off_the_main_thread(verifier):
     out = []
-    thread = threading.Thread(
-        target=lambda: out.extend(verifier.check_batch([boxed("0.5")], ["1/2"]))
-    )
+    thread = threading.Thread(target=lambda: out.extend(verifier.check_batch([boxed("0.5")], ["1/2"])))
     thread.start()
     thread.join(30)
     assert out == [True]

@@ -11,9 +11,20 @@ QWEN7B_CRITIC = ModelShape(params=7.07e9, layers=28, hidden=3584)
 
 
 def plan_7b(**overrides):
-    kwargs = dict(world=8, sharded=True, reference=False, prompt=512, max_new_tokens=8192, responses=1024,
-                  micro_batch=4, max_tokens=None, checkpointing=True, engine="vllm", device_bytes=80 * GiB,
-                  gpu_memory_utilization=0.5)  # fmt: skip
+    kwargs = dict(
+        world=8,
+        sharded=True,
+        reference=False,
+        prompt=512,
+        max_new_tokens=8192,
+        responses=1024,
+        micro_batch=4,
+        max_tokens=None,
+        checkpointing=True,
+        engine="vllm",
+        device_bytes=80 * GiB,
+        gpu_memory_utilization=0.5,
+    )
     return memory_plan(QWEN7B, QWEN7B_CRITIC, **{**kwargs, **overrides})
 
 
@@ -43,9 +54,19 @@ def test_more_answer_tokens_cost_memory_unless_a_budget_holds_them():
 
 def test_replication_holds_every_state_on_every_rank_and_the_native_engine_its_kv_cache():
     tiny = ModelShape(params=1e6, layers=2, hidden=64, vocab=1000, kv_heads=2, head_dim=32)
-    kwargs = dict(world=4, reference=True, prompt=100, max_new_tokens=156, responses=8, micro_batch=2,
-                  max_tokens=None, checkpointing=False, engine="native", device_bytes=GiB,
-                  gpu_memory_utilization=0.5)  # fmt: skip
+    kwargs = dict(
+        world=4,
+        reference=True,
+        prompt=100,
+        max_new_tokens=156,
+        responses=8,
+        micro_batch=2,
+        max_tokens=None,
+        checkpointing=False,
+        engine="native",
+        device_bytes=GiB,
+        gpu_memory_utilization=0.5,
+    )
     ddp = memory_plan(tiny, tiny, sharded=False, **kwargs)
     fsdp = memory_plan(tiny, tiny, sharded=True, **kwargs)
     states = 12e6 + 12e6 + 4e6  # policy, critic, a frozen reference

@@ -49,7 +49,9 @@ def test_a_critic_from_a_language_model_says_its_head_is_new_in_one_line(tmp_pat
     with caplog.at_level(logging.INFO):
         critic = build_critic(ModelSpec(name_or_path=str(tmp_path / "policy")), None, tok)
     said = [r.getMessage() for r in caplog.records if "model.critic" in r.getMessage()]
-    assert said == [f"model.critic: {tmp_path / 'policy'}'s backbone with a fresh value head (score.bias, score.weight)"]
+    assert said == [
+        f"model.critic: {tmp_path / 'policy'}'s backbone with a fresh value head (score.bias, score.weight)"
+    ]
     assert "LOAD REPORT" not in capfd.readouterr().err
     critic.save_pretrained(tmp_path / "critic")
     caplog.clear()
@@ -60,9 +62,7 @@ def test_a_critic_from_a_language_model_says_its_head_is_new_in_one_line(tmp_pat
 
 def test_llama_without_classifier_dropout_in_its_config_loads_as_critic(tmp_path):
     tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
-    cfg = LlamaConfig(
-        **{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=len(tok)
-    )
+    cfg = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=len(tok))
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "rm")
     critic = build_critic(ModelSpec(name_or_path=str(tmp_path / "rm")), None, tok)
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits
@@ -128,9 +128,7 @@ def test_a_critic_with_another_tokenizer_is_refused_naming_both(tmp_path):
     build_critic(ModelSpec(name_or_path=str(tmp_path / "same")), None, tok)
 
     policy.save_pretrained(tmp_path / "other")
-    train_bpe(["a quite different corpus of words"] * 50, vocab_size=300).save_pretrained(
-        tmp_path / "other"
-    )
+    train_bpe(["a quite different corpus of words"] * 50, vocab_size=300).save_pretrained(tmp_path / "other")
     with pytest.raises(
         ValueError,
         match=r"model.critic: its tokenizer \(.*other\) is not the policy's \(.*tok\): \d+ of \d+ token ids differ",
@@ -143,6 +141,8 @@ def test_gradient_checkpointing_reaches_the_critic_built_from_the_policy(tmp_pat
     (no critic spec): both models trade compute for activation memory, not the policy alone."""
     tok = load_tokenizer(str(build_tokenizer(tmp_path / "tok")))
     for flag in (True, False):
-        policy = build_policy(ModelSpec(config=TINY_LLAMA, tokenizer=str(tmp_path / "tok"), gradient_checkpointing=flag), tok)
+        policy = build_policy(
+            ModelSpec(config=TINY_LLAMA, tokenizer=str(tmp_path / "tok"), gradient_checkpointing=flag), tok
+        )
         critic = build_critic(None, policy, tok)
         assert policy.is_gradient_checkpointing == critic.is_gradient_checkpointing == flag

@@ -143,9 +143,7 @@ def test_bf16_fit_is_the_same_when_autocast_caches_casts(tok, tmp_path, monkeypa
 
 def test_resume_continues_at_the_right_rollout_step(tok, tmp_path):
     L.seed_everything(2)
-    ckpt = ModelCheckpoint(
-        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
-    )
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
     trainer = tiny_trainer(tmp_path, max_steps=2, callbacks=[ckpt])
     trainer.fit(tiny_module(tok, val_before_train=False), datamodule=tiny_data(tmp_path))
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
@@ -153,9 +151,7 @@ def test_resume_continues_at_the_right_rollout_step(tok, tmp_path):
     assert state["global_step"] == 2
 
     module = tiny_module(tok, val_before_train=False)
-    ckpt2 = ModelCheckpoint(
-        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
-    )
+    ckpt2 = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
     trainer = tiny_trainer(tmp_path / "resumed", max_steps=3, callbacks=[ckpt2])
     trainer.fit(module, datamodule=tiny_data(tmp_path), ckpt_path="last")
     assert trainer.global_step == 3
@@ -174,9 +170,7 @@ def test_hf_export_reloads_and_generates(tok, tmp_path):
     for name, p in module.policy.named_parameters():
         torch.testing.assert_close(policy.state_dict()[name], p.detach())
     ids = tokenizer(["What is 2 + 3?"], return_tensors="pt")
-    out = policy.generate(
-        **ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id
-    )
+    out = policy.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > ids["input_ids"].shape[1]
     critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "export" / "critic")
     assert critic.config.num_labels == 1
@@ -186,9 +180,7 @@ def test_hf_export_reloads_and_generates(tok, tmp_path):
     "algorithm",
     [
         Algorithm(advantage="group", mini_batch_size=8, micro_batch_size=4, nll_coef=0.0),  # GRPO
-        Algorithm(
-            advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=2
-        ),  # DAPO
+        Algorithm(advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=2),  # DAPO
         Algorithm(
             loss_agg="sequence",
             length_adaptive_gae=False,
@@ -234,9 +226,7 @@ def test_reward_metrics_are_logged_summed_over_dynamic_sampling_rounds(tok, tmp_
 
     L.seed_everything(3)
     counting = Counting()
-    algorithm = Algorithm(
-        advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=3
-    )
+    algorithm = Algorithm(advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=3)
     module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[counting], limit_val_batches=0)
     trainer.fit(module, datamodule=tiny_data(tmp_path))
@@ -279,9 +269,7 @@ def test_a_reward_that_is_no_reward_callback_is_refused(tok, tmp_path):
 
     module = tiny_module(tok, val_before_train=False)
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[Plain()], limit_val_batches=0)
-    with pytest.raises(
-        TypeError, match=r"Plain has a score\(\) method but is not a vapo_lightning"
-    ):
+    with pytest.raises(TypeError, match=r"Plain has a score\(\) method but is not a vapo_lightning"):
         trainer.fit(module, datamodule=tiny_data(tmp_path))
 
 
@@ -314,7 +302,6 @@ def test_metrics_over_ranks_sum_the_counts():
     }
 
 
-
 def test_validation_syncs_the_same_sources_in_the_same_order_on_every_rank(tok, monkeypatch):
     """Per-source accuracies are synced metric by metric: a rank must compute the sources
     another rank saw (even with no row of its own) and in sorted order, not in the order it
@@ -332,7 +319,10 @@ def test_validation_syncs_the_same_sources_in_the_same_order_on_every_rank(tok, 
     monkeypatch.setattr(module, "all_gather", lambda local: torch.stack([local, other_rank]))
     any_rank = lambda seen: module.all_gather(seen).amax(0)  # noqa: E731
     assert module.val_metrics.sources_seen_on_any_rank([r["data_source"] for r in rows], any_rank) == [
-        "alpha", "mid", "zeta"]  # fmt: skip
+        "alpha",
+        "mid",
+        "zeta",
+    ]
     assert "alpha" in by_source and "unused" not in by_source
     module.val_metrics.accuracy.update(torch.tensor([1.0]))
     metrics = module.compute_val_metrics()
@@ -340,13 +330,17 @@ def test_validation_syncs_the_same_sources_in_the_same_order_on_every_rank(tok, 
     assert per_source == ["val/accuracy/alpha", "val/accuracy/mid", "val/accuracy/zeta"]
     assert float(metrics["val/accuracy/zeta"]) == 1.0 and float(metrics["val/accuracy/mid"]) == 0.0
 
+
 def test_impossible_settings_fail_at_start_up(tok, tmp_path):
     with pytest.raises(ValueError, match=r"mini_batch_size=12 must divide the rollout batch"):
         module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=12, micro_batch_size=4))
         tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
     with pytest.raises(ValueError, match=r"needs model.generation.n >= 2"):
-        module = tiny_module(tok, algorithm=Algorithm(advantage="group", mini_batch_size=4, micro_batch_size=4),
-                             generation=Generation(n=1, max_new_tokens=8))  # fmt: skip
+        module = tiny_module(
+            tok,
+            algorithm=Algorithm(advantage="group", mini_batch_size=4, micro_batch_size=4),
+            generation=Generation(n=1, max_new_tokens=8),
+        )
         tiny_trainer(tmp_path).fit(module, datamodule=tiny_data(tmp_path))
     with pytest.raises(ValueError, match=r"micro_batch_size=3 must divide mini_batch_size=8"):
         Algorithm(mini_batch_size=8, micro_batch_size=3)
@@ -357,9 +351,7 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
 
     def run(root, max_steps, ckpt_path=None):
         L.seed_everything(5)
-        ckpt = ModelCheckpoint(
-            dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
-        )
+        ckpt = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
         callbacks = [ckpt, ValuePretraining(steps=1)]
         trainer = tiny_trainer(root, max_steps=max_steps, callbacks=callbacks)
         module = tiny_module(tok, optim=Optim(actor_lr=1e-3, critic_lr=1e-3, warmup_steps=2))
@@ -376,9 +368,7 @@ def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
             continue
         expected = [v for step, v in full[name] if step >= 2]
         assert [v for _, v in values] == expected, name  # exactly: same samples, same arithmetic
-    for (name, p), q in zip(
-        full_module.policy.named_parameters(), resumed_module.policy.parameters()
-    ):
+    for (name, p), q in zip(full_module.policy.named_parameters(), resumed_module.policy.parameters()):
         assert torch.equal(p, q), name
 
 
@@ -407,9 +397,7 @@ def test_non_finite_updates_are_skipped_and_counted(tok, tmp_path, monkeypatch):
     module = tiny_module(tok, val_before_train=False)
     module.configure_model()
     before = snapshot(module.policy)
-    tiny_trainer(tmp_path, max_steps=1, callbacks=[StepCounter()]).fit(
-        module, datamodule=tiny_data(tmp_path)
-    )
+    tiny_trainer(tmp_path, max_steps=1, callbacks=[StepCounter()]).fit(module, datamodule=tiny_data(tmp_path))
     assert changed(before, module.policy) == set()  # the NaN update was not applied
     trainer = tiny_trainer(tmp_path / "2", max_steps=2, callbacks=[StepCounter()])
     trainer.fit(module, datamodule=tiny_data(tmp_path))
@@ -427,12 +415,8 @@ def test_consecutive_non_finite_updates_stop_with_a_good_checkpoint(tok, tmp_pat
     module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
     module.configure_model()
     before = snapshot(module.policy)
-    with pytest.raises(
-        FloatingPointError, match=r"3 consecutive actor updates had a non-finite gradient"
-    ):
-        tiny_trainer(tmp_path, max_steps=5, callbacks=[StepCounter()]).fit(
-            module, datamodule=tiny_data(tmp_path)
-        )
+    with pytest.raises(FloatingPointError, match=r"3 consecutive actor updates had a non-finite gradient"):
+        tiny_trainer(tmp_path, max_steps=5, callbacks=[StepCounter()]).fit(module, datamodule=tiny_data(tmp_path))
     state = torch.load(tmp_path / "checkpoints" / "last_good.ckpt", weights_only=True)["state_dict"]
     for name, p in before.items():
         assert torch.equal(state[f"policy.{name}"], p), name
@@ -463,8 +447,9 @@ def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
     L.seed_everything(0)
     phases = Phases()
     module = tiny_module(tok, algorithm=Algorithm(mini_batch_size=16, micro_batch_size=4), val_before_train=False)
-    tiny_trainer(tmp_path, max_steps=2, callbacks=[ValuePretraining(steps=1), phases, EntropyTracker()],
-                 limit_val_batches=0).fit(module, datamodule=tiny_data(tmp_path))  # fmt: skip
+    tiny_trainer(
+        tmp_path, max_steps=2, callbacks=[ValuePretraining(steps=1), phases, EntropyTracker()], limit_val_batches=0
+    ).fit(module, datamodule=tiny_data(tmp_path))
     assert module.pi_old_source == "first_forward"
     first, second = phases.seen
     assert first["timing_s/old_log_prob"] > 0 and second["timing_s/old_log_prob"] == 0.0
@@ -486,13 +471,24 @@ def test_the_actor_is_not_updated_on_a_batch_without_signal(tok, tmp_path, monke
     for value, nll_coef, expected in [(-1.0, 0.1, 0), (1.0, 0.0, 0), (1.0, 0.1, 1)]:
         L.seed_everything(0)
         algorithm = Algorithm(advantage="group", mini_batch_size=16, micro_batch_size=4, nll_coef=nll_coef)
-        module = tiny_module(tok, algorithm=algorithm, val_before_train=False,
-                             optim=Optim(actor_lr=1e-3, weight_decay=0.1, warmup_steps=0))  # fmt: skip
+        module = tiny_module(
+            tok,
+            algorithm=algorithm,
+            val_before_train=False,
+            optim=Optim(actor_lr=1e-3, weight_decay=0.1, warmup_steps=0),
+        )
         module.configure_model()
         before, calls[:] = snapshot(module.policy), []
-        trainer = L.Trainer(max_steps=1, default_root_dir=tmp_path / str(value) / str(nll_coef),
-                            callbacks=[Fixed(value)], limit_val_batches=0, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        trainer = L.Trainer(
+            max_steps=1,
+            default_root_dir=tmp_path / str(value) / str(nll_coef),
+            callbacks=[Fixed(value)],
+            limit_val_batches=0,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(module, datamodule=tiny_data(tmp_path))
         assert len(calls) == expected, (value, nll_coef)
         assert bool(changed(before, module.policy)) == bool(expected)
@@ -571,8 +567,13 @@ def test_dynamic_sampling_filters_on_correctness_not_on_shaping_rewards(tok, tmp
             return [-len(s.response_ids) / 100 for s in samples]
 
     L.seed_everything(3)
-    algorithm = Algorithm(advantage="group", mini_batch_size=8, micro_batch_size=8, dynamic_sampling_rounds=2,
-                          dynamic_sampling_metric=metric)  # fmt: skip
+    algorithm = Algorithm(
+        advantage="group",
+        mini_batch_size=8,
+        micro_batch_size=8,
+        dynamic_sampling_rounds=2,
+        dynamic_sampling_metric=metric,
+    )
     module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[AllWrong(), Shaping()], limit_val_batches=0)
     trainer.callbacks = [cb for cb in trainer.callbacks if type(cb).__name__ != "ParityReward"]

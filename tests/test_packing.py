@@ -114,8 +114,9 @@ def test_packed_log_probs_and_entropies_equal_each_row_alone(tok, c, layout):
 
     def row_by_row(model, row):  # the slow, obvious way: each row's logits, then the kernels
         logits = policy_logits(model, row)
-        return torch.stack([core.logprobs_from_logits(logits, row.responses, tau),
-                            core.entropy_from_logits(logits, tau)])  # fmt: skip
+        return torch.stack(
+            [core.logprobs_from_logits(logits, row.responses, tau), core.entropy_from_logits(logits, tau)]
+        )
 
     logprobs, entropy = token_logprobs(module.policy, r, tau, entropy_grad=True, layout=layout)
     mask = r.response_mask
@@ -176,10 +177,31 @@ def update_gradients(
     values = compute_values(module.critic, r, a.micro_batch_size, layout=layout)
     adv = compute_advantages(r, values, a, False, ops.global_sum)
     steps, batches = [], mini_batches(len(r), a.mini_batch_size, a.ppo_epochs, pack)
-    update_critic(module.critic, Recorder("critic", module.critic, steps), r, values, adv.returns, batches, a,
-                  NO_CLIP, ops, layout)  # fmt: skip
-    update_actor(module.policy, Recorder("actor", module.policy, steps), r, old, adv.advantages, batches, a, 1.0,
-                 NO_CLIP, ops, layout)  # fmt: skip
+    update_critic(
+        module.critic,
+        Recorder("critic", module.critic, steps),
+        r,
+        values,
+        adv.returns,
+        batches,
+        a,
+        NO_CLIP,
+        ops,
+        layout,
+    )
+    update_actor(
+        module.policy,
+        Recorder("actor", module.policy, steps),
+        r,
+        old,
+        adv.advantages,
+        batches,
+        a,
+        1.0,
+        NO_CLIP,
+        ops,
+        layout,
+    )
     estimates = {"old_logprobs": old.logprobs, "entropy": old.entropy, "values": values, "advantages": adv.advantages}
     return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r, estimates
 
@@ -211,7 +233,9 @@ def test_a_start_every_prompt_shares_is_laid_once_with_the_row_by_row_gradients(
     assert packed.input_ids.shape == (1, 3 + prompts - 3 * len(r) // pack + int(r.response_mask.sum()))
     assert packed.input_ids[0, :3].tolist() == r.input_ids[0, P - int(r.attention_mask[0, :P].sum()) :][:3].tolist()
     apart = packing.pack(r.input_ids, r.attention_mask, T, pack, end_to_end=True, share_start=False)
-    assert {s.shared for row in apart.spans for s in row} == {0} and apart.input_ids.shape[1] == packed.input_ids.shape[1] + 3 * (len(r) // pack - 1)
+    assert {s.shared for row in apart.spans for s in row} == {0} and apart.input_ids.shape[1] == packed.input_ids.shape[
+        1
+    ] + 3 * (len(r) // pack - 1)
     shared = update_gradients(tok, pack=pack, n=n, common=3)
     assert_same_update(shared, update_gradients(tok, pack=1, apart=True, n=n, common=3))
 
@@ -221,7 +245,9 @@ def test_rows_kept_apart_are_not_laid_end_to_end(tok):
     module = module_for(tok)
     r = grouped_rollout(module.policy.config.vocab_size, n=1, common=3)
     forwards = []
-    hook = module.critic.register_forward_pre_hook(lambda m, a, kw: forwards.append(kw["input_ids"].shape), with_kwargs=True)
+    hook = module.critic.register_forward_pre_hook(
+        lambda m, a, kw: forwards.append(kw["input_ids"].shape), with_kwargs=True
+    )
     critic_values(module.critic, r, packing.Layout(1, shared_start=False))
     critic_values(module.critic, r, packing.Layout(1, shared_start=True))
     hook.remove()
@@ -240,8 +266,15 @@ def common_start_reference(prompts: list[list[int]]) -> int:
 
 @pytest.mark.parametrize(
     "prompts",
-    [[[5, 6, 7], [5, 6, 8, 9]], [[5, 6], [5, 6, 7]], [[5], [5, 6]], [[4, 6], [5, 6]], [[5, 6, 7]],
-     [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9]], [[7, 7, 7], [7, 7, 7]]],
+    [
+        [[5, 6, 7], [5, 6, 8, 9]],
+        [[5, 6], [5, 6, 7]],
+        [[5], [5, 6]],
+        [[4, 6], [5, 6]],
+        [[5, 6, 7]],
+        [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9]],
+        [[7, 7, 7], [7, 7, 7]],
+    ],
 )
 def test_common_start_equals_the_obvious_loop(prompts):
     width = max(map(len, prompts)) + 2
@@ -392,17 +425,22 @@ def test_dense_packs_are_skipped_where_they_cost_more(tok):
     from vapo_lightning.models import ModelSpec, build_policy, load_tokenizer
     from vapo_lightning.rollout import _packed
 
-    spec = ModelSpec(config={**TINY_LLAMA, "max_position_embeddings": 512}, tokenizer=str(tok),
-                     attn_implementation="eager")  # fmt: skip
+    spec = ModelSpec(
+        config={**TINY_LLAMA, "max_position_embeddings": 512}, tokenizer=str(tok), attn_implementation="eager"
+    )
     policy = build_policy(spec, load_tokenizer(str(tok)))
     assert policy.config._attn_implementation == "eager"
 
     def rollout(P: int, T: int) -> Rollout:
         B = 4
         ids = torch.cat([torch.randint(3, 100, (1, P)).expand(B, P), torch.randint(3, 100, (B, T))], 1)  # one prompt
-        r = Rollout(input_ids=ids, attention_mask=torch.ones(B, P + T, dtype=torch.long),
-                    response_mask=torch.ones(B, T, dtype=torch.bool), group_ids=torch.zeros(B, dtype=torch.long),
-                    truncated=torch.zeros(B, dtype=torch.bool))  # fmt: skip
+        r = Rollout(
+            input_ids=ids,
+            attention_mask=torch.ones(B, P + T, dtype=torch.long),
+            response_mask=torch.ones(B, T, dtype=torch.bool),
+            group_ids=torch.zeros(B, dtype=torch.long),
+            truncated=torch.zeros(B, dtype=torch.bool),
+        )
         return r
 
     assert _packed(policy, rollout(8, 200), packing.Layout(4)) is None

@@ -47,10 +47,15 @@ def test_multiple_choice_is_a_verifier_and_reports_rows_it_cannot_score():
 @pytest.mark.slow
 def test_vapo_imports_a_callbacks_folder_from_the_working_directory(tmp_path):
     shutil.copytree(ROOT / "callbacks", tmp_path / "callbacks")
-    done = vapo("fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"), "--print_config",
-                "--trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus",
-                "--trainer.callbacks+=callbacks.multiple_choice.MultipleChoice",
-                cwd=tmp_path)  # fmt: skip
+    done = vapo(
+        "fit",
+        "-c",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        "--print_config",
+        "--trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus",
+        "--trainer.callbacks+=callbacks.multiple_choice.MultipleChoice",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "class_path: callbacks.short_answer.ShortAnswerBonus" in done.stdout
     assert "class_path: callbacks.multiple_choice.MultipleChoice" in done.stdout

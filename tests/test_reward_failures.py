@@ -16,7 +16,6 @@ class Broken(RewardCallback):
         return [None if i % self.fail_every == 0 else 1.0 for i in range(len(samples))]
 
 
-
 def test_errors_are_on_the_progress_bar(tok, tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[Broken(fail_every=4)])
     with pytest.warns(UserWarning, match="Broken failed on 4 of 16 samples"):

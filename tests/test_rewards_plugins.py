@@ -68,9 +68,7 @@ def test_failing_rewards_get_the_defined_value_and_are_counted(values, errors):
     assert all(math.isfinite(r) for r in out.rewards)
 
 
-@pytest.mark.parametrize(
-    "values", [ValueError("boom"), [1.0, float("nan"), 1.0], [1.0], {0: 1.0, 1: 0.0, 2: 1.0}]
-)
+@pytest.mark.parametrize("values", [ValueError("boom"), [1.0, float("nan"), 1.0], [1.0], {0: 1.0, 1: 0.0, 2: 1.0}])
 def test_failing_rewards_abort_when_configured(values):
     with pytest.raises(RewardError, match="reward callback Fixed"):
         combine_rewards([Fixed(values, on_error="abort")], SAMPLES)
@@ -111,7 +109,6 @@ def test_one_hung_reward_neither_starves_the_others_nor_piles_up_threads():
         Hang.release.set()
 
 
-
 class Counting(Fixed):
     """Fixed, counting its samples in `metrics()` as a `score` call ends (as CodeReward)."""
 
@@ -141,6 +138,7 @@ def test_a_failed_call_logs_zero_counts_not_the_previous_batchs(timeout_s):
     assert out.errors == 3 and cb.metrics() == {"n/samples": 3.0, "n/zero": 0.0}  # stale
     assert out.metrics == {"n/samples": 3.0, "n/zero": 0.0}  # the healthy callback's only
 
+
 @pytest.mark.slow
 def test_exit_does_not_wait_for_a_hung_reward():
     script = (
@@ -153,9 +151,7 @@ def test_exit_does_not_wait_for_a_hung_reward():
         "print(combine_rewards([Hang(timeout_s=0.1)], s).errors)\n"
     )
     # Hangs for ever (and fails on the subprocess timeout) if exit joins the reward thread.
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "1"
 
 
@@ -224,10 +220,22 @@ class FakeSandboxFusion(BaseHTTPRequestHandler):
         if "HTTP_500" in body["code"]:  # a proxy's error page, no JSON
             self.send_error(500, "upstream gone")
             return
-        proc = subprocess.run([sys.executable, "-c", body["code"]], input=body["stdin"], capture_output=True,
-                              text=True, timeout=body["run_timeout"])  # fmt: skip
-        result = {"status": "Success", "run_result": {"status": "Finished", "return_code": proc.returncode,
-                                                      "stdout": proc.stdout, "stderr": proc.stderr}}  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", body["code"]],
+            input=body["stdin"],
+            capture_output=True,
+            text=True,
+            timeout=body["run_timeout"],
+        )
+        result = {
+            "status": "Success",
+            "run_result": {
+                "status": "Finished",
+                "return_code": proc.returncode,
+                "stdout": proc.stdout,
+                "stderr": proc.stderr,
+            },
+        }
         self.reply(result)
 
     def reply(self, result):
@@ -251,10 +259,7 @@ def test_sandbox_fusion_client_scores_on_the_host():
         half = "a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)"
         crash = "import sys; print(5); sys.exit(1)"
         prefix = "a, b = map(int, input().split())\nprint(a + b)\nprint('extra')"
-        got = cb.score(
-            [sample(r, truth=tests) for r in (good, half, crash, prefix)]
-            + [sample(good, truth=None)]
-        )
+        got = cb.score([sample(r, truth=tests) for r in (good, half, crash, prefix)] + [sample(good, truth=None)])
         assert got == [1.0, 0.5, 0.0, 0.0, None]
         (down,) = cb.score([sample("# SANDBOX_DOWN\nprint(5)", truth=tests)])
         assert isinstance(down, SampleError) and "container failed to start" in str(down)

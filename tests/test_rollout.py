@@ -26,9 +26,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 
 
 def test_chunked_generation_equals_one_call(policy):
-    one = generate(
-        policy, PROMPTS, Generation(n=3, max_new_tokens=10, temperature=0), PAD, EOS
-    )
+    one = generate(policy, PROMPTS, Generation(n=3, max_new_tokens=10, temperature=0), PAD, EOS)
     for size in (1, 5, 12):
         cfg = Generation(n=3, max_new_tokens=10, temperature=0, max_batch_size=size)
         chunked = generate(policy, PROMPTS, cfg, PAD, EOS)
@@ -44,9 +42,7 @@ def test_stop_token_ids_end_responses_like_eos(policy):
     # Pick a token the greedy responses emit mid-way and declare it a stop token.
     row = int(free.response_lengths.argmax())
     stop = int(free.responses[row, 2])
-    cut = generate(
-        policy, PROMPTS, Generation(**{**cfg.__dict__, "stop_token_ids": [stop]}), PAD, EOS
-    )
+    cut = generate(policy, PROMPTS, Generation(**{**cfg.__dict__, "stop_token_ids": [stop]}), PAD, EOS)
     for i in range(len(PROMPTS)):
         full = free.responses[i][free.response_mask[i]].tolist()
         got = cut.responses[i][cut.response_mask[i]].tolist()
@@ -65,8 +61,7 @@ def test_policy_logits_are_the_response_positions_of_a_full_forward(policy):
     r = generate(policy, PROMPTS, Generation(n=2, max_new_tokens=6), PAD, EOS)
     T = r.response_mask.shape[1]
     with torch.no_grad():
-        full = policy(input_ids=r.input_ids, attention_mask=r.attention_mask,
-                      position_ids=r.position_ids).logits  # fmt: skip
+        full = policy(input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids).logits
         logits = policy_logits(policy, r)
     assert logits.is_contiguous() and logits.shape == (len(r), T, full.shape[-1])
     torch.testing.assert_close(logits, full[:, -T - 1 : -1])

@@ -21,16 +21,10 @@ from vapo_lightning.sandbox import Pool, cgroups
 from vapo_lightning.sandbox.cgroups import DEFAULT_ROOT, RunCgroups
 
 V2_ROOT = next(
-    (
-        r
-        for r in (DEFAULT_ROOT, f"{DEFAULT_ROOT}/unified")
-        if os.path.exists(f"{r}/cgroup.controllers")
-    ),
+    (r for r in (DEFAULT_ROOT, f"{DEFAULT_ROOT}/unified") if os.path.exists(f"{r}/cgroup.controllers")),
     None,
 )
-real_tree = pytest.mark.skipif(
-    os.geteuid() != 0 or V2_ROOT is None, reason="needs root and a cgroup2 mount"
-)
+real_tree = pytest.mark.skipif(os.geteuid() != 0 or V2_ROOT is None, reason="needs root and a cgroup2 mount")
 
 
 def _populated(base: str) -> bool:

@@ -89,9 +89,7 @@ def test_processes_of_one_run_share_its_memory_limit(pool):
     limits = Limits(memory_mb=512)
     alone = pool.evaluate(CHILDREN_HOLD, [{"input": [1, 160], "output": "held"}], "f", 30.0, limits)
     assert (alone.status, alone.passed) == ("ok", 1), alone
-    together = pool.evaluate(
-        CHILDREN_HOLD, [{"input": [4, 160], "output": "held"}], "f", 30.0, limits
-    )
+    together = pool.evaluate(CHILDREN_HOLD, [{"input": [4, 160], "output": "held"}], "f", 30.0, limits)
     assert (together.status, together.passed) == ("memory_limit", 0), together
 
 
@@ -121,9 +119,7 @@ def test_report_lists_the_layers_and_each_run_cgroup_goes(pool):
     runs = [d for d in os.listdir(base) if d.startswith("run-")]
     assert len(runs) == 2, runs  # the two spares' own; the finished run's is gone
     # another /tmp size: the spares are discarded, and their cgroups with them
-    pool.evaluate(
-        "def f():\n    return 1\n", [{"input": [], "output": 1}], "f", 10.0, Limits(tmp_mb=32)
-    )
+    pool.evaluate("def f():\n    return 1\n", [{"input": [], "output": 1}], "f", 10.0, Limits(tmp_mb=32))
     runs = [d for d in os.listdir(base) if d.startswith("run-")]
     assert len(runs) == 2, runs
 

@@ -129,18 +129,14 @@ def f(pairs, table, point):
     seen = {p for p in pairs}
     return [len(seen), type(pairs[0]).__name__, table[(1, 2)], table[3], type(point).__name__]
 """
-TYPED_TESTS = [
-    "assert f([(1, 2), (1, 2), (3, 4)], {(1, 2): 'a', 3: 'b'}, (0, 0)) == [2, 'tuple', 'a', 'b', 'tuple']"
-]
+TYPED_TESTS = ["assert f([(1, 2), (1, 2), (3, 4)], {(1, 2): 'a', 3: 'b'}, (0, 0)) == [2, 'tuple', 'a', 'b', 'tuple']"]
 
 
 @pytest.mark.parametrize(
     "code, asserts, fn_name",
     [(MBPP_278, MBPP_278_TESTS, "count_first_elements"), (TYPED, TYPED_TESTS, "f")],
 )
-def test_tuple_and_keyed_arguments_arrive_as_the_assert_passes_them(
-    pool, tmp_path, code, asserts, fn_name
-):
+def test_tuple_and_keyed_arguments_arrive_as_the_assert_passes_them(pool, tmp_path, code, asserts, fn_name):
     from vapo_lightning.sandbox.importers import from_asserts
 
     assert passes_in_cpython(tmp_path, code, asserts)
@@ -164,9 +160,7 @@ def test_a_value_nested_900_deep_is_returned(pool, tmp_path):
     want: list = [0]
     for _ in range(899):
         want = [want]
-    assert passes_in_cpython(
-        tmp_path, code, ["w = [0]", "for _ in range(899): w = [w]", "assert f(900) == w"]
-    )
+    assert passes_in_cpython(tmp_path, code, ["w = [0]", "for _ in range(899): w = [w]", "assert f(900) == w"])
     tests = [{"input": [900], "output": want}, {"input": [899], "output": want}]
     r = pool.evaluate(code, tests, "f")
     assert r.per_test == [True, False], r

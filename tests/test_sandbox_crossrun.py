@@ -343,9 +343,7 @@ def test_concurrent_runs_see_no_lock_device_time_or_host_counter_of_each_other(v
                 30.0,
             )
             time.sleep(0.5)
-            received = pool.evaluate(
-                RECEIVER, [{"input": [secret, 1.5], "output": []}], "receive", 30.0
-            )
+            received = pool.evaluate(RECEIVER, [{"input": [secret, 1.5], "output": []}], "receive", 30.0)
             sent = sent.result()
     finally:
         pool.close()

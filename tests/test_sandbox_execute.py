@@ -46,9 +46,7 @@ def pools():
             started.pop(other).close()
         if mode not in started:
             namespaces, landlock, via_userns = MODES[mode]
-            started[mode] = Pool(
-                size=1, namespaces=namespaces, landlock=landlock, via_userns=via_userns
-            )
+            started[mode] = Pool(size=1, namespaces=namespaces, landlock=landlock, via_userns=via_userns)
         return started[mode]
 
     yield get
@@ -58,10 +56,7 @@ def pools():
 
 def test_prints_come_back_exactly(pool):
     code = (
-        "import sys\n"
-        "print('hello', 42)\n"
-        "print('  spaces  \\n\\n\\ttab é € 😀', end='')\n"
-        "sys.stderr.write('warn\\n')\n"
+        "import sys\nprint('hello', 42)\nprint('  spaces  \\n\\n\\ttab é € 😀', end='')\nsys.stderr.write('warn\\n')\n"
     )
     r = pool.execute(code)
     assert (r.status, r.exit_code, r.truncated) == ("ok", 0, False), r
@@ -151,9 +146,7 @@ def test_nothing_but_truncation_with_a_zero_cap(pool):
 def test_output_beyond_the_whole_run_cap_is_output_limit(pool):
     """The run's own cap (`Limits.output_bytes`) still kills a run whose cut output, base64
     encoded, exceeds it: the one case that is not a truncated result."""
-    r = pool.execute(
-        "print('x' * 10**6)", limits=Limits(output_bytes=100_000), max_output_bytes=1 << 20
-    )
+    r = pool.execute("print('x' * 10**6)", limits=Limits(output_bytes=100_000), max_output_bytes=1 << 20)
     assert (r.status, r.exit_code) == ("output_limit", None), r
     assert 0 < len(r.stdout) <= 100_000
 
@@ -165,11 +158,7 @@ def test_multibyte_text_split_across_pipe_reads_comes_back_whole(pool):
 
 
 def test_invalid_utf8_decodes_with_replacement(pool):
-    code = (
-        "import sys\n"
-        "sys.stdout.buffer.write(b'ok \\xff\\xfe end\\n')\n"
-        "sys.stderr.buffer.write(b'\\xc3(')\n"
-    )
+    code = "import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe end\\n')\nsys.stderr.buffer.write(b'\\xc3(')\n"
     r = pool.execute(code)
     assert (r.status, r.stdout, r.stderr) == ("ok", "ok \ufffd\ufffd end\n", "\ufffd("), r
 

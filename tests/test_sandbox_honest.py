@@ -130,22 +130,29 @@ def test_the_run_is_timed_from_the_sandbox_not_from_when_the_server_reads_it():
     args = {
         "dir": os.path.dirname(client.SERVER_SCRIPT),
         "cgroup_root": client.DEFAULT_CGROUP_ROOT,
-        "request": {"code": code, "inputs": ["[1, 2]"], "fn_name": "add", "timeout_s": 10.0,
-                    "limits": client.Limits().__dict__},
-    }  # fmt: skip
-    out = subprocess.run([sys.executable, "-I", "-S", "-B", "-c", SLOW_SERVER, json.dumps(args)], cwd="/",
-                         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+        "request": {
+            "code": code,
+            "inputs": ["[1, 2]"],
+            "fn_name": "add",
+            "timeout_s": 10.0,
+            "limits": client.Limits().__dict__,
+        },
+    }
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-B", "-c", SLOW_SERVER, json.dumps(args)],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     header = json.loads(out.stdout.strip().splitlines()[-1])
     assert header["status"] == "ok", header
     assert header["run_ms"] >= 300 and header["setup_ms"] < 200, header
 
 
 def test_deep_recursion_with_raised_limit(pool):
-    code = (
-        "import sys\nsys.setrecursionlimit(200000)\n"
-        "def depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
-    )
+    code = "import sys\nsys.setrecursionlimit(200000)\ndef depth(n):\n    return 0 if n == 0 else 1 + depth(n - 1)\n"
     assert _score(pool, code, [{"input": [100000], "output": 100000}], "depth") == 1
 
 
@@ -193,10 +200,7 @@ def test_type_strict_comparison(pool):
     assert _score(pool, "def f():\n    return 1.0\n", tests, "f") == 0
     assert _score(pool, "def f():\n    return '1'\n", tests, "f") == 0
     assert _score(pool, "def f():\n    return 1\n", tests, "f") == 1
-    assert (
-        _score(pool, "def f():\n    return (1, [2])\n", [{"input": [], "output": [1, [2]]}], "f")
-        == 1
-    )
+    assert _score(pool, "def f():\n    return (1, [2])\n", [{"input": [], "output": [1, [2]]}], "f") == 1
 
 
 def test_stdin_mode(pool):
@@ -216,9 +220,7 @@ def test_stdin_mode_whole_output_not_a_prefix(pool):
 
 
 def test_stdin_mode_nonzero_exit_fails_and_runs_are_separate(pool):
-    code = (
-        "import sys\nn = int(sys.stdin.read())\nprint(n * 2)\nif n == 2:\n    raise SystemExit(3)\n"
-    )
+    code = "import sys\nn = int(sys.stdin.read())\nprint(n * 2)\nif n == 2:\n    raise SystemExit(3)\n"
     tests = [
         {"input": "1", "output": "2"},
         {"input": "2", "output": "4"},
@@ -238,7 +240,6 @@ def test_no_tests_is_zero_of_zero(pool):
     assert (r.passed, r.total) == (0, 0)
 
 
-
 def test_a_sandbox_that_fails_to_set_up_is_a_setup_error_not_a_crash(pool):
     """A set-up failure after the sandbox forked (here: a file limit the kernel refuses) ends
     the sandbox before the program ran: `setup_error` with the sandbox's message, told from a
@@ -249,10 +250,10 @@ def test_a_sandbox_that_fails_to_set_up_is_a_setup_error_not_a_crash(pool):
     r = pool.evaluate("print(input())", tests, limits=Limits(open_files=2**40))
     assert r.status == "setup_error" and r.passed == 0
     assert any("not allowed to raise maximum limit" in e for e in r.setup_errors), r
-    r = pool.evaluate("def f(x):\n    import os\n    os._exit(3)", [{"input": [1], "output": 1}],
-                      fn_name="f")  # fmt: skip
+    r = pool.evaluate("def f(x):\n    import os\n    os._exit(3)", [{"input": [1], "output": 1}], fn_name="f")
     assert r.status == "crashed" and r.passed == 0
     assert pool.evaluate("print(input())", tests).passed == 1  # the pool is fine afterwards
+
 
 def test_same_value_rules():
     assert same_value([1, {"a": None}], [1, {"a": None}])

@@ -85,7 +85,5 @@ def test_non_ascii_output_counts_its_bytes_not_json_escapes(pool):
         limits=Limits(stdout_bytes=4 << 20),
     )
     assert (stdin.status, stdin.passed) == ("ok", 1), stdin
-    returned = pool.evaluate(
-        "def f():\n    return 'é' * 1_500_000\n", [{"input": [], "output": "é" * 1_500_000}], "f"
-    )
+    returned = pool.evaluate("def f():\n    return 'é' * 1_500_000\n", [{"input": [], "output": "é" * 1_500_000}], "f")
     assert (returned.status, returned.passed) == ("ok", 1), returned

@@ -33,9 +33,7 @@ CANARIES = [
     f"/root/vapo-pwned-{TOKEN}",
     f"/work/vapo-pwned-{TOKEN}",
 ]
-REPO_FILE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"
-)
+REPO_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
 
 
 def _status(pid: int | str) -> dict[str, str]:
@@ -62,9 +60,7 @@ def _foreign_server(pid: int, ours: set[int] | None = None) -> bool:
     return False
 
 
-def _sandbox_processes(
-    spare_sessions: set[int] = frozenset(), servers: set[int] | None = None
-) -> list[int]:
+def _sandbox_processes(spare_sessions: set[int] = frozenset(), servers: set[int] | None = None) -> list[int]:
     """Live (non-zombie) processes whose real uid is a sandbox uid (65534 or one of a root
     server's, `SANDBOX_UID_BASE` + its pid), other than those of sandbox servers started by
     other processes, or, given `servers` (a pool's server pids), of any other server.
@@ -97,9 +93,7 @@ def pool_leftovers(pool: Pool, grace_s: float = 3.0) -> list[int]:
     moment to leave /proc; a leak stays)."""
     servers = {s.proc.pid for s in pool.servers}
     deadline = time.monotonic() + grace_s
-    while (left := _sandbox_processes(pool.spare_sessions(), servers)) and (
-        time.monotonic() < deadline
-    ):
+    while (left := _sandbox_processes(pool.spare_sessions(), servers)) and (time.monotonic() < deadline):
         time.sleep(0.1)
     return left
 
@@ -170,9 +164,7 @@ def _assert_host_intact(host) -> None:
     assert os.environ["VAPO_TEST_SECRET"] == SECRET
     # The servers survived and still judge honest code correctly.
     for _ in range(2):
-        ok = host["pool"].evaluate(
-            "def f(x):\n    return x + 1\n", [{"input": [1], "output": 2}], "f"
-        )
+        ok = host["pool"].evaluate("def f(x):\n    return x + 1\n", [{"input": [1], "output": 2}], "f")
         assert (ok.passed, ok.total) == (1, 1), ok
 
 
@@ -246,8 +238,7 @@ PROGRAMS = [
     # processes
     (
         "fork_bomb",
-        "import os\ndef f():\n    while True:\n        try: os.fork()\n"
-        "        except OSError: pass",
+        "import os\ndef f():\n    while True:\n        try: os.fork()\n        except OSError: pass",
         "f",
         WANT,
         1.0,
@@ -273,8 +264,7 @@ PROGRAMS = [
     ),
     (
         "escaped_session",
-        "import subprocess\ndef f():\n"
-        "    subprocess.Popen(['sleep', '600'], start_new_session=True)\n    return 0",
+        "import subprocess\ndef f():\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n    return 0",
         "f",
         WANT,
         2.0,
@@ -322,8 +312,7 @@ PROGRAMS = [
     ),
     (
         "big_file",
-        "def f():\n    with open('big', 'wb') as fh:\n        while True:\n"
-        "            fh.write(b'0' * (1 << 20))",
+        "def f():\n    with open('big', 'wb') as fh:\n        while True:\n            fh.write(b'0' * (1 << 20))",
         "f",
         WANT,
         3.0,
@@ -375,9 +364,7 @@ PROGRAMS = [
         [
             {
                 "input": [],
-                "output": Path("/etc/shadow").read_text()
-                if os.access("/etc/shadow", os.R_OK)
-                else SECRET,
+                "output": Path("/etc/shadow").read_text() if os.access("/etc/shadow", os.R_OK) else SECRET,
             }
         ],
         2.0,
@@ -402,8 +389,7 @@ PROGRAMS = [
     ),
     (
         "ppid_environ",
-        "import os\ndef f():\n    d = open(f'/proc/{os.getppid()}/environ', 'rb')"
-        ".read()\n    return d.decode()",
+        "import os\ndef f():\n    d = open(f'/proc/{os.getppid()}/environ', 'rb').read()\n    return d.decode()",
         "f",
         WANT,
         2.0,
@@ -460,8 +446,7 @@ PROGRAMS = [
     ),
     (
         "killpg_and_kill_all",
-        "import os\ndef f():\n    try: os.kill(-1, 9)\n"
-        "    except OSError: pass\n    os.killpg(0, 9)",
+        "import os\ndef f():\n    try: os.kill(-1, 9)\n    except OSError: pass\n    os.killpg(0, 9)",
         "f",
         WANT,
         2.0,
@@ -480,8 +465,7 @@ PROGRAMS = [
     ("os_exit_zero", "import os\ndef f():\n    os._exit(0)", "f", WANT, 2.0),
     (
         "atexit_exit",
-        "import atexit, os\natexit.register(lambda: os._exit(0))\n"
-        "def f():\n    raise SystemExit(0)",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\ndef f():\n    raise SystemExit(0)",
         "f",
         WANT,
         2.0,
@@ -546,9 +530,7 @@ PROGRAMS = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name,code,fn_name,tests,timeout_s", PROGRAMS, ids=[p[0] for p in PROGRAMS]
-)
+@pytest.mark.parametrize("name,code,fn_name,tests,timeout_s", PROGRAMS, ids=[p[0] for p in PROGRAMS])
 def test_hostile_program_scores_zero(host, name, code, fn_name, tests, timeout_s):
     lst = host["listener"]
     for key, value in (
@@ -937,9 +919,7 @@ def test_concurrent_runs_share_no_per_user_limit():
         assert pool.servers[0].uid != pool.servers[1].uid or os.geteuid() != 0
         results = {}
         first = threading.Thread(
-            target=lambda: results.update(
-                hog=pool.evaluate(hog, [{"input": [], "output": True}], "f")
-            )
+            target=lambda: results.update(hog=pool.evaluate(hog, [{"input": [], "output": True}], "f"))
         )
         first.start()
         time.sleep(1.0)  # the hog holds its pipes for 4 s

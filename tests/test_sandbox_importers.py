@@ -68,13 +68,9 @@ def test_livecodebench():
 
 
 def test_ground_truth_shapes():
-    assert from_ground_truth([{"input": "1", "output": "2"}]).tests == [
-        {"input": "1", "output": "2"}
-    ]
+    assert from_ground_truth([{"input": "1", "output": "2"}]).tests == [{"input": "1", "output": "2"}]
     assert from_ground_truth({"inputs": [[1]], "outputs": [[2]], "fn_name": "g"}).fn_name == "g"
-    assert from_ground_truth(["assert h(1) == 2"], fn_name="h").tests == [
-        {"input": [1], "output": 2}
-    ]
+    assert from_ground_truth(["assert h(1) == 2"], fn_name="h").tests == [{"input": [1], "output": 2}]
     with pytest.raises(ValueError):
         from_ground_truth({"unknown": 1})
 

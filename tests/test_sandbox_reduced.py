@@ -59,9 +59,7 @@ def pools(tmp_path_factory):
             started.pop(other).close()
         if mode not in started:
             namespaces, landlock, via_userns = ALL_MODES[mode]
-            started[mode] = Pool(
-                size=1, namespaces=namespaces, landlock=landlock, via_userns=via_userns
-            )
+            started[mode] = Pool(size=1, namespaces=namespaces, landlock=landlock, via_userns=via_userns)
             started[mode].home = home
         return started[mode]
 

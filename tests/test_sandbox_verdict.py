@@ -14,11 +14,44 @@ STDIN_TESTS = [{"input": "", "output": "1"}, {"input": "", "output": "\ufffd"}]
 
 # Pieces of frames a hostile program might write, valid and not.
 PIECES = [
-    b"0", b"1", b"2", b"00", b"-1", b"\xc2\xb2", b"\xd9\xa3", b"\xef\xbc\x91", b"999999999",
-    b"1" * 12, b" ", b"  ", b"\n", b"R", b"E", b"O", b"X", b'"a"', b'"\\ud800"', b"\xff",
-    b"\xc3", b"[", b"]" , b"{", b"}", b"1e999", b"NaN", b"-Infinity", b"9" * 5000, b"[" * 5000,
-    b"null", b"true", b'"\\u00e9"', b"\x00", b"0 R 1", b"1 O \xc2\xb2 \"1\"", b"0 O 0 \"1\"",
-]  # fmt: skip
+    b"0",
+    b"1",
+    b"2",
+    b"00",
+    b"-1",
+    b"\xc2\xb2",
+    b"\xd9\xa3",
+    b"\xef\xbc\x91",
+    b"999999999",
+    b"1" * 12,
+    b" ",
+    b"  ",
+    b"\n",
+    b"R",
+    b"E",
+    b"O",
+    b"X",
+    b'"a"',
+    b'"\\ud800"',
+    b"\xff",
+    b"\xc3",
+    b"[",
+    b"]",
+    b"{",
+    b"}",
+    b"1e999",
+    b"NaN",
+    b"-Infinity",
+    b"9" * 5000,
+    b"[" * 5000,
+    b"null",
+    b"true",
+    b'"\\u00e9"',
+    b"\x00",
+    b"0 R 1",
+    b'1 O \xc2\xb2 "1"',
+    b'0 O 0 "1"',
+]
 
 
 def _check(raw: bytes) -> None:
@@ -131,9 +164,7 @@ def test_a_frame_nested_past_its_budget_fails_before_it_is_decoded():
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": repo}
-    out = subprocess.run(
-        [sys.executable, "-c", DEEP_FRAMES], capture_output=True, text=True, env=env, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", DEEP_FRAMES], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out  # (a segfault is -11)
     deep = "nested too deeply"
     assert out.stdout.strip() == f"{([False, False], [deep, deep])} {([False], [deep])}", out
@@ -146,11 +177,7 @@ def test_a_deep_expected_value_is_read_and_compared_at_any_stack_depth():
     frame = b"0 R " + b"[" * compare.MAX_DEPTH + b"1" + b"]" * compare.MAX_DEPTH + b"\n"
 
     def nested_call(levels: int):  # a trainer's stack, deep below the judge
-        return (
-            nested_call(levels - 1)
-            if levels
-            else judge(frame, [{"input": [], "output": want}], "f")
-        )
+        return nested_call(levels - 1) if levels else judge(frame, [{"input": [], "output": want}], "f")
 
     assert nested_call(sys.getrecursionlimit() // 2) == ([True], [None])
     assert compare.depth(want) == compare.MAX_DEPTH

@@ -23,9 +23,13 @@ def data(tmp_path_factory) -> SFTDataModule:
     train, val = arithmetic.make_splits(64, 8, seed=7)
     arithmetic.write_jsonl(train, folder / "train.jsonl")
     arithmetic.write_jsonl(val, folder / "val.jsonl")
-    return SFTDataModule(val_path=str(folder / "val.jsonl"),
-                         rl_train_path=str(folder / "train.jsonl"),
-                         num_train=512, batch_size=16, val_batch_size=8)
+    return SFTDataModule(
+        val_path=str(folder / "val.jsonl"),
+        rl_train_path=str(folder / "train.jsonl"),
+        num_train=512,
+        batch_size=16,
+        val_batch_size=8,
+    )
 
 
 def test_sft_problems_exclude_rl_and_val_prompts(data):
@@ -82,14 +86,22 @@ def test_rows_without_observations_encode_as_one_text(data):
 
 def test_short_run_lowers_the_loss_and_export_reloads(data, tmp_path):
     L.seed_everything(0)
-    module = SFTModule(tokenizer=data.tokenizer, lr=3e-3, warmup_steps=5, num_samples=2,
-                       export_dir=str(tmp_path / "export"), **TINY)
+    module = SFTModule(
+        tokenizer=data.tokenizer, lr=3e-3, warmup_steps=5, num_samples=2, export_dir=str(tmp_path / "export"), **TINY
+    )
     probe = data._collate_train(data.train_examples[:32])
     with torch.no_grad():
         before = module._response_loss(probe).item()
-    trainer = L.Trainer(max_steps=25, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        val_check_interval=25, check_val_every_n_epoch=None)
+    trainer = L.Trainer(
+        max_steps=25,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=25,
+        check_val_every_n_epoch=None,
+    )
     trainer.fit(module, datamodule=data)
     with torch.no_grad():
         after = module._response_loss(probe).item()
@@ -101,10 +113,10 @@ def test_short_run_lowers_the_loss_and_export_reloads(data, tmp_path):
     tok = AutoTokenizer.from_pretrained(export)
     assert tok.padding_side == "left" and tok.eos_token_id == data.tokenizer.eos_token_id
     ids = data._collate_train(data.train_examples[:4])
-    torch.testing.assert_close(model(input_ids=ids["input_ids"]).logits,
-                               module.model(input_ids=ids["input_ids"]).logits)
-    prompts = tok([chat_prompt(tok, r["prompt"]) for r in data.val_rows[:3]], padding=True,
-                  return_tensors="pt")
+    torch.testing.assert_close(
+        model(input_ids=ids["input_ids"]).logits, module.model(input_ids=ids["input_ids"]).logits
+    )
+    prompts = tok([chat_prompt(tok, r["prompt"]) for r in data.val_rows[:3]], padding=True, return_tensors="pt")
     out = model.generate(**prompts, max_new_tokens=12, do_sample=False)
     assert out.shape[0] == 3 and out.shape[1] > prompts["input_ids"].shape[1]
 
@@ -127,11 +139,20 @@ def test_left_padded_greedy_matches_unpadded(data):
 def test_cli_runs_the_shipped_config(tmp_path):
     """`sft_main` parses configs/quickstart_sft.yaml and trains / exports a tiny variant."""
     overrides = [f"--model.{k}={v}" for k, v in TINY.items()]
-    sft_main(["-c", str(ROOT / "configs" / "quickstart_sft.yaml"), *overrides,
-              "--trainer.max_steps=3", "--trainer.val_check_interval=3",
-              "--trainer.limit_val_batches=1", "--data.num_train=96", "--data.val_batch_size=8",
-              f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-              f"--model.export_dir={tmp_path / 'export'}"])
+    sft_main(
+        [
+            "-c",
+            str(ROOT / "configs" / "quickstart_sft.yaml"),
+            *overrides,
+            "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=1",
+            "--data.num_train=96",
+            "--data.val_batch_size=8",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+            f"--model.export_dir={tmp_path / 'export'}",
+        ]
+    )
     assert (tmp_path / "export" / "config.json").exists()
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
 

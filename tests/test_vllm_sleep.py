@@ -100,16 +100,22 @@ class SleepingEngine(VLLMEngine):
 def test_sleep_mode_never_samples_discarded_or_stale_weights_over_a_fit_and_its_resume(tmp_path, tok, monkeypatch):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    monkeypatch.setitem(__import__("vapo_lightning.engines", fromlist=["ENGINES"]).ENGINES, "vllm",
-                        f"{__name__}:SleepingEngine")  # fmt: skip
+    monkeypatch.setitem(
+        __import__("vapo_lightning.engines", fromlist=["ENGINES"]).ENGINES, "vllm", f"{__name__}:SleepingEngine"
+    )
     SleepingLLM.log = []
     gen = Generation(n=4, max_new_tokens=12, engine="vllm")
 
     def fit(steps: int, ckpt: str | None = None) -> None:
         module, data = tiny_module(tok, generation=gen), tiny_data(tmp_path)
         save = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
-        trainer = tiny_trainer(tmp_path, max_steps=steps, callbacks=[ValuePretraining(steps=2), save],
-                               val_check_interval=2, check_val_every_n_epoch=None)  # fmt: skip
+        trainer = tiny_trainer(
+            tmp_path,
+            max_steps=steps,
+            callbacks=[ValuePretraining(steps=2), save],
+            val_check_interval=2,
+            check_val_every_n_epoch=None,
+        )
         trainer.fit(module, datamodule=data, ckpt_path=ckpt)
 
     fit(4)  # 2 value-pretraining steps (level 1: the weights kept), 2 actor steps (level 2)
@@ -117,7 +123,7 @@ def test_sleep_mode_never_samples_discarded_or_stale_weights_over_a_fit_and_its_
     assert first.count("generate") >= 4 + 3  # 4 rollouts; validation before training and at 2, 4
     assert "sleep1" in first and "sleep2" in first
     after_deep = first.index("sleep2")
-    assert "reload" in first[after_deep:first.index("generate", after_deep)]  # reloaded before sampling
+    assert "reload" in first[after_deep : first.index("generate", after_deep)]  # reloaded before sampling
     fit(5, ckpt=str(tmp_path / "ckpt" / "last.ckpt"))  # resumed: the restored weights, not the initial ones
     assert SleepingLLM.log.count("generate") > first.count("generate")
 

@@ -38,9 +38,7 @@ for line in sys.stdin:
 
 class Echo(WorkerPool):
     def __init__(self, mode: str = "serve", **kwargs) -> None:
-        super().__init__(
-            **{"num_workers": 2, "timeout_s": TIMEOUT_S, "startup_timeout_s": 30.0, **kwargs}
-        )
+        super().__init__(**{"num_workers": 2, "timeout_s": TIMEOUT_S, "startup_timeout_s": 30.0, **kwargs})
         self.mode = mode
 
     def _start(self):
@@ -95,9 +93,7 @@ def test_a_request_larger_than_a_pipe_buffer_round_trips(pools):
 
 def test_workers_that_cannot_start_fail_the_batch_and_are_stopped(pools):
     dying = pools("die", start_attempts=3, start_hint=" (a hint)")
-    with pytest.raises(
-        RuntimeError, match=r"exited while starting 3 times; see its stderr \(a hint\)"
-    ):
+    with pytest.raises(RuntimeError, match=r"exited while starting 3 times; see its stderr \(a hint\)"):
         dying.run(["a"])
     assert dying._workers == []
     silent = pools("silent", startup_timeout_s=0.5)

@@ -39,8 +39,6 @@ class EverySpace(Tool):
 
     def run(self, calls: list[str]) -> list[ToolOutput]:
         return [
-            ToolOutput("too long", error="too_long")
-            if len(c) > self.fail_over
-            else ToolOutput(str(len(c)))
+            ToolOutput("too long", error="too_long") if len(c) > self.fail_over else ToolOutput(str(len(c)))
             for c in calls
         ]

@@ -58,9 +58,12 @@ def critic_targets(r: Rollout, values: Tensor, a: Algorithm, value_pretraining: 
 
 @torch.no_grad()
 def compute_advantages(
-    r: Rollout, values: Tensor | None, a: Algorithm, value_pretraining: bool,
+    r: Rollout,
+    values: Tensor | None,
+    a: Algorithm,
+    value_pretraining: bool,
     global_sum: Callable[[Tensor], Tensor],
-) -> Advantages:  # fmt: skip
+) -> Advantages:
     """The actor's advantages (B, T) and, with a critic (V_old `values`, (B, T)), the critic's
     targets: GAE with the actor's lambda over V_old, or GRPO / DAPO's group-normalised outcome
     on every token (also where `a.critic_gate` finds the critic explaining too little);

@@ -173,9 +173,7 @@ def sdpa_fp32_on_cpu(
             return packed_attention(q, k, v, pack_spans, kwargs.get("scaling")), None
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu") and not decode:
         with torch.autocast("cpu", enabled=False):
-            return sdpa_attention_forward(
-                module, query.float(), key.float(), value.float(), attention_mask, **kwargs
-            )
+            return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -259,7 +257,11 @@ def packed_attention(
             pk, pv = k[:, :, f:P], v[:, :, f:P]  # views: no copy where no start is shared
             if S:
                 pk, pv = torch.cat([k[:, :, :S], pk], 2), torch.cat([v[:, :, :S], pv], 2)
-            prompt = attend(q[:, :, f:P], pk, pv, attn_mask=after(S, P - f)) if S else attend(q[:, :, f:P], pk, pv, is_causal=True)
+            prompt = (
+                attend(q[:, :, f:P], pk, pv, attn_mask=after(S, P - f))
+                if S
+                else attend(q[:, :, f:P], pk, pv, is_causal=True)
+            )
             parts += [q.new_zeros(1, H, f - done, D), prompt]
             for s, n in span.responses:
                 keys = torch.cat([pk, k[:, :, s : s + n]], 2)

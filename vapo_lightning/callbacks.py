@@ -80,13 +80,19 @@ class StepLog(L.Callback):
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
         limit = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
         phases = ", ".join(f"{k} {m[f'timing_s/{k}']:.1f} s" for k in self.PHASES if m.get(f"timing_s/{k}", 0) > 0)
-        parts = [f"step {trainer.global_step}{limit}", f"{m.get('timing_s/step', float('nan')):.1f} s",
-                 f"reward {m.get('reward', float('nan')):.3f}", f"accuracy {m.get('rollout/accuracy', float('nan')):.3f}",
-                 f"length {m.get('response_length/mean', float('nan')):.0f}"]  # fmt: skip
+        parts = [
+            f"step {trainer.global_step}{limit}",
+            f"{m.get('timing_s/step', float('nan')):.1f} s",
+            f"reward {m.get('reward', float('nan')):.3f}",
+            f"accuracy {m.get('rollout/accuracy', float('nan')):.3f}",
+            f"length {m.get('response_length/mean', float('nan')):.0f}",
+        ]
         if m.get("warmup/active"):
             parts.append("value pretraining")
-        print(f"[{datetime.datetime.now():%H:%M:%S}] " + "  ".join(parts) + (f"  ({phases})" if phases else ""),
-              flush=True)  # fmt: skip
+        print(
+            f"[{datetime.datetime.now():%H:%M:%S}] " + "  ".join(parts) + (f"  ({phases})" if phases else ""),
+            flush=True,
+        )
 
 
 def progress_bar() -> L.Callback:
@@ -124,9 +130,7 @@ class ValuePretraining(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not pl_module.algo.uses_critic:
-            raise ValueError(
-                "ValuePretraining needs a critic: remove it for advantage='group' (GRPO/DAPO)"
-            )
+            raise ValueError("ValuePretraining needs a critic: remove it for advantage='group' (GRPO/DAPO)")
         pl_module.value_pretraining_steps = self.steps  # (a resumed run: its checkpoint's)
         pl_module.value_pretraining_threshold = self.threshold
         pl_module.value_pretraining_save_dir = self.save_dir
@@ -197,9 +201,7 @@ class EntropyTracker(L.Callback):
             for logger in trainer.loggers:
                 exp = getattr(logger, "experiment", None)
                 if hasattr(exp, "add_histogram"):
-                    exp.add_histogram(
-                        "rollout/entropy_tokens", ent[mask.bool()].float().cpu(), step
-                    )
+                    exp.add_histogram("rollout/entropy_tokens", ent[mask.bool()].float().cpu(), step)
 
     def _collapsed(self, mean: float) -> str | None:
         """Why `mean` counts as a collapse (None: it does not)."""
@@ -266,13 +268,17 @@ class ValidationSamples(L.Callback):
         if self._file is None or r is None:
             return
         calls = [None] * len(r) if r.tool_calls is None else r.tool_calls.tolist()
-        for sample, reward, correct, n_calls in zip(
-            r.samples, r.scores.tolist(), r.correct.tolist(), calls
-        ):
-            row = {"step": trainer.global_step, "data_source": sample.data_source,
-                   "prompt": sample.prompt, "response": sample.response,
-                   "response_tokens": len(sample.response_ids), "reward": reward,
-                   "correct": bool(correct), "ground_truth": sample.ground_truth}  # fmt: skip
+        for sample, reward, correct, n_calls in zip(r.samples, r.scores.tolist(), r.correct.tolist(), calls):
+            row = {
+                "step": trainer.global_step,
+                "data_source": sample.data_source,
+                "prompt": sample.prompt,
+                "response": sample.response,
+                "response_tokens": len(sample.response_ids),
+                "reward": reward,
+                "correct": bool(correct),
+                "ground_truth": sample.ground_truth,
+            }
             if "difficulty" in sample.extra_info:
                 row["difficulty"] = sample.extra_info["difficulty"]
             if n_calls is not None:
@@ -311,10 +317,19 @@ class TrainingSamples(L.Callback):
         for i in list(firsts.values())[: self.k]:
             s = r.samples[i]
             scores = {name: float(r.reward_parts[i, j]) for j, name in enumerate(r.reward_names)}
-            out.append({"step": step, "prompt": s.prompt, "response": s.response,
-                        "reward": float(r.scores[i]), "scores": scores, "correct": bool(r.correct[i]),
-                        "ground_truth": s.ground_truth, "tokens": lengths[i],
-                        "truncated": bool(r.truncated[i])})  # fmt: skip
+            out.append(
+                {
+                    "step": step,
+                    "prompt": s.prompt,
+                    "response": s.response,
+                    "reward": float(r.scores[i]),
+                    "scores": scores,
+                    "correct": bool(r.correct[i]),
+                    "ground_truth": s.ground_truth,
+                    "tokens": lengths[i],
+                    "truncated": bool(r.truncated[i]),
+                }
+            )
         return out
 
     def on_train_batch_end(
@@ -342,6 +357,8 @@ def as_markdown(row: dict) -> str:
     verdict = "correct" if row["correct"] else "wrong"
     cut = ", truncated" if row["truncated"] else ""
     block = lambda text: "\n".join("    " + line for line in str(text).splitlines())  # noqa: E731
-    return (f"**reward {row['reward']:g}** ({scores}), {verdict}, {row['tokens']} tokens{cut}; "
-            f"ground truth `{row['ground_truth']}`\n\n{block(row['prompt'])}\n\n"
-            f"{block(row['response'])}")  # fmt: skip
+    return (
+        f"**reward {row['reward']:g}** ({scores}), {verdict}, {row['tokens']} tokens{cut}; "
+        f"ground truth `{row['ground_truth']}`\n\n{block(row['prompt'])}\n\n"
+        f"{block(row['response'])}"
+    )

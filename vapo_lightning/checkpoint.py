@@ -58,9 +58,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         seconds, self.seconds = self.seconds, 0.0
         return seconds
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         start = time.perf_counter()
         try:
             self._write(checkpoint, path, storage_options)
@@ -177,8 +175,7 @@ class CheckpointOnSigterm(L.Callback):
     decision is rank 0's, as Lightning's own stop is (a sharded save is collective).
     """
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         stopping = bool(getattr(trainer, "received_sigterm", False))
         if trainer.world_size > 1:
             stopping = bool(trainer.strategy.broadcast(stopping, src=0))

@@ -85,8 +85,10 @@ def _why_not_importable(reason: str) -> str:
     try:
         found = importlib.import_module(module) if module else None
     except Exception as err:  # not found, or the plug-in's own import failed
-        return (f"{key}{dotted} does not import: {type(err).__name__}: {err} (plug-in modules are "
-                f"imported from the working directory, {os.getcwd()})")  # fmt: skip
+        return (
+            f"{key}{dotted} does not import: {type(err).__name__}: {err} (plug-in modules are "
+            f"imported from the working directory, {os.getcwd()})"
+        )
     if found is not None and not hasattr(found, name):
         return f"{key}{dotted}: module {module} ({getattr(found, '__file__', '?')}) has no {name!r}"
     return reason
@@ -110,9 +112,7 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in values.items():
-        inner = [
-            t for t in typing.get_args(hints.get(name)) or [hints.get(name)] if is_dataclass(t)
-        ]
+        inner = [t for t in typing.get_args(hints.get(name)) or [hints.get(name)] if is_dataclass(t)]
         kwargs[name] = _build(inner[0], value) if inner and isinstance(value, dict) else value
     return cls(**kwargs)
 
@@ -123,9 +123,7 @@ def check_model_config(model: dict[str, Any]) -> None:
     paths exist, before anything is loaded."""
     hints = typing.get_type_hints(VAPOModule.__init__)
     for name, value in model.items():
-        classes = [
-            t for t in typing.get_args(hints.get(name)) or [hints.get(name)] if is_dataclass(t)
-        ]
+        classes = [t for t in typing.get_args(hints.get(name)) or [hints.get(name)] if is_dataclass(t)]
         if not classes or not isinstance(value, dict):
             continue
         try:
@@ -138,8 +136,7 @@ def check_model_config(model: dict[str, Any]) -> None:
                 path = getattr(spec, field)
                 if path is not None and not looks_like_a_model_source(path):
                     raise UsageError(
-                        f"model.{name}.{field}={path!r}: no such folder (and not a hub id like "
-                        "'org/name')"
+                        f"model.{name}.{field}={path!r}: no such folder (and not a hub id like 'org/name')"
                     )
 
 
@@ -242,8 +239,10 @@ class VAPOCLI(_OwnProgs, LightningCLI):
         if path and Path(path).is_file():
             saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("hyper_parameters", {})
             for key, (was, now) in changed_keys(saved, config.get("model").as_dict()).items():
-                rank_zero_warn(f"model.{key}: {now!r} from the config, where the checkpoint's run had {was!r}"
-                               + (RESTORED if key.startswith("optim.") else ""))  # fmt: skip
+                rank_zero_warn(
+                    f"model.{key}: {now!r} from the config, where the checkpoint's run had {was!r}"
+                    + (RESTORED if key.startswith("optim.") else "")
+                )
 
     def before_instantiate_classes(self) -> None:
         config = self._sub_config()[1]
@@ -264,9 +263,7 @@ class VAPOCLI(_OwnProgs, LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
         if not sys.stdout.isatty() and not any(isinstance(cb, StepLog) for cb in callbacks):
             callbacks.append(StepLog())  # (a bar does not reach a file: a line per step does)
-        if config.get("enable_progress_bar") is not False and not any(
-            isinstance(cb, ProgressBar) for cb in callbacks
-        ):
+        if config.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(progress_bar())
         if not any(isinstance(cb, TrainingSamples) for cb in callbacks):
             callbacks.append(TrainingSamples())  # a few scored responses per step, to read
@@ -326,9 +323,7 @@ def main(args: list[str] | None = None) -> None:
     # The config dataclasses document each field in an attribute docstring: that is the help.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     command = argv[0] if argv else None
-    if command in (None, "-h", "--help") or (
-        command not in COMMANDS and not command.startswith("-")
-    ):
+    if command in (None, "-h", "--help") or (command not in COMMANDS and not command.startswith("-")):
         sys.stdout.write(usage()) if command in ("-h", "--help") else sys.stderr.write(usage())
         if command in ("-h", "--help"):
             return

@@ -18,6 +18,7 @@ class SetupError(ValueError):
     """A setting that cannot work, found before any work starts: one line naming the field
     and what to change (the CLI prints it without a traceback)."""
 
+
 __all__ = ["Algorithm", "Generation", "Optim", "VLLMOptions"]
 
 
@@ -130,7 +131,8 @@ class Algorithm:
             "critic_updates_per_step": self.critic_updates_per_step >= 1,
             "mini_batch_size": self.mini_batch_size >= 1,
             "micro_batch_size": 1 <= self.micro_batch_size <= self.mini_batch_size,
-            "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+            "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch is None
+            or self.max_tokens_per_micro_batch >= 1,
             "dynamic_sampling_rounds": self.dynamic_sampling_rounds >= 0,
             "rollout_is": self.rollout_is in ("none", "tis"),
             "rollout_is_cap": self.rollout_is_cap >= 1,
@@ -139,9 +141,7 @@ class Algorithm:
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(
-                f"model.algorithm: invalid {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}"
-            )
+            raise ValueError(f"model.algorithm: invalid {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
         if self.mini_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"model.algorithm.micro_batch_size={self.micro_batch_size} must divide "
@@ -187,7 +187,9 @@ class Algorithm:
         if self.advantage == "group" and n < 2:
             raise SetupError("model.algorithm.advantage='group' (GRPO/DAPO) needs model.generation.n >= 2")
         if self.critic_gate is not None and n < 2:
-            raise SetupError("model.algorithm.critic_gate falls back to the group mean: it needs model.generation.n >= 2")
+            raise SetupError(
+                "model.algorithm.critic_gate falls back to the group mean: it needs model.generation.n >= 2"
+            )
 
 
 @dataclass
@@ -204,12 +206,7 @@ class Optim:
     """Gradient clipping (global norm) for each model."""
 
     def __post_init__(self) -> None:
-        if (
-            self.actor_lr < 0
-            or self.critic_lr < 0
-            or self.warmup_steps < 0
-            or self.max_grad_norm <= 0
-        ):
+        if self.actor_lr < 0 or self.critic_lr < 0 or self.warmup_steps < 0 or self.max_grad_norm <= 0:
             raise ValueError("model.optim: learning rates and warmup_steps >= 0, max_grad_norm > 0")
 
 
@@ -247,9 +244,7 @@ class VLLMOptions:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("generation.vllm.gpu_memory_utilization must lie in (0, 1]")
         if self.tensor_parallel_size < 1 or self.max_num_seqs < 1 or self.kv_cache_gib < 1:
-            raise ValueError(
-                "generation.vllm: tensor_parallel_size, max_num_seqs and kv_cache_gib must be >= 1"
-            )
+            raise ValueError("generation.vllm: tensor_parallel_size, max_num_seqs and kv_cache_gib must be >= 1")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"generation.vllm.dtype={self.dtype!r}: auto, bfloat16, float16 or float32")
 

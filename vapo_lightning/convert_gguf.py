@@ -166,9 +166,7 @@ def load(path: Path, config: Any, dtype: torch.dtype) -> tuple[Any, Any]:
     dense = {}
     if hasattr(transformers, "GgufConfig"):
         dense["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, config=config, dtype=dtype, **dense
-    )
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype, **dense)
     if any(not p.is_floating_point() for p in model.parameters()):
         raise GGUFError(f"{path.name}: transformers kept some weights quantised; cannot save them")
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -241,9 +239,7 @@ def verify(model: Any, tokenizer: Any, folder: Path) -> tuple[int, float]:
     return positions, max_diff
 
 
-def convert_gguf(
-    path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32
-) -> Conversion:
+def convert_gguf(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Conversion:
     """Writes the GGUF at `path` as a Hugging Face folder `out` (new or empty) and checks it.
     The folder is written beside `out` and moved there only once the check has passed."""
     path, out = Path(path), Path(out)
@@ -288,9 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("file", metavar="FILE", help="the .gguf file")
     ap.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty folder for the model")
-    ap.add_argument(
-        "--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights"
-    )
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     try:

@@ -177,9 +177,7 @@ def sparse_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
     return rewards
 
 
-def group_normalized_advantages(
-    scores: Tensor, group_ids: Tensor, use_std: bool = True, eps: float = 1e-6
-) -> Tensor:
+def group_normalized_advantages(scores: Tensor, group_ids: Tensor, use_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO / DAPO critic-free advantage: (R - mean_group) / std_group, per response.
 
     scores: (B,) rewards; group_ids: (B,) int, equal for responses of the same prompt.
@@ -308,12 +306,8 @@ def policy_loss(
         loss = loss * torch.where(mask, is_weights, torch.zeros_like(is_weights)).detach()
     with torch.no_grad():
         stats = {
-            "clipfrac_high": masked_mean(
-                ((ratio > 1 + clip_high) & (advantages > 0)).float(), response_mask
-            ),
-            "clipfrac_low": masked_mean(
-                ((ratio < 1 - clip_low) & (advantages < 0)).float(), response_mask
-            ),
+            "clipfrac_high": masked_mean(((ratio > 1 + clip_high) & (advantages > 0)).float(), response_mask),
+            "clipfrac_low": masked_mean(((ratio < 1 - clip_low) & (advantages < 0)).float(), response_mask),
             "approx_kl": masked_mean(-log_ratio, response_mask),
         }
     return aggregate(loss, response_mask, agg, normalizer), stats
@@ -350,18 +344,14 @@ def value_loss(
     return aggregate(loss, response_mask, agg, normalizer), clipfrac
 
 
-def nll_loss(
-    logprobs: Tensor, response_mask: Tensor, correct: Tensor, normalizer: float | Tensor
-) -> Tensor:
+def nll_loss(logprobs: Tensor, response_mask: Tensor, correct: Tensor, normalizer: float | Tensor) -> Tensor:
     """Positive-example LM loss (§4.3, Eq. 9): token-mean NLL over correct responses only.
 
     logprobs, response_mask: (B, T); correct: (B,) bool. `normalizer` is the number of
     correct-response tokens of the whole mini-batch (0 gives a zero loss).
     """
     mask = response_mask.bool() & correct.bool().unsqueeze(-1)
-    return aggregate(
-        -torch.where(mask, logprobs, torch.zeros_like(logprobs)), mask, "token", normalizer
-    )
+    return aggregate(-torch.where(mask, logprobs, torch.zeros_like(logprobs)), mask, "token", normalizer)
 
 
 def actor_loss(
@@ -394,9 +384,17 @@ def actor_loss(
     detached.
     """
     pg, stats = policy_loss(
-        logprobs, old_logprobs, advantages, response_mask, normalizer,
-        clip_low, clip_high, clip_ratio_c, agg, is_weights,
-    )  # fmt: skip
+        logprobs,
+        old_logprobs,
+        advantages,
+        response_mask,
+        normalizer,
+        clip_low,
+        clip_high,
+        clip_ratio_c,
+        agg,
+        is_weights,
+    )
     loss, stats = pg, {**stats, "pg_loss": pg.detach()}
     if nll_coef > 0:
         nll = nll_loss(logprobs, response_mask, correct, n_correct_tokens)

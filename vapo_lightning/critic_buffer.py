@@ -37,8 +37,17 @@ from vapo_lightning.rollout import Rollout, cat_rollouts
 
 __all__ = ["BUFFER_FIELDS", "Buffer", "Setup", "from_config", "progress", "sample_buffer", "say"]
 
-SAMPLING = ("engine", "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-            "max_turns", "max_observation_tokens")  # fmt: skip (the generation settings the buffer depends on)
+SAMPLING = (
+    "engine",
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_token_ids",
+    "max_turns",
+    "max_observation_tokens",
+)  # the generation settings the buffer depends on
 BUFFER_FIELDS = ("input_ids", "attention_mask", "response_mask", "group_ids", "truncated", "scores", "correct")
 
 
@@ -126,8 +135,13 @@ class Buffer:
             data = torch.load(self.chunk_path(i), weights_only=True)
             seconds += float(data.pop("seconds"))
             data["input_ids"], data["attention_mask"] = data["input_ids"].long(), data["attention_mask"].long()
-            parts.append(Rollout(**{k: data[k] for k in BUFFER_FIELDS if k not in ("scores", "correct")},
-                                 scores=data["scores"], correct=data["correct"]))  # fmt: skip
+            parts.append(
+                Rollout(
+                    **{k: data[k] for k in BUFFER_FIELDS if k not in ("scores", "correct")},
+                    scores=data["scores"],
+                    correct=data["correct"],
+                )
+            )
         r = cat_rollouts(parts)
         r.group_ids = torch.cat([p.group_ids for p in parts])  # (cat_rollouts renumbers groups)
         return r, seconds
@@ -136,8 +150,14 @@ class Buffer:
 def progress() -> Progress:
     """A rich bar on a terminal; written to a file or a pipe (a run in the background), one
     plain line per chunk and per epoch instead (`say`)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), disable=not sys.stderr.isatty())  # fmt: skip
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        disable=not sys.stderr.isatty(),
+    )
 
 
 def say(line: str) -> None:
@@ -155,16 +175,28 @@ def sample_buffer(
     chosen = torch.randperm(len(s.rows), generator=torch.Generator().manual_seed(seed)).tolist()
     chosen = sorted(chosen[:prompts] if prompts else chosen)
     gen = replace(s.module.gen, n=samples_per_prompt)
-    settings = {**s.settings, "chosen": chosen, "samples_per_prompt": samples_per_prompt, "seed": seed,
-                "chunk_prompts": chunk_prompts}  # fmt: skip
+    settings = {
+        **s.settings,
+        "chosen": chosen,
+        "samples_per_prompt": samples_per_prompt,
+        "seed": seed,
+        "chunk_prompts": chunk_prompts,
+    }
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
     buffer = Buffer(folder, {"fingerprint": fingerprint, "settings": settings})
     chunks = [chosen[i : i + chunk_prompts] for i in range(0, len(chosen), chunk_prompts)]
     todo = [i for i in range(len(chunks)) if not buffer.chunk_path(i).exists()]
     if todo:
         longest = max(len(s.rows[i]["prompt_ids"]) for i in chosen) + gen.max_new_tokens
-        engine = make_engine(gen, s.module.policy, s.module.tokenizer, s.module.tools, max_model_len=longest,
-                             precision=s.precision, local_rank=0)  # fmt: skip
+        engine = make_engine(
+            gen,
+            s.module.policy,
+            s.module.tokenizer,
+            s.module.tools,
+            max_model_len=longest,
+            precision=s.precision,
+            local_rank=0,
+        )
         try:
             with progress() as bar:
                 task = bar.add_task("sampling the buffer", total=len(chunks), completed=len(chunks) - len(todo))
@@ -178,8 +210,10 @@ def sample_buffer(
                     score_rollout(r, s.rewards)
                     buffer.save(i, r, chunks[i], time.perf_counter() - start)
                     bar.advance(task)
-                    say(f"buffer chunk {i + 1}/{len(chunks)}: {len(r)} responses, {time.perf_counter() - start:.0f} s, "
-                        f"{100 * float(r.correct.float().mean()):.0f} % correct")  # fmt: skip
+                    say(
+                        f"buffer chunk {i + 1}/{len(chunks)}: {len(r)} responses, {time.perf_counter() - start:.0f} s, "
+                        f"{100 * float(r.correct.float().mean()):.0f} % correct"
+                    )
         finally:
             engine.close()
     r, seconds = buffer.load(len(chunks))

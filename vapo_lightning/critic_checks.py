@@ -33,18 +33,14 @@ def _local(x: Tensor) -> Tensor:
     return x.float()
 
 
-def explained_variance(
-    values: Tensor, returns: Tensor, mask: Tensor, global_sum: GlobalSum = _local
-) -> Tensor:
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, global_sum: GlobalSum = _local) -> Tensor:
     """1 - Var[returns - values] / Var[returns] over the valid tokens of every rank (1: a
     perfect critic, 0: no better than the mean return, < 0: worse); NaN where the returns
     do not vary (`core.explained_variance`'s rule). values, returns, mask: (B, T)."""
     m = mask.bool()
     y = torch.where(m, returns.float(), 0.0)
     e = torch.where(m, (returns - values).float(), 0.0)
-    n, sy, syy, se, see = global_sum(
-        torch.stack([m.sum().float(), y.sum(), (y * y).sum(), e.sum(), (e * e).sum()])
-    )
+    n, sy, syy, se, see = global_sum(torch.stack([m.sum().float(), y.sum(), (y * y).sum(), e.sum(), (e * e).sum()]))
     dof = (n - 1).clamp(min=1)
     var_y = (syy - sy * sy / n.clamp(min=1)) / dof
     var_e = (see - se * se / n.clamp(min=1)) / dof
@@ -71,18 +67,13 @@ def explained_variance_by_position(
     that only learns once it reads the answer's numbers explains little at the first tenth
     and more at the last."""
     names = {0: "first_tenth", 5: "middle_tenth", 9: "last_tenth"}
-    return {
-        names[k]: explained_variance(values, returns, m, global_sum)
-        for k, m in position_masks(mask).items()
-    }
+    return {names[k]: explained_variance(values, returns, m, global_sum) for k, m in position_masks(mask).items()}
 
 
 def _pearson(x: Tensor, y: Tensor) -> Tensor:
     x, y = x.float() - x.float().mean(), y.float() - y.float().mean()
     denom = (x.square().sum() * y.square().sum()).sqrt()
-    return torch.where(
-        denom > 1e-12, (x * y).sum() / denom.clamp(min=1e-12), torch.full_like(denom, float("nan"))
-    )
+    return torch.where(denom > 1e-12, (x * y).sum() / denom.clamp(min=1e-12), torch.full_like(denom, float("nan")))
 
 
 def first_values(values: Tensor, mask: Tensor) -> Tensor:
@@ -116,9 +107,7 @@ def baseline_shares(
     _, inverse = torch.unique(group_ids, return_inverse=True)
     k = int(inverse.max()) + 1 if len(inverse) else 0
     sums = torch.zeros(k, device=scores.device).index_add_(0, inverse, scores.float())
-    counts = torch.zeros(k, device=scores.device).index_add_(
-        0, inverse, torch.ones_like(scores, dtype=torch.float)
-    )
+    counts = torch.zeros(k, device=scores.device).index_add_(0, inverse, torch.ones_like(scores, dtype=torch.float))
     group_mean = (sums / counts)[inverse][:, None].expand_as(values)
     return {
         "critic": explained_variance(values, returns, mask, global_sum),

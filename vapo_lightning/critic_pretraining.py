@@ -87,16 +87,10 @@ def improved(history: list[dict[str, float]], min_delta: float) -> int:
     gain above `min_delta`; where the held-out returns do not vary (explained variance
     undefined, NaN, from the first row on), by held-out value loss, lower by `min_delta`."""
     undefined = math.isnan(history[0]["held_out/explained_var"])
-    key = (
-        (lambda row: -row["held_out/value_loss"])
-        if undefined
-        else (lambda row: row["held_out/explained_var"])
-    )
+    key = (lambda row: -row["held_out/value_loss"]) if undefined else (lambda row: row["held_out/explained_var"])
     best = 0
     for i, row in enumerate(history):
-        if not math.isnan(key(row)) and (
-            math.isnan(key(history[best])) or key(row) > key(history[best]) + min_delta
-        ):
+        if not math.isnan(key(row)) and (math.isnan(key(history[best])) or key(row) > key(history[best]) + min_delta):
             best = i
     return best
 
@@ -129,8 +123,9 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
     module.critic = build_critic(module.critic_spec, module.policy, module.tokenizer).to(s.device)
     module.policy, module.critic = add_adapters(module.policy, module.critic, module.policy_spec, module.critic_spec)
     folder = Path(opts.buffer) if opts.buffer else out / "buffer"
-    buffer, sample_seconds, chosen = sample_buffer(s, folder, opts.prompts, opts.samples_per_prompt,
-                                                   opts.chunk_prompts, opts.seed)  # fmt: skip
+    buffer, sample_seconds, chosen = sample_buffer(
+        s, folder, opts.prompts, opts.samples_per_prompt, opts.chunk_prompts, opts.seed
+    )
     module.policy = None  # the critic trains alone from here
     critic = module.critic
 
@@ -156,8 +151,12 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
         with s.forward_context():
             values = compute_values(critic, held, algo.micro_batch_size, layout=layouts["held"])
         checks = check_critic(values, returns["held"], held.scores, held.correct, held.group_ids, held.response_mask)
-        return {"epoch": epoch, "train/value_loss": train_loss, **{f"held_out/{k}": v for k, v in checks.items()},
-                "minutes": seconds / 60}  # fmt: skip
+        return {
+            "epoch": epoch,
+            "train/value_loss": train_loss,
+            **{f"held_out/{k}": v for k, v in checks.items()},
+            "minutes": seconds / 60,
+        }
 
     if not history:  # the critic as it starts, kept unless an epoch beats it
         history.append(score(0, float("nan"), 0.0))
@@ -174,22 +173,41 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
             losses = []
             for index in batches:
                 with s.forward_context():
-                    stats = update_critic(critic, opt, train, None, returns["train"], [index], algo,
-                                          optim.max_grad_norm, RankOps(), layouts["train"])  # fmt: skip
+                    stats = update_critic(
+                        critic,
+                        opt,
+                        train,
+                        None,
+                        returns["train"],
+                        [index],
+                        algo,
+                        optim.max_grad_norm,
+                        RankOps(),
+                        layouts["train"],
+                    )
                 sched.step()
                 losses += stats["critic/vf_loss"]
                 bar.advance(task)
             history.append(score(epoch, sum(losses) / len(losses), time.perf_counter() - start))
             if improved(history, opts.min_delta) == epoch:
                 save_pretrained(critic, module.tokenizer, out / "critic", True)
-            torch.save({"critic": critic.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "history": history}, state_path.with_suffix(".tmp"))  # fmt: skip
+            torch.save(
+                {
+                    "critic": critic.state_dict(),
+                    "opt": opt.state_dict(),
+                    "sched": sched.state_dict(),
+                    "history": history,
+                },
+                state_path.with_suffix(".tmp"),
+            )
             os.replace(state_path.with_suffix(".tmp"), state_path)
             stop = stopped(history, opts)
             row = history[-1]
-            say(f"critic epoch {epoch}: train value loss {row['train/value_loss']:.4f}, held-out value loss "
+            say(
+                f"critic epoch {epoch}: train value loss {row['train/value_loss']:.4f}, held-out value loss "
                 f"{row['held_out/value_loss']:.4f}, explained variance {row['held_out/explained_var']:.3f}, "
-                f"{row['minutes']:.1f} min")  # fmt: skip
+                f"{row['minutes']:.1f} min"
+            )
     best = improved(history, opts.min_delta)
     report = {
         "command": "vapo pretrain-critic " + " ".join(argv + _flags(opts)),
@@ -198,11 +216,16 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
         "machine": _machine(),
         "options": asdict(opts),
         "buffer": {
-            "prompts": len(chosen), "responses": len(buffer), "training_responses": len(train),
-            "held_out_responses": len(held), "held_out_prompts": len(held_prompts),
-            "correct": float(buffer.correct.float().mean()), "mean_reward": float(buffer.scores.mean()),
+            "prompts": len(chosen),
+            "responses": len(buffer),
+            "training_responses": len(train),
+            "held_out_responses": len(held),
+            "held_out_prompts": len(held_prompts),
+            "correct": float(buffer.correct.float().mean()),
+            "mean_reward": float(buffer.scores.mean()),
             "mean_response_tokens": float(buffer.response_lengths.float().mean()),
-            "truncated": float(buffer.truncated.float().mean()), "sampling_minutes": sample_seconds / 60,
+            "truncated": float(buffer.truncated.float().mean()),
+            "sampling_minutes": sample_seconds / 60,
         },
         "epochs": history,
         "best_epoch": best,
@@ -219,9 +242,7 @@ def stopped(history: list[dict[str, float]], opts: Options) -> str | None:
     """Why training stops after these epochs, or None to go on."""
     epochs, best = len(history) - 1, improved(history, opts.min_delta)
     if epochs - best >= opts.patience and epochs > 0:
-        return (
-            f"no better held-out explained variance for {opts.patience} epochs (best: epoch {best})"
-        )
+        return f"no better held-out explained variance for {opts.patience} epochs (best: epoch {best})"
     if epochs >= opts.max_epochs:
         return f"max_epochs={opts.max_epochs}"
     return None
@@ -269,8 +290,9 @@ def _flags(opts: Options) -> list[str]:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -314,5 +336,7 @@ def main(argv: list[str]) -> None:
     opts, rest = parse(argv)
     report = pretrain_critic(rest, opts)
     best = report["epochs"][report["best_epoch"]]
-    print(f"critic: {report['critic']} (epoch {report['best_epoch']}, held-out explained variance "
-          f"{best['held_out/explained_var']:.3f}); report: {Path(opts.out) / 'report.md'}")  # fmt: skip
+    print(
+        f"critic: {report['critic']} (epoch {report['best_epoch']}, held-out explained variance "
+        f"{best['held_out/explained_var']:.3f}); report: {Path(opts.out) / 'report.md'}"
+    )

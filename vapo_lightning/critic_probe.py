@@ -81,12 +81,13 @@ class CriticProbe(L.Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "probe" in state:
             probe = state["probe"]
-            self.probe = Rollout(**{k: probe[k] for k in PROBE_FIELDS if k not in ("scores", "correct")},
-                                 scores=probe["scores"], correct=probe["correct"])  # fmt: skip
+            self.probe = Rollout(
+                **{k: probe[k] for k in PROBE_FIELDS if k not in ("scores", "correct")},
+                scores=probe["scores"],
+                correct=probe["correct"],
+            )
 
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         if trainer.global_step % self.every_n_steps == 0:
             self.write(trainer, pl_module)
 

@@ -84,12 +84,20 @@ def token_views(r: Rollout, values: Tensor, algo: Algorithm, tokenizer: Any) -> 
         falls = [(value[s] - value[t], t) for s, t in itertools.pairwise(steps)]
         drop = max(falls)[1] if falls and not bool(r.correct[b]) else None
         sample = r.samples[b] if r.samples else None
-        views.append(TokenView(
-            prompt=sample.prompt if sample else "", response=sample.response if sample else "",
-            reward=float(r.scores[b]), correct=bool(r.correct[b]),
-            tokens=[tokenizer.decode([i]) for i in r.responses[b, :length].tolist()],
-            action=mask[b, :length].tolist(), value=value, td_error=delta, advantage=adv, drop=drop,
-        ))  # fmt: skip
+        views.append(
+            TokenView(
+                prompt=sample.prompt if sample else "",
+                response=sample.response if sample else "",
+                reward=float(r.scores[b]),
+                correct=bool(r.correct[b]),
+                tokens=[tokenizer.decode([i]) for i in r.responses[b, :length].tolist()],
+                action=mask[b, :length].tolist(),
+                value=value,
+                td_error=delta,
+                advantage=adv,
+                drop=drop,
+            )
+        )
     return views
 
 
@@ -118,8 +126,11 @@ def figure(view: TokenView, max_labels: int = 96) -> Any:
     n = len(view.tokens)
     last = max((t for t in range(n) if view.action[t]), default=None)  # where the reward enters
     fig, axes = plt.subplots(3, 1, figsize=(0.16 * min(n, max_labels) + 2.5, 6), sharex=True)
-    series = [("V(s_t)", view.value, "tab:blue"), ("TD error", view.td_error, "tab:orange"),
-              ("advantage", view.advantage, "tab:green")]  # fmt: skip
+    series = [
+        ("V(s_t)", view.value, "tab:blue"),
+        ("TD error", view.td_error, "tab:orange"),
+        ("advantage", view.advantage, "tab:green"),
+    ]
     for ax, (name, ys, color) in zip(axes, series):
         ax.plot(range(n), ys, marker="." if n <= max_labels else None, color=color, lw=1)
         ax.axhline(0, color="grey", lw=0.5)
@@ -128,8 +139,14 @@ def figure(view: TokenView, max_labels: int = 96) -> Any:
             ax.axvline(view.drop, color="red", lw=0.8, ls="--")
     if last is not None:
         axes[1].plot([last], [view.td_error[last]], marker="*", ms=10, color="black", ls="none")
-        axes[1].annotate(f"reward {view.reward:+.2f}", (last, view.td_error[last]), fontsize=7,
-                         xytext=(-4, 6), textcoords="offset points", ha="right")  # fmt: skip
+        axes[1].annotate(
+            f"reward {view.reward:+.2f}",
+            (last, view.td_error[last]),
+            fontsize=7,
+            xytext=(-4, 6),
+            textcoords="offset points",
+            ha="right",
+        )
     every = math.ceil(n / max_labels) if n else 1
     ticks = sorted(set(range(0, n, every)) | {t for t in (view.drop, last) if t is not None})
     axes[-1].set_xlim(-0.5, n - 0.5)
@@ -170,8 +187,9 @@ class CriticView(L.Callback):
         self.last_views: list[TokenView] = []  # the last drawn, and their responses
         self.last_rollout: Rollout | None = None
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         r = getattr(pl_module, "last_val_rollout", None)
         if batch_idx != 0 or r is None or pl_module.critic is None:
             return

@@ -29,9 +29,7 @@ class DataError(ValueError):
     """A data file or row is unusable; the message names the file, line and field."""
 
 
-def read_rows(
-    source: str, malformed: list[str] | None = None
-) -> Iterable[tuple[str, dict[str, Any]]]:
+def read_rows(source: str, malformed: list[str] | None = None) -> Iterable[tuple[str, dict[str, Any]]]:
     """Yields (location, row) from a .jsonl / .json / .parquet file or a hub dataset
     ("name" or "name:split"); location is "file:line" (or "file:row N") for messages.
     A .jsonl line that is not JSON raises `DataError`, or, given a `malformed` list, is
@@ -55,9 +53,7 @@ def read_rows(
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
-            raise DataError(
-                f"{source}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})"
-            ) from None
+            raise DataError(f"{source}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(rows, list):
             raise DataError(f"{source}: expected a JSON list of objects, got {type(rows).__name__}")
         for i, row in enumerate(rows):
@@ -74,9 +70,7 @@ def read_rows(
             try:
                 ds = datasets.load_dataset(name, split=split or "train")
             except Exception as err:
-                raise DataError(
-                    f"{source}: not a local file, and loading it from the hub failed: {err}"
-                ) from err
+                raise DataError(f"{source}: not a local file, and loading it from the hub failed: {err}") from err
         for i, row in enumerate(ds):
             yield f"{source}:row {i}", row
 
@@ -98,9 +92,7 @@ class ResumableSampler(DistributedSampler):
         self.skip = 0  # indices of this rank's shard already consumed (set on resume)
 
     def __iter__(self):
-        order = torch.randperm(
-            len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch)
-        )
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
         mine = order[self.rank : self.total_size : self.num_replicas].tolist()
         start, self.skip = self.skip, 0
         return iter(mine[start:])
@@ -171,9 +163,7 @@ class PromptDataModule(L.LightningDataModule):
         if answer_field and tests_field:
             raise ValueError("data: set answer_field (math) or tests_field (code), not both")
         if prompts_per_step < 1 or val_batch_size < 1 or max_prompt_length < 1:
-            raise ValueError(
-                "data: prompts_per_step, val_batch_size and max_prompt_length must be >= 1"
-            )
+            raise ValueError("data: prompts_per_step, val_batch_size and max_prompt_length must be >= 1")
         if prompt_template is not None:
             check_prompt_template(prompt_template)
         self.save_hyperparameters()
@@ -269,11 +259,7 @@ class PromptDataModule(L.LightningDataModule):
                 raise DataError(f"{where}: field '{hp.prompt_field}' is empty")
             text = hp.prompt_template.format(prompt=prompt) if hp.prompt_template else prompt
             messages = [{"role": "user", "content": text}]
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(m, dict) and "content" in m for m in prompt)
-        ):
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt):
             messages, text = prompt, None
         else:
             raise DataError(
@@ -282,18 +268,14 @@ class PromptDataModule(L.LightningDataModule):
         if self.uses_chat_template(tokenizer) or text is None:
             if hp.system_prompt is not None:  # "" too: it replaces a template's default one
                 messages = [{"role": "system", "content": hp.system_prompt}, *messages]
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         truth_field = hp.tests_field or hp.answer_field
         truth = raw.get(truth_field) if truth_field else None
         if truth_field and (truth is None or truth == "" or truth == []):
             raise DataError(f"{where}: field '{truth_field}' is missing or empty")
         source = raw.get(hp.data_source_field, "default")
         if not isinstance(source, str):
-            raise DataError(
-                f"{where}: field '{hp.data_source_field}' must be a string, got {source!r:.40}"
-            )
+            raise DataError(f"{where}: field '{hp.data_source_field}' must be a string, got {source!r:.40}")
         used = {hp.prompt_field, truth_field, hp.data_source_field}
         return {
             "prompt_text": text,
@@ -328,9 +310,11 @@ class PromptDataModule(L.LightningDataModule):
         if not self.val_rows:  # no validation data: no loader (an empty one makes Lightning warn)
             return []
         world = self.trainer.world_size if self.trainer is not None else 1
-        sampler = None if world == 1 else DistributedSampler(
-            self.val_rows, num_replicas=world, rank=self.trainer.global_rank, shuffle=False
-        )  # fmt: skip
+        sampler = (
+            None
+            if world == 1
+            else DistributedSampler(self.val_rows, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
+        )
         return DataLoader(self.val_rows, batch_size=self.hparams.val_batch_size, collate_fn=list, sampler=sampler)
 
     def state_dict(self) -> dict[str, Any]:
@@ -364,7 +348,11 @@ def check_prompt_template(template: str) -> None:
     except ValueError:  # a lone "{" or "}"
         others, missing = {"a lone brace"}, False
     if others or missing:
-        what = f"found {', '.join(sorted(repr('{' + f + '}') if f != 'a lone brace' else f for f in others))}" if others else "no {prompt} in it"
+        what = (
+            f"found {', '.join(sorted(repr('{' + f + '}') if f != 'a lone brace' else f for f in others))}"
+            if others
+            else "no {prompt} in it"
+        )
         raise SetupError(
             f"data.prompt_template={template!r}: {what}; {{prompt}} is the only field filled in, "
             "so write other braces doubled, e.g. \\boxed{{}} for \\boxed{}"

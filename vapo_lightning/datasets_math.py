@@ -84,8 +84,10 @@ def _text(raw: dict, key: str) -> str:
 def _answer(value: Any, key: str) -> str:
     """A gold answer as a string: 142.0 -> "142", 1e-05 -> "0.00001", "025" -> "25", LaTeX
     unchanged."""
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or (
-        isinstance(value, float) and not math.isfinite(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (str, int, float))
+        or (isinstance(value, float) and not math.isfinite(value))
     ):
         raise RowError(f"field '{key}' must be a string or a number, got {value!r:.60}")
     text = (value if isinstance(value, str) else number_text(value)).strip()
@@ -148,14 +150,10 @@ def dapo_item(raw: dict) -> Item:
     instruction around the problem removed; the answer in ``reward_model.ground_truth``."""
     prompt = raw.get("prompt")
     if isinstance(prompt, list):
-        users = [
-            m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"
-        ]
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
         prompt = users[-1] if users else None
     if not isinstance(prompt, str) or not prompt.strip():
-        raise RowError(
-            f"field 'prompt' has no user message with text, got {raw.get('prompt')!r:.60}"
-        )
+        raise RowError(f"field 'prompt' has no user message with text, got {raw.get('prompt')!r:.60}")
     problem = prompt.strip()
     if problem.startswith(_DAPO_HEAD) and "\n\n" in problem:
         problem = problem.split("\n\n", 1)[1]
@@ -284,10 +282,7 @@ def convert(
                 continue
             seen.add((item.problem, item.answer))
             source_name = data_source or item.data_source or fmt.data_source
-            rows.append(
-                {"prompt": item.problem, "answer": item.answer, "data_source": source_name}
-                | item.extra
-            )
+            rows.append({"prompt": item.problem, "answer": item.answer, "data_source": source_name} | item.extra)
     return Conversion(rows, errors, duplicates)
 
 
@@ -297,16 +292,12 @@ def parser() -> argparse.ArgumentParser:
         description="Convert a public math dataset into prompt rows (prompt, answer, data_source).",
     )
     ap.add_argument("format", choices=sorted(FORMATS))
-    ap.add_argument(
-        "sources", nargs="*", help="local files / directories or hub ids (default: the format's)"
-    )
+    ap.add_argument("sources", nargs="*", help="local files / directories or hub ids (default: the format's)")
     ap.add_argument("--out", required=True, help="the .jsonl file to write")
     ap.add_argument("--config", help="hub subset (default: the format's, e.g. gsm8k: main)")
     ap.add_argument("--split", help="hub split (default: the format's, e.g. train)")
     ap.add_argument("--data-source", help="the rows' data_source (default: the format's name)")
-    ap.add_argument(
-        "--skip-bad-rows", action="store_true", help="write the good rows, report the others"
-    )
+    ap.add_argument("--skip-bad-rows", action="store_true", help="write the good rows, report the others")
     return ap
 
 
@@ -321,9 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if len(result.errors) > 20:
         print(f"... and {len(result.errors) - 20} more bad rows", file=sys.stderr)
     if result.errors and not args.skip_bad_rows:
-        sys.exit(
-            f"error: {len(result.errors)} bad rows; nothing written (--skip-bad-rows skips them)"
-        )
+        sys.exit(f"error: {len(result.errors)} bad rows; nothing written (--skip-bad-rows skips them)")
     if not result.rows:
         sys.exit("error: no rows to write")
     write_jsonl(result.rows, args.out)

@@ -127,8 +127,10 @@ class VAPOStrategy(ModelParallelStrategy):
         self.keep_saves = keep_saves
         unknown = set(offload) - {"policy", "critic", "reference"}
         if unknown or (offload and mode != "fsdp"):
-            raise ValueError(f"VAPOStrategy.offload: models among 'policy', 'critic', 'reference', under "
-                             f"mode='fsdp' (got {list(offload)}, mode={mode!r})")  # fmt: skip
+            raise ValueError(
+                f"VAPOStrategy.offload: models among 'policy', 'critic', 'reference', under "
+                f"mode='fsdp' (got {list(offload)}, mode={mode!r})"
+            )
         self.offload = tuple(offload)
 
     def setup_environment(self) -> None:
@@ -197,14 +199,17 @@ class VAPOStrategy(ModelParallelStrategy):
         if float(failed) > 0:
             if self.is_global_zero:
                 shutil.rmtree(target, ignore_errors=True)
-            raise RuntimeError(f"checkpoint {path}: {int(failed)} rank(s) failed to save; the previous "
-                               f"save is kept") from error  # fmt: skip
+            raise RuntimeError(
+                f"checkpoint {path}: {int(failed)} rank(s) failed to save; the previous save is kept"
+            ) from error
         if self.is_global_zero:
             link = path.with_name(f".{path.name}.link")
             link.unlink(missing_ok=True)
             link.symlink_to(Path(saves.name) / target.name)
             os.replace(link, path)  # the switch: atomic
-            for old in sorted((p for p in saves.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[: -self.keep_saves]:
+            for old in sorted((p for p in saves.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))[
+                : -self.keep_saves
+            ]:
                 shutil.rmtree(old)
         self.barrier("vapo_sharded_save")
 
@@ -212,8 +217,9 @@ class VAPOStrategy(ModelParallelStrategy):
         if self.mode != "ddp":
             return super().load_checkpoint(checkpoint_path, weights_only)
         if Path(checkpoint_path).is_dir():
-            raise ValueError(f"{checkpoint_path} is a sharded (fsdp) checkpoint folder: resume it with "
-                             "--trainer.strategy=fsdp")  # fmt: skip
+            raise ValueError(
+                f"{checkpoint_path} is a sharded (fsdp) checkpoint folder: resume it with --trainer.strategy=fsdp"
+            )
         return Strategy.load_checkpoint(self, checkpoint_path, weights_only)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -275,8 +281,14 @@ def parallelize(module: Any) -> None:
         named = {"policy": module.policy, "critic": module.critic, "reference": ref}
         for name, m in named.items():
             if m is not None:
-                shard_from_rank0(m, strategy.dp_mesh, mp, strategy.reshard_after_forward, strategy.root_device,
-                                 offload=name in strategy.offload)  # fmt: skip
+                shard_from_rank0(
+                    m,
+                    strategy.dp_mesh,
+                    mp,
+                    strategy.reshard_after_forward,
+                    strategy.root_device,
+                    offload=name in strategy.offload,
+                )
     else:
         from torch.distributed._composable import replicate
 
@@ -296,8 +308,10 @@ def check_precision(precision: str) -> None:
     move at RL's learning rates (a 1e-6 step is below bf16's resolution near 1); `16-mixed`'s
     gradient scaler does not reach the manual optimisation's clipping."""
     if precision in ("bf16-true", "bf16", "16-mixed", "16", "16-true", "fp16"):
-        raise SetupError(f"trainer.precision={precision}: under --trainer.strategy=ddp|fsdp train with "
-                         "bf16-mixed (bf16 compute, fp32 weights and optimiser states) or 32-true")  # fmt: skip
+        raise SetupError(
+            f"trainer.precision={precision}: under --trainer.strategy=ddp|fsdp train with "
+            "bf16-mixed (bf16 compute, fp32 weights and optimiser states) or 32-true"
+        )
 
 
 def remove_save(path: Path) -> None:
@@ -324,9 +338,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise TypeError(
-            f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={names})"
-        )
+        raise TypeError(f"{type(model).__name__}: no decoder layers found to shard (_no_split_modules={names})")
     return layers
 
 
@@ -407,9 +419,7 @@ def merged_state_dict(model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_pretrained(
-    model: Any, tokenizer: Any, directory: str | Path, is_global_zero: bool
-) -> None:
+def save_pretrained(model: Any, tokenizer: Any, directory: str | Path, is_global_zero: bool) -> None:
     """`save_pretrained` of a possibly sharded / replicated model, written by rank 0.
     Every rank must call it (the weights are gathered collectively)."""
     if is_lora(model):  # the adapters merged in, saved as the base's own architecture

@@ -29,10 +29,14 @@ def agreement(r: Rollout, algo: Algorithm) -> Tensor:
 
 
 def sample_in_rounds(
-    draw: Callable[[list[dict]], Rollout], rows: list[dict], n: int, algo: Algorithm,
-    any_rank_short: Callable[[bool], bool], more_prompts: Callable[[int], list[dict]],
+    draw: Callable[[list[dict]], Rollout],
+    rows: list[dict],
+    n: int,
+    algo: Algorithm,
+    any_rank_short: Callable[[bool], bool],
+    more_prompts: Callable[[int], list[dict]],
     smallest: Callable[[int], int],
-) -> tuple[Rollout, list[Rollout]]:  # fmt: skip
+) -> tuple[Rollout, list[Rollout]]:
     """(the step's rollout, every round drawn): `draw` samples and scores n answers to each
     row; without dynamic sampling one round as drawn. With it, the informative groups of each
     round are kept until there are len(rows) × n answers or the rounds run out, on every rank

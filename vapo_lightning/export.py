@@ -26,9 +26,11 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapters: bool = F
     alone); returns the folders written."""
     from vapo_lightning.module import VAPOModule
 
-    ckpt = read_sharded(Path(ckpt_path)) if Path(ckpt_path).is_dir() else AtomicCheckpointIO().load_checkpoint(
-        ckpt_path, map_location="cpu"
-    )  # fmt: skip
+    ckpt = (
+        read_sharded(Path(ckpt_path))
+        if Path(ckpt_path).is_dir()
+        else AtomicCheckpointIO().load_checkpoint(ckpt_path, map_location="cpu")
+    )
     hparams = {**ckpt.get("hyper_parameters", {}), "torch_compile": False}
     if "policy" not in hparams:
         raise CheckpointError(f"checkpoint {ckpt_path} was not written by a VAPO run")
@@ -71,10 +73,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="vapo export",
         description="Save a checkpoint's policy (with tokenizer) and critic in Hugging Face format.",
     )
-    ap.add_argument("--ckpt_path", required=True, help="a .ckpt file or sharded (fsdp) checkpoint folder written by vapo fit")
+    ap.add_argument(
+        "--ckpt_path", required=True, help="a .ckpt file or sharded (fsdp) checkpoint folder written by vapo fit"
+    )
     ap.add_argument("--out", required=True, help="folder for policy/ and critic/")
-    ap.add_argument("--adapters", action="store_true",
-                    help="LoRA runs: also write the adapters alone (policy_adapter/, critic_adapter/; peft)")
+    ap.add_argument(
+        "--adapters",
+        action="store_true",
+        help="LoRA runs: also write the adapters alone (policy_adapter/, critic_adapter/; peft)",
+    )
     args = ap.parse_args(argv)
     for folder in export_checkpoint(args.ckpt_path, args.out, args.adapters):
         print(f"wrote {folder}")

@@ -28,8 +28,16 @@ from torch import Tensor, nn
 
 from vapo_lightning.config import SetupError
 
-__all__ = ["AdaptersOff", "LoRA", "MergedCopy", "drop_frozen", "is_lora", "merged_weights", "restore_frozen",
-           "with_adapters"]  # fmt: skip
+__all__ = [
+    "AdaptersOff",
+    "LoRA",
+    "MergedCopy",
+    "drop_frozen",
+    "is_lora",
+    "merged_weights",
+    "restore_frozen",
+    "with_adapters",
+]
 
 
 @dataclass
@@ -65,9 +73,7 @@ def _import_peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise SetupError(
-            "lora needs peft: pip install 'vapo-lightning[lora]' (or pip install peft)"
-        ) from None
+        raise SetupError("lora needs peft: pip install 'vapo-lightning[lora]' (or pip install peft)") from None
     return peft
 
 
@@ -77,10 +83,14 @@ def with_adapters(model: nn.Module, lora: LoRA, which: str, value_head: str | No
     or "critic") names the setting in errors."""
     peft = _import_peft()
     config = peft.LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=lora.target_modules, exclude_modules=lora.exclude_modules or None,
-        modules_to_save=[value_head] if value_head else None, bias="none",
-    )  # fmt: skip
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        exclude_modules=lora.exclude_modules or None,
+        modules_to_save=[value_head] if value_head else None,
+        bias="none",
+    )
     name = type(model).__name__
     try:
         wrapped = peft.get_peft_model(model, config)
@@ -188,7 +198,9 @@ def base_fingerprint(model: nn.Module) -> list[float]:
     if cached is not None:
         return cached
     state = model.state_dict()
-    frozen = [state[n] for n in frozen_names(model, "") if state[n].is_floating_point() and ".original_module." not in n]
+    frozen = [
+        state[n] for n in frozen_names(model, "") if state[n].is_floating_point() and ".original_module." not in n
+    ]
     total = sum(float(torch.sum(t, dtype=torch.float64)) for t in frozen)
     squares = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in frozen)
     model._vapo_base_fingerprint = [total, squares]

@@ -54,10 +54,12 @@ class ModelShape:
         return cls(
             params=sum(p.numel() for p in model.parameters()),
             trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
-            layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, vocab=getattr(cfg, "vocab_size", 0),
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            vocab=getattr(cfg, "vocab_size", 0),
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,10 @@ class Plan:
 
     def line(self, device_bytes: float | None = None) -> str:
         of = f" of {device_bytes / GiB:.1f} GiB" if device_bytes else ""
-        return (f"memory plan per GPU, worst case{of}: rollout {self.rollout / GiB:.1f} GiB, critic update "
-                f"{self.critic_update / GiB:.1f} GiB, actor update {self.actor_update / GiB:.1f} GiB")  # fmt: skip
+        return (
+            f"memory plan per GPU, worst case{of}: rollout {self.rollout / GiB:.1f} GiB, critic update "
+            f"{self.critic_update / GiB:.1f} GiB, actor update {self.actor_update / GiB:.1f} GiB"
+        )
 
 
 def activations(shape: ModelShape, tokens: float, checkpointing: bool) -> float:
@@ -86,17 +90,32 @@ def activations(shape: ModelShape, tokens: float, checkpointing: bool) -> float:
 
 
 def memory_plan(
-    policy: ModelShape, critic: ModelShape | None, *, world: int, sharded: bool, reference: bool,
-    prompt: int, max_new_tokens: int, responses: int, micro_batch: int, max_tokens: int | None,
-    checkpointing: bool, engine: str, device_bytes: float, gpu_memory_utilization: float,
+    policy: ModelShape,
+    critic: ModelShape | None,
+    *,
+    world: int,
+    sharded: bool,
+    reference: bool,
+    prompt: int,
+    max_new_tokens: int,
+    responses: int,
+    micro_batch: int,
+    max_tokens: int | None,
+    checkpointing: bool,
+    engine: str,
+    device_bytes: float,
+    gpu_memory_utilization: float,
     offload: tuple[str, ...] = (),
-) -> Plan:  # fmt: skip
+) -> Plan:
     """The plan for one rank: `responses` sampled a step, micro-batches of `micro_batch`
     responses or of `max_tokens` tokens, every sequence `prompt + max_new_tokens` long; the
     models in `offload` keep their states in host memory (counted as none here)."""
     share = world if sharded else 1
-    resident = {"policy": policy.state_bytes, "critic": critic.state_bytes if critic else 0,
-                "reference": 4 * policy.params if reference else 0}  # fmt: skip
+    resident = {
+        "policy": policy.state_bytes,
+        "critic": critic.state_bytes if critic else 0,
+        "reference": 4 * policy.params if reference else 0,
+    }
     states = sum(v for k, v in resident.items() if k not in offload) / share
     seq = prompt + max_new_tokens
     # a micro-batch filled to its budget (a sequence over it alone), or micro_batch sequences
@@ -106,8 +125,12 @@ def memory_plan(
     else:
         kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * 2 * responses * seq
         rollout = states + 2 * policy.params + kv  # the gathered bf16 weights sample
-    actor = states + policy.gradient_bytes / share + activations(policy, tokens, checkpointing) + 4 * tokens * policy.vocab
-    critic_update = states + (critic.gradient_bytes / share + activations(critic, tokens, checkpointing) if critic else 0)
+    actor = (
+        states + policy.gradient_bytes / share + activations(policy, tokens, checkpointing) + 4 * tokens * policy.vocab
+    )
+    critic_update = states + (
+        critic.gradient_bytes / share + activations(critic, tokens, checkpointing) if critic else 0
+    )
     return Plan(rollout, critic_update, actor)
 
 
@@ -123,19 +146,28 @@ def check_memory(module) -> None:
     strategy, dm = trainer.strategy, trainer.datamodule
     total = torch.cuda.get_device_properties(module.device).total_memory
     plan = memory_plan(
-        ModelShape.of(module.policy), ModelShape.of(module.critic) if module.critic is not None else None,
-        world=trainer.world_size, sharded=getattr(strategy, "mode", None) == "fsdp",
-        reference=module.ref_policy is not None and not is_lora(module.policy), prompt=module.longest_prompt,
-        max_new_tokens=module.gen.max_new_tokens, responses=dm.prompts_per_step * module.gen.n,
-        micro_batch=module.algo.micro_batch_size, max_tokens=module.algo.max_tokens_per_micro_batch,
-        checkpointing=bool(getattr(strategy, "activation_checkpointing", False)), engine=module.gen.engine,
-        device_bytes=total, gpu_memory_utilization=module.gen.vllm.gpu_memory_utilization,
+        ModelShape.of(module.policy),
+        ModelShape.of(module.critic) if module.critic is not None else None,
+        world=trainer.world_size,
+        sharded=getattr(strategy, "mode", None) == "fsdp",
+        reference=module.ref_policy is not None and not is_lora(module.policy),
+        prompt=module.longest_prompt,
+        max_new_tokens=module.gen.max_new_tokens,
+        responses=dm.prompts_per_step * module.gen.n,
+        micro_batch=module.algo.micro_batch_size,
+        max_tokens=module.algo.max_tokens_per_micro_batch,
+        checkpointing=bool(getattr(strategy, "activation_checkpointing", False)),
+        engine=module.gen.engine,
+        device_bytes=total,
+        gpu_memory_utilization=module.gen.vllm.gpu_memory_utilization,
         offload=tuple(getattr(strategy, "offload", ())),
-    )  # fmt: skip
+    )
     if trainer.is_global_zero:
         print(plan.line(total), flush=True)
     if plan.worst() > total:
-        raise SetupError(f"{plan.line(total)}: over the device. Lower model.algorithm.micro_batch_size "
-                         "(or set max_tokens_per_micro_batch), model.generation.max_new_tokens or "
-                         "vllm.gpu_memory_utilization, shard with --trainer.strategy=fsdp on more GPUs, "
-                         "or turn on activation checkpointing (docs/distributed.md#memory-plan)")  # fmt: skip
+        raise SetupError(
+            f"{plan.line(total)}: over the device. Lower model.algorithm.micro_batch_size "
+            "(or set max_tokens_per_micro_batch), model.generation.max_new_tokens or "
+            "vllm.gpu_memory_utilization, shard with --trainer.strategy=fsdp on more GPUs, "
+            "or turn on activation checkpointing (docs/distributed.md#memory-plan)"
+        )

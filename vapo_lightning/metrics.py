@@ -33,8 +33,7 @@ __all__ = [
 ]
 
 # The phases of a rollout step (`timing_s/<phase>`; `tools` too with model.tools).
-PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "values", "update_critic", "adv",
-          "update_actor", "step")  # fmt: skip
+PHASES = ("weight_sync", "gen", "reward", "old_log_prob", "values", "update_critic", "adv", "update_actor", "step")
 
 # Metrics that are NaN where they are undefined (not a fault): such a step does not log them.
 UNDEFINED_AS_NAN = ("critic/vf_explained_var",)
@@ -81,8 +80,10 @@ def answer_shares(prefix: str, responses: list[str]) -> dict[str, float]:
     `Answer:` line, `####`, `The answer is N`); `<prefix>/boxed_share`: those whose answer is
     boxed (`rewards.math_answers.answer_forms`)."""
     forms = [answer_forms(text) for text in responses] or [(False, False)]
-    return {f"{prefix}/answer_share": sum(a for a, _ in forms) / len(forms),
-            f"{prefix}/boxed_share": sum(b for _, b in forms) / len(forms)}  # fmt: skip
+    return {
+        f"{prefix}/answer_share": sum(a for a, _ in forms) / len(forms),
+        f"{prefix}/boxed_share": sum(b for _, b in forms) / len(forms),
+    }
 
 
 def warn_without_reward_signal(m: dict[str, float]) -> None:
@@ -140,25 +141,36 @@ def rollout_metrics(step: Step, timer: PhaseTimer, global_sum: GlobalSum = Tenso
     m.update({f"timing_s/{k}": 0.0 for k in PHASES})
     m.update({f"timing_s/{k}": v for k, v in timer.totals.items()})
     m["perf/time_per_step"] = timer.totals["step"]
-    m["perf/throughput"] = float(r.attention_mask.sum()) / max(
-        timer.totals["step"], 1e-9
-    )  # tokens/s
+    m["perf/throughput"] = float(r.attention_mask.sum()) / max(timer.totals["step"], 1e-9)  # tokens/s
     return {k: float(v) for k, v in m.items()}
 
 
 def step_metrics(
-    step: Step, stats: dict[str, list[float]], timer: PhaseTimer, *, actor_lr: float,
-    critic_lr: float | None, value_pretraining: bool, tools: bool, global_sum: GlobalSum = Tensor.float,
-) -> dict[str, float]:  # fmt: skip
+    step: Step,
+    stats: dict[str, list[float]],
+    timer: PhaseTimer,
+    *,
+    actor_lr: float,
+    critic_lr: float | None,
+    value_pretraining: bool,
+    tools: bool,
+    global_sum: GlobalSum = Tensor.float,
+) -> dict[str, float]:
     """Everything one rollout step logs on one rank: the updates' statistics (averaged over
     their steps), the rollout's, learning rates, reward and tool errors, and the aliases."""
     r = step.rollout
     m = {k: sum(v) / len(v) for k, v in stats.items() if v}
     m.update(rollout_metrics(step, timer, global_sum))
     warn_without_reward_signal(m)  # rank 0's groups
-    m.update({"actor/lr": actor_lr, "warmup/active": float(value_pretraining),
-              "reward/errors": float(r.reward_errors), "rollout/responses_sampled": float(r.sampled),
-              **r.reward_metrics})  # fmt: skip
+    m.update(
+        {
+            "actor/lr": actor_lr,
+            "warmup/active": float(value_pretraining),
+            "reward/errors": float(r.reward_errors),
+            "rollout/responses_sampled": float(r.sampled),
+            **r.reward_metrics,
+        }
+    )
     if tools:
         m["tools/errors"] = float(len(r.tool_errors))
     if critic_lr is not None:

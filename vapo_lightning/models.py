@@ -99,9 +99,7 @@ def looks_like_a_model_source(path: str) -> bool:
 
 def _check_source(path: str, what: str) -> None:
     if not looks_like_a_model_source(path):
-        raise FileNotFoundError(
-            f"{what} {path!r}: no such folder (and not a hub id like 'org/name')"
-        )
+        raise FileNotFoundError(f"{what} {path!r}: no such folder (and not a hub id like 'org/name')")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -122,9 +120,7 @@ def _align_special_tokens(cfg: PretrainedConfig, tok: PreTrainedTokenizerBase) -
         cfg.bos_token_id = tok.bos_token_id
 
 
-def build_policy(
-    spec: ModelSpec, tok: PreTrainedTokenizerBase, meta: bool = False
-) -> PreTrainedModel:
+def build_policy(spec: ModelSpec, tok: PreTrainedTokenizerBase, meta: bool = False) -> PreTrainedModel:
     """The actor: a causal LM from `spec` (weights, or random init from a config).
 
     meta: the architecture only, on the meta device (config and generation config as
@@ -215,8 +211,10 @@ def _say_what_loaded(source: str, info: dict[str, list[str]]) -> bool:
     if head:
         rank_zero_info(f"model.critic: {source}'s backbone with a fresh value head ({', '.join(sorted(head))})")
     if other:
-        rank_zero_warn(f"model.critic: {len(other)} weights missing from {source} were initialised "
-                       f"at random: {', '.join(sorted(other)[:8])}{' ...' if len(other) > 8 else ''}")  # fmt: skip
+        rank_zero_warn(
+            f"model.critic: {len(other)} weights missing from {source} were initialised "
+            f"at random: {', '.join(sorted(other)[:8])}{' ...' if len(other) > 8 else ''}"
+        )
     return bool(head)
 
 
@@ -276,13 +274,15 @@ def build_critic(
 
 def add_adapters(
     policy: PreTrainedModel, critic: PreTrainedModel | None, policy_spec: ModelSpec, critic_spec: ModelSpec | None
-) -> tuple[nn.Module, nn.Module | None]:  # fmt: skip
+) -> tuple[nn.Module, nn.Module | None]:
     """Policy and critic with LoRA adapters where their specs ask (`vapo_lightning.lora`); a
     critic without a spec of its own takes the policy's. The value head trains in full."""
     critic_lora = critic_spec.lora if critic_spec is not None else policy_spec.lora
     if policy_spec.lora is not None and critic is not None and critic_lora is None:
-        rank_zero_warn("model.critic has no lora of its own: the critic trains in full beside the "
-                       "LoRA policy (set model.critic.lora to give it adapters)")  # fmt: skip
+        rank_zero_warn(
+            "model.critic has no lora of its own: the critic trains in full beside the "
+            "LoRA policy (set model.critic.lora to give it adapters)"
+        )
     if policy_spec.lora is not None:
         policy = with_adapters(policy, policy_spec.lora, "policy")
     if critic is not None and critic_lora is not None:

@@ -65,6 +65,7 @@ from vapo_lightning.validation import ValidationHooks, ValidationMetrics
 
 __all__ = ["VAPOModule"]
 
+
 class VAPOModule(ValidationHooks, L.LightningModule):
     """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
 
@@ -103,16 +104,20 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         # Dicts are accepted too (hyper-parameters of a checkpoint, `load_from_checkpoint`).
         policy, critic, algorithm, generation, optim, val_generation = (
             cls(**v) if isinstance(v, dict) else v
-            for cls, v in [(ModelSpec, policy), (ModelSpec, critic), (Algorithm, algorithm),
-                           (Generation, generation), (Optim, optim), (Generation, val_generation)]
-        )  # fmt: skip
+            for cls, v in [
+                (ModelSpec, policy),
+                (ModelSpec, critic),
+                (Algorithm, algorithm),
+                (Generation, generation),
+                (Optim, optim),
+                (Generation, val_generation),
+            ]
+        )
         self.policy_spec, self.critic_spec = policy, critic
         self.algo = algorithm or Algorithm()
         self.gen = generation or Generation()
         self.optim = optim or Optim()
-        self.val_gen = val_generation or Generation(
-            n=1, temperature=0.0, max_new_tokens=self.gen.max_new_tokens
-        )
+        self.val_gen = val_generation or Generation(n=1, temperature=0.0, max_new_tokens=self.gen.max_new_tokens)
         self.gen.engine = self.gen.engine or "native"
         self.val_gen.engine = self.val_gen.engine or self.gen.engine  # validation follows
         self.tools = [from_spec(t) for t in tools or []]
@@ -121,14 +126,20 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         if torch_compile:
             check_torch_compile()
         self.torch_compile = torch_compile
-        hparams = {"policy": policy, "critic": critic, "algorithm": self.algo, "generation": self.gen,
-                   "optim": self.optim, "val_generation": self.val_gen, "tools": [spec(t) for t in self.tools],
-                   "val_before_train": val_before_train,
-                   "hf_export_dir": hf_export_dir, "torch_compile": torch_compile}  # fmt: skip
+        hparams = {
+            "policy": policy,
+            "critic": critic,
+            "algorithm": self.algo,
+            "generation": self.gen,
+            "optim": self.optim,
+            "val_generation": self.val_gen,
+            "tools": [spec(t) for t in self.tools],
+            "val_before_train": val_before_train,
+            "hf_export_dir": hf_export_dir,
+            "torch_compile": torch_compile,
+        }
         # Plain dicts, so checkpoints load with torch.load(weights_only=True).
-        self.save_hyperparameters(
-            {k: asdict(v) if is_dataclass(v) else v for k, v in hparams.items()}
-        )
+        self.save_hyperparameters({k: asdict(v) if is_dataclass(v) else v for k, v in hparams.items()})
         self.automatic_optimization = False
         if not (policy.tokenizer or policy.name_or_path):
             raise SetupError("model.policy: give name_or_path (a folder or hub id), or a config and a tokenizer")
@@ -162,15 +173,20 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             self.policy, self.critic = add_adapters(self.policy, self.critic, self.policy_spec, self.critic_spec)
             if self.algo.kl_coef > 0:  # LoRA: the base itself, adapters off (no second copy)
                 lora = is_lora(self.policy)
-                self.ref_policy = AdaptersOff(self.policy) if lora else copy.deepcopy(self.policy).requires_grad_(False).eval()
+                self.ref_policy = (
+                    AdaptersOff(self.policy) if lora else copy.deepcopy(self.policy).requires_grad_(False).eval()
+                )
         parallelize(self)  # --trainer.strategy=ddp|fsdp: replicate / shard each model
         if self.torch_compile:  # in place: same parameters and state_dict keys, hooks included
             compile_in_place(self.policy, self.critic)
 
     def configure_optimizers(self) -> Any:
         o, models = self.optim, [(self.policy, self.optim.actor_lr), (self.critic, self.optim.critic_lr)]
-        pairs = [adamw_with_warmup([p for p in m.parameters() if p.requires_grad], lr, o)  # LoRA: adapters
-                 for m, lr in models if m is not None]  # fmt: skip
+        pairs = [
+            adamw_with_warmup([p for p in m.parameters() if p.requires_grad], lr, o)  # LoRA: adapters
+            for m, lr in models
+            if m is not None
+        ]
         return [opt for opt, _ in pairs], [sched for _, sched in pairs]
 
     def setup(self, stage: str) -> None:
@@ -207,8 +223,17 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             micro, max_tokens = algo.micro_batch_size, algo.max_tokens_per_micro_batch
             source = "recompute" if pretraining else self.pi_old_source  # one for the run
             with timer("old_log_prob") if source == "recompute" or self.ref_policy is not None else nullcontext():
-                old = old_policy(source, self.policy, self.ref_policy, r, micro, self.logprob_temperature,
-                                 max_tokens, self.global_max, layout)  # 2. pi_old, pi_ref  # fmt: skip
+                old = old_policy(
+                    source,
+                    self.policy,
+                    self.ref_policy,
+                    r,
+                    micro,
+                    self.logprob_temperature,
+                    max_tokens,
+                    self.global_max,
+                    layout,
+                )  # 2. pi_old, pi_ref
             values = None
             if self.critic is not None:
                 with timer("values"):  # 3. V_old
@@ -219,15 +244,35 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             stats: dict[str, list[float]] = {}
             if self.critic is not None:
                 with timer("update_critic"):  # 5. the critic toward the decoupled returns (§4.1)
-                    stats |= update_critic(self.critic, critic_opt, r, values, adv.returns, batches, algo,
-                                           self.optim.max_grad_norm, self.rank_ops, layout)  # fmt: skip
+                    stats |= update_critic(
+                        self.critic,
+                        critic_opt,
+                        r,
+                        values,
+                        adv.returns,
+                        batches,
+                        algo,
+                        self.optim.max_grad_norm,
+                        self.rank_ops,
+                        layout,
+                    )
             # 6. the actor: Clip-Higher, token-level and LM loss (§4.2-4.3); no rank with a
             # gradient: no step.
             if not pretraining and self.global_sum(has_actor_gradient(r, adv.advantages, algo)) > 0:
                 with timer("update_actor"):  # (and pi_old as it read it: on-policy, its first forward's)
-                    actor_stats, old = update_actor(self.policy, actor_opt, r, old, adv.advantages, batches, algo,
-                                                    self.logprob_temperature, self.optim.max_grad_norm,
-                                                    self.rank_ops, layout)  # fmt: skip
+                    actor_stats, old = update_actor(
+                        self.policy,
+                        actor_opt,
+                        r,
+                        old,
+                        adv.advantages,
+                        batches,
+                        algo,
+                        self.logprob_temperature,
+                        self.optim.max_grad_norm,
+                        self.rank_ops,
+                        layout,
+                    )
                 stats |= actor_stats
             self.after_updates(stats)
         self.last_rollout, self.last_step = r, Step(r, old, values, adv)
@@ -275,9 +320,14 @@ class VAPOModule(ValidationHooks, L.LightningModule):
             return r
 
         r, rounds = sample_in_rounds(
-            draw, batch, self.gen.n, self.algo, any_rank_short=lambda short: self.global_sum(float(short)) > 0,
-            more_prompts=self.trainer.datamodule.sample_prompts, smallest=lambda k: -self.global_max(-k),
-        )  # fmt: skip
+            draw,
+            batch,
+            self.gen.n,
+            self.algo,
+            any_rank_short=lambda short: self.global_sum(float(short)) > 0,
+            more_prompts=self.trainer.datamodule.sample_prompts,
+            smallest=lambda k: -self.global_max(-k),
+        )
         self.engine(self.gen).release(keep_weights=pretraining)  # the models train next
         return with_round_counts(r, rounds)
 
@@ -287,10 +337,15 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         if gen.engine not in self.engines:
             longest = self.longest_prompt + max(self.gen.max_new_tokens, self.val_gen.max_new_tokens)
             self.engines[gen.engine] = make_engine(
-                gen, self.policy, self.tokenizer, self.tools, max_model_len=longest,
-                precision=str(self.trainer.precision), local_rank=self.trainer.local_rank,
+                gen,
+                self.policy,
+                self.tokenizer,
+                self.tools,
+                max_model_len=longest,
+                precision=str(self.trainer.precision),
+                local_rank=self.trainer.local_rank,
                 logprobs=self.algo.reads_rollout_logprobs,
-            )  # fmt: skip
+            )
         return self.engines[gen.engine]
 
     def sample(self, rows: list[dict], gen: Generation) -> Rollout:
@@ -390,8 +445,11 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         """Random streams (one per rank) and counters, so a resumed run samples exactly what
         the uninterrupted run would have (data order: `ResumableDataLoader`)."""
         states = rank_rng_states(self.trainer.world_size)  # (every rank dumps the checkpoint)
-        checkpoint["vapo"] = {"rng": states, "bad_updates": self.bad_updates,
-                              "value_pretraining_steps": self.value_pretraining_steps}  # fmt: skip
+        checkpoint["vapo"] = {
+            "rng": states,
+            "bad_updates": self.bad_updates,
+            "value_pretraining_steps": self.value_pretraining_steps,
+        }
         sources = weights_from_source(self.policy_spec, self.critic_spec)
         if shards_checkpoints(self):  # (fsdp loads every key of the model from its shards)
             sources = dict.fromkeys(sources, False)
@@ -426,15 +484,25 @@ class VAPOModule(ValidationHooks, L.LightningModule):
     def log_step(self, step: Step, stats: dict[str, list[float]], timer: PhaseTimer, pretraining: bool) -> None:
         actor_opt, critic_opt = self.optimizer_pair()
         r = step.rollout
-        m = step_metrics(step, stats, timer, actor_lr=actor_opt.param_groups[0]["lr"],
-                         critic_lr=critic_opt.param_groups[0]["lr"] if critic_opt else None,
-                         value_pretraining=pretraining, tools=bool(self.tools),
-                         global_sum=self.global_sum)  # fmt: skip
+        m = step_metrics(
+            step,
+            stats,
+            timer,
+            actor_lr=actor_opt.param_groups[0]["lr"],
+            critic_lr=critic_opt.param_groups[0]["lr"] if critic_opt else None,
+            value_pretraining=pretraining,
+            tools=bool(self.tools),
+            global_sum=self.global_sum,
+        )
         m["rollout_step"] = float(self._rollout_steps_before + 1)
         names = sorted(m)
         local = torch.tensor([float(m[k]) for k in names], device=self.device)
         every = self.all_gather(local) if self.trainer.world_size > 1 else local[None]  # (world, K)
-        m = drop_undefined(reduce_over_ranks(names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}))
+        m = drop_undefined(
+            reduce_over_ranks(
+                names, every, summed={"reward/errors", "tools/errors", "rollout/responses_sampled", *r.reward_metrics}
+            )
+        )
         shown = {"reward", "rollout/accuracy", "rollout_step", "reward/errors"}  # progress bar
         logged = {k: v for k, v in m.items() if k not in shown}
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=1)

@@ -38,8 +38,18 @@ from torch import Tensor
 from vapo_lightning.attention import SDPA
 from vapo_lightning.config import Algorithm
 
-__all__ = ["Layout", "Pack", "Spans", "common_start", "dense_packing_saves_work", "layout_for", "pack",
-           "pack_size", "reads_spans", "takes_masks"]
+__all__ = [
+    "Layout",
+    "Pack",
+    "Spans",
+    "common_start",
+    "dense_packing_saves_work",
+    "layout_for",
+    "pack",
+    "pack_size",
+    "reads_spans",
+    "takes_masks",
+]
 
 MASKED_ATTENTION = frozenset({"sdpa", "eager", SDPA})  # attentions that read a 4-D mask
 
@@ -81,8 +91,7 @@ class Pack:
         """The model's inputs for this pack."""
         if self.attention_mask is None:
             return {"input_ids": self.input_ids, "position_ids": self.position_ids, "pack_spans": self.spans}
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-                "position_ids": self.position_ids}  # fmt: skip
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "position_ids": self.position_ids}
 
     @property
     def next_tokens(self) -> Tensor:  # (R, K) the token after each kept column
@@ -146,17 +155,10 @@ def pack_size(group_ids: Tensor, algo: Algorithm) -> int:
     or a batch); 1 (every row on its own) otherwise."""
     runs, counts = torch.unique_consecutive(group_ids.cpu(), return_counts=True)
     n = int(counts[0]) if len(counts) else 1
-    if (
-        not algo.share_prompts
-        or n < 2
-        or not bool((counts == n).all())
-        or len(runs.unique()) != len(runs)
-    ):
+    if not algo.share_prompts or n < 2 or not bool((counts == n).all()) or len(runs.unique()) != len(runs):
         return 1
     c = min(n, algo.micro_batch_size)
-    return (
-        c if n % c == 0 and algo.micro_batch_size % c == 0 and algo.mini_batch_size % c == 0 else 1
-    )
+    return c if n % c == 0 and algo.micro_batch_size % c == 0 and algo.mini_batch_size % c == 0 else 1
 
 
 def common_start(prompts: Tensor, real: Tensor) -> int:
@@ -207,8 +209,12 @@ def pack(
         size = prompt_len - shared + answers
         row, col0 = torch.zeros_like(size), shared + size.cumsum(0) - size
         R, L = 1, shared + int(size.sum())
-        keep = torch.cat([torch.arange(a - 1, a + n - 1, device=dev) for a, n in
-                          zip((col0 + prompt_len - shared).tolist(), kept.tolist(), strict=True)])  # fmt: skip
+        keep = torch.cat(
+            [
+                torch.arange(a - 1, a + n - 1, device=dev)
+                for a, n in zip((col0 + prompt_len - shared).tolist(), kept.tolist(), strict=True)
+            ]
+        )
         base = kept.cumsum(0) - kept  # where each pack's kept outputs begin among the K
     else:  # pack g in row g, its prompt ending at column P
         row, col0 = torch.arange(G, device=dev), P - prompt_len

@@ -154,9 +154,7 @@ def left_padded(
     return ids.repeat_interleave(n, 0).to(device), attn.repeat_interleave(n, 0).to(device)
 
 
-def assemble(
-    ids: Tensor, attn: Tensor, response: Tensor, stop: list[int], pad_token_id: int, n: int
-) -> Rollout:
+def assemble(ids: Tensor, attn: Tensor, response: Tensor, stop: list[int], pad_token_id: int, n: int) -> Rollout:
     """The rollout of (B, P) left-padded prompts and (B, T) sampled tokens: each response ends
     at its first stop token (kept, masked in), padding after it; no stop token: truncated."""
     device = response.device
@@ -232,9 +230,13 @@ def policy_logits(policy: PreTrainedModel, r: Rollout, layout: packing.Layout = 
 
 
 def token_logprobs(
-    policy: PreTrainedModel, r: Rollout, temperature: float, entropy: bool = True,
-    entropy_grad: bool = False, layout: packing.Layout = packing.ROWS,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    policy: PreTrainedModel,
+    r: Rollout,
+    temperature: float,
+    entropy: bool = True,
+    entropy_grad: bool = False,
+    layout: packing.Layout = packing.ROWS,
+) -> tuple[Tensor, Tensor | None]:
     """log pi(a_t | s_t) of each response token and (with `entropy`) the entropy of pi at its
     position, (B, T) each, in fp32, under the sampling `temperature` (`core.
     logprobs_from_logits`, `core.entropy_from_logits`). `entropy_grad`: the entropy keeps
@@ -274,9 +276,7 @@ def critic_values(critic: PreTrainedModel, r: Rollout, layout: packing.Layout = 
     if packed is not None:
         out = critic(**packed.forward_kwargs)
         return packed.rows(out.logits[:, packed.keep, 0]).float()
-    out = critic(
-        input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids
-    )
+    out = critic(input_ids=r.input_ids, attention_mask=r.attention_mask, position_ids=r.position_ids)
     return out.logits[:, -T - 1 : -1, 0].float()
 
 
@@ -328,14 +328,10 @@ def cat_rollouts(parts: list[Rollout]) -> Rollout:
         prompt, response = r.input_ids[:, : r.prompt_length], r.responses
         ids.append(torch.cat([pad(prompt, dp, 0), pad(response, 0, dt)], 1))
         a = r.attention_mask
-        attn.append(
-            torch.cat([pad(a[:, : r.prompt_length], dp, 0), pad(a[:, r.prompt_length :], 0, dt)], 1)
-        )
+        attn.append(torch.cat([pad(a[:, : r.prompt_length], dp, 0), pad(a[:, r.prompt_length :], 0, dt)], 1))
         groups.append(r.group_ids + offset)
         offset += int(r.group_ids.max()) + 1 if len(r) else 0
-    out.update(
-        input_ids=torch.cat(ids), attention_mask=torch.cat(attn), group_ids=torch.cat(groups)
-    )
+    out.update(input_ids=torch.cat(ids), attention_mask=torch.cat(attn), group_ids=torch.cat(groups))
     for f in fields(Rollout):
         values = [getattr(r, f.name) for r in parts]
         if f.name in out or not all(isinstance(v, Tensor) for v in values):

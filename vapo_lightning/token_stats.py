@@ -60,9 +60,7 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, tau: float, chunk: int) -> Tensor:
-        out, lse = _per_row(
-            logits, tau, chunk, lambda rows, z, m: z.gather(-1, labels[rows, None]).squeeze(-1) - m
-        )
+        out, lse = _per_row(logits, tau, chunk, lambda rows, z, m: z.gather(-1, labels[rows, None]).squeeze(-1) - m)
         ctx.save_for_backward(logits, labels, lse)
         ctx.tau, ctx.chunk = tau, chunk
         return out
@@ -86,9 +84,7 @@ class _TokenEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, tau: float, chunk: int) -> Tensor:
-        out, lse = _per_row(
-            logits, tau, chunk, lambda rows, z, m: m - (torch.softmax(z, dim=-1) * z).sum(-1)
-        )
+        out, lse = _per_row(logits, tau, chunk, lambda rows, z, m: m - (torch.softmax(z, dim=-1) * z).sum(-1))
         ctx.save_for_backward(logits, lse, out)
         ctx.tau, ctx.chunk = tau, chunk
         return out

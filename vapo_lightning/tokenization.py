@@ -33,9 +33,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_bpe(
-    texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 2
-) -> PreTrainedTokenizerFast:
+def train_bpe(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 2) -> PreTrainedTokenizerFast:
     """Trains a byte-level BPE on `texts` (single digits kept as separate tokens)."""
     tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Sequence(

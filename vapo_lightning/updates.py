@@ -70,9 +70,13 @@ def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
 
 
 def micro_batches(
-    r: Rollout, size: int, index: Tensor | None = None, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int, pack: int = 1,
-) -> Iterator[tuple[Tensor, Rollout]]:  # fmt: skip
+    r: Rollout,
+    size: int,
+    index: Tensor | None = None,
+    max_tokens: int | None = None,
+    agree: Callable[[int], int] = int,
+    pack: int = 1,
+) -> Iterator[tuple[Tensor, Rollout]]:
     """(rows of `r`, micro-batch) pairs over the rows `index` (default: all); rows are
     grouped by length (prompt + response tokens), so `trimmed` cuts much of the padding, and
     runs of `pack` rows (one prompt's responses) stay together for a shared-prompt forward.
@@ -113,8 +117,10 @@ def token_budget_groups(costs: Tensor, max_tokens: int, agree: Callable[[int], i
             groups.append([i])
     count = agree(len(groups))
     if count > len(costs):
-        raise RuntimeError(f"max_tokens_per_micro_batch: {count} micro-batches agreed over ranks for "
-                           f"{len(costs)} units on this rank (the ranks' batches differ in size)")  # fmt: skip
+        raise RuntimeError(
+            f"max_tokens_per_micro_batch: {count} micro-batches agreed over ranks for "
+            f"{len(costs)} units on this rank (the ranks' batches differ in size)"
+        )
     while len(groups) < count:
         k = max(range(len(groups)), key=lambda j: len(groups[j]))
         half = len(groups[k]) // 2
@@ -168,9 +174,15 @@ class Step(NamedTuple):
 
 @torch.no_grad()
 def compute_log_probs(
-    policy: torch.nn.Module, r: Rollout, micro_size: int, temperature: float, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int, layout: Layout = ROWS, entropy: bool = True,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    policy: torch.nn.Module,
+    r: Rollout,
+    micro_size: int,
+    temperature: float,
+    max_tokens: int | None = None,
+    agree: Callable[[int], int] = int,
+    layout: Layout = ROWS,
+    entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """log pi(a_t | s_t) and (with `entropy`) the entropy of pi at each response position,
     (B, T) each, under the sampling `temperature`; `policy` as the caller set it (eval)."""
     logprobs, entropies = per_token(r), per_token(r) if entropy else None
@@ -183,9 +195,16 @@ def compute_log_probs(
 
 
 def old_policy(
-    source: str, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, r: Rollout, micro_size: int,
-    temperature: float, max_tokens: int | None = None, agree: Callable[[int], int] = int, layout: Layout = ROWS,
-) -> OldPolicy:  # fmt: skip
+    source: str,
+    policy: torch.nn.Module,
+    ref_policy: torch.nn.Module | None,
+    r: Rollout,
+    micro_size: int,
+    temperature: float,
+    max_tokens: int | None = None,
+    agree: Callable[[int], int] = int,
+    layout: Layout = ROWS,
+) -> OldPolicy:
     """pi_old from `source`, one of `OLD_LOGPROB_SOURCES`: 'recompute', a no-grad pass of
     the policy (verl's default); 'rollout', the engine's own log-probs of what it sampled
     (verl's bypass mode; its entropy where the engine reports one); 'first_forward', none
@@ -210,9 +229,13 @@ def old_policy(
 
 @torch.no_grad()
 def compute_values(
-    critic: torch.nn.Module, r: Rollout, micro_size: int, max_tokens: int | None = None,
-    agree: Callable[[int], int] = int, layout: Layout = ROWS,
-) -> Tensor:  # fmt: skip
+    critic: torch.nn.Module,
+    r: Rollout,
+    micro_size: int,
+    max_tokens: int | None = None,
+    agree: Callable[[int], int] = int,
+    layout: Layout = ROWS,
+) -> Tensor:
     """V(s_t) at each response position, (B, T)."""
     critic.eval()
     values = per_token(r)
@@ -226,10 +249,17 @@ def compute_values(
 
 
 def update_critic(
-    critic: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old_values: Tensor | None,
-    returns: Tensor, batches: list[Tensor], algo: Algorithm, max_grad_norm: float, ops: RankOps,
+    critic: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    r: Rollout,
+    old_values: Tensor | None,
+    returns: Tensor,
+    batches: list[Tensor],
+    algo: Algorithm,
+    max_grad_norm: float,
+    ops: RankOps,
     layout: Layout = ROWS,
-) -> Stats:  # fmt: skip
+) -> Stats:
     """`critic_updates_per_step` critic steps on each mini-batch of `batches`: `core.value_loss`
     toward `returns` (B, T) (decoupled GAE, §4.1), clipped around V_old `old_values` (B, T)
     (None: no clip, `algo.value_clip` None), over global token normalisers."""
@@ -238,8 +268,9 @@ def update_critic(
     for index in batches:
         mask = r.response_mask[index]
         n_tokens = ops.global_sum(mask.sum())  # (one all-reduce for all its steps)
-        micros = list(micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree,
-                                    layout.pack))  # fmt: skip
+        micros = list(
+            micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree, layout.pack)
+        )
         for _ in range(algo.critic_updates_per_step):
             loss_sum = clip_sum = 0.0
             for i, (rows, micro) in enumerate(micros):
@@ -259,10 +290,18 @@ def update_critic(
 
 
 def update_actor(
-    policy: torch.nn.Module, opt: torch.optim.Optimizer, r: Rollout, old: OldPolicy, advantages: Tensor,
-    batches: list[Tensor], algo: Algorithm, temperature: float, max_grad_norm: float, ops: RankOps,
+    policy: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    r: Rollout,
+    old: OldPolicy,
+    advantages: Tensor,
+    batches: list[Tensor],
+    algo: Algorithm,
+    temperature: float,
+    max_grad_norm: float,
+    ops: RankOps,
     layout: Layout = ROWS,
-) -> tuple[Stats, OldPolicy]:  # fmt: skip
+) -> tuple[Stats, OldPolicy]:
     """One actor step on each mini-batch of `batches`: `core.actor_loss` (clipped surrogate
     with Clip-Higher and the positive-example LM loss, §4.2-4.3) of `advantages` (B, T) against
     pi_old `old`, over global normalisers. Returns the statistics, and pi_old as the update
@@ -270,30 +309,41 @@ def update_actor(
     update's forwards, detached."""
     stats: Stats = defaultdict(list)
     policy.train()
-    read = OldPolicy(per_token(r) if old.logprobs is None else old.logprobs,
-                     per_token(r) if old.entropy is None else old.entropy, old.ref_logprobs)  # fmt: skip
+    read = OldPolicy(
+        per_token(r) if old.logprobs is None else old.logprobs,
+        per_token(r) if old.entropy is None else old.entropy,
+        old.ref_logprobs,
+    )
     for index in batches:
         acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops, layout)
         for k, v in acc.items():  # losses are this rank's share of the global sum
             stats[k].append(float(v) * (ops.world_size if k.endswith(("_loss", "entropy")) else 1))
-        stats["actor/pg_clipfrac"].append(
-            stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1]
-        )
+        stats["actor/pg_clipfrac"].append(stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1])
         record_step(stats, "actor", clip_and_step(opt, policy, max_grad_norm))
     return stats, read
 
 
 def actor_step(
-    policy: torch.nn.Module, r: Rollout, old: OldPolicy, read: OldPolicy, advantages: Tensor, index: Tensor,
-    a: Algorithm, temperature: float, ops: RankOps, layout: Layout,
-) -> dict[str, Tensor | float]:  # fmt: skip
+    policy: torch.nn.Module,
+    r: Rollout,
+    old: OldPolicy,
+    read: OldPolicy,
+    advantages: Tensor,
+    index: Tensor,
+    a: Algorithm,
+    temperature: float,
+    ops: RankOps,
+    layout: Layout,
+) -> dict[str, Tensor | float]:
     """The gradient of the actor loss on the rows `index` (micro-batch by micro-batch), and
     the step's metrics, token-weighted; what `old` lacks is taken from these forwards into
     `read`."""
     mask, correct = r.response_mask[index], r.correct[index]
     n_tokens = ops.global_sum(mask.sum())
     normalizers = {
-        "normalizer": n_tokens if a.loss_agg == "token" else ops.global_sum(torch.tensor(len(index), device=mask.device)),
+        "normalizer": n_tokens
+        if a.loss_agg == "token"
+        else ops.global_sum(torch.tensor(len(index), device=mask.device)),
         "n_correct_tokens": ops.global_sum((mask & correct[:, None]).sum()),
     }
     micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, ops.agree, layout.pack))
@@ -304,8 +354,9 @@ def actor_step(
         # (B, T) each. The entropy: with a bonus, with its graph; without one, only its value
         # for the metric (verl's actor/entropy), pi_old's where `old` has it.
         bonus = a.entropy_coef > 0
-        logprobs, entropy = token_logprobs(policy, micro, temperature, entropy=bonus or old.entropy is None,
-                                           entropy_grad=bonus, layout=layout)  # fmt: skip
+        logprobs, entropy = token_logprobs(
+            policy, micro, temperature, entropy=bonus or old.entropy is None, entropy_grad=bonus, layout=layout
+        )
         if old.logprobs is None:  # on-policy: this first forward is pi_old (verl's dp_actor)
             read.logprobs[rows, :T] = logprobs.detach()
         if old.entropy is None:
@@ -317,12 +368,23 @@ def actor_step(
             else None
         )
         loss, st = core.actor_loss(
-            logprobs, pi_old, advantages[rows, :T], m, micro.correct, **normalizers,
-            clip_low=a.clip_low, clip_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
-            agg=a.loss_agg, nll_coef=a.nll_coef, entropy=entropy if bonus else None, entropy_coef=a.entropy_coef,
-            ref_logprobs=None if old.ref_logprobs is None else old.ref_logprobs[rows, :T], kl_coef=a.kl_coef,
+            logprobs,
+            pi_old,
+            advantages[rows, :T],
+            m,
+            micro.correct,
+            **normalizers,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            clip_ratio_c=a.clip_ratio_c,
+            agg=a.loss_agg,
+            nll_coef=a.nll_coef,
+            entropy=entropy if bonus else None,
+            entropy_coef=a.entropy_coef,
+            ref_logprobs=None if old.ref_logprobs is None else old.ref_logprobs[rows, :T],
+            kl_coef=a.kl_coef,
             is_weights=is_weights,
-        )  # fmt: skip
+        )
         ops.backward(loss * ops.world_size)
         with torch.no_grad():
             share = m.sum() / mask.sum()  # per-token means, weighted by tokens
@@ -350,7 +412,9 @@ def fused_adamw(params: list[Tensor]) -> bool:
     on the CPU or a GPU, where torch's default is the slower per-tensor `foreach` loop. Not
     for sharded (DTensor) parameters, which keep torch's default."""
     return bool(params) and all(
-        type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16)
+        type(p) is torch.nn.Parameter
+        and p.device.type in ("cpu", "cuda")
+        and p.dtype in (torch.float32, torch.bfloat16)
         for p in params
     )
 

@@ -60,8 +60,12 @@ class ValidationMetrics(torch.nn.Module):
     def compute(self, known: Iterable[str], any_rank: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
         """The metrics over every rank's batches, then reset. `known`: the validation set's
         sources; `any_rank`: a 0/1 vector's maximum over ranks."""
-        metrics = {"val/accuracy": self.accuracy.compute(), "val/reward_errors": self.reward_errors.compute(),
-                   "val/answer_share": self.answered.compute(), "val/boxed_share": self.boxed.compute()}  # fmt: skip
+        metrics = {
+            "val/accuracy": self.accuracy.compute(),
+            "val/reward_errors": self.reward_errors.compute(),
+            "val/answer_share": self.answered.compute(),
+            "val/boxed_share": self.boxed.compute(),
+        }
         for metric in (self.accuracy, self.reward_errors, self.answered, self.boxed):
             metric.reset()
         if self.tool_share.update_count:

@@ -49,8 +49,13 @@ def update(model, opt, ids, mask, autocast: bool) -> float:
     start = time.perf_counter()
     L = ids.shape[1]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                       logits_to_keep=torch.arange(L - T - 1, L - 1), use_cache=False).logits  # fmt: skip
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+            logits_to_keep=torch.arange(L - T - 1, L - 1),
+            use_cache=False,
+        ).logits
         loss = -core.logprobs_from_logits(logits, ids[:, -T:]).mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -69,14 +74,20 @@ def main() -> None:
     ids, mask = batch(tok)
     model = build_policy(ModelSpec(config=SHAPES["quickstart"]), tok)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    cases = {"bf16 autocast, transformers' sdpa": ("sdpa", True),
-             "bf16 autocast, vapo_sdpa (fp32 attention)": (SDPA, True),
-             "fp32": (SDPA, False)}  # fmt: skip
+    cases = {
+        "bf16 autocast, transformers' sdpa": ("sdpa", True),
+        "bf16 autocast, vapo_sdpa (fp32 attention)": (SDPA, True),
+        "fp32": (SDPA, False),
+    }
     print("# One actor update under CPU bf16 autocast: transformers' SDPA vs vapo_sdpa\n")
-    print("Command: `.venv/bin/python benchmarks/probes/probe_attention_cpu.py > benchmarks/results/attention_cpu.md`  ")
+    print(
+        "Command: `.venv/bin/python benchmarks/probes/probe_attention_cpu.py > benchmarks/results/attention_cpu.md`  "
+    )
     print(f"{stamp()}  ")
-    print(f"Load average at the start {os.getloadavg()[0]:.2f}; "
-          f"{args.reps} updates per case after 2 warm-ups; shapes in the probe's docstring.\n")  # fmt: skip
+    print(
+        f"Load average at the start {os.getloadavg()[0]:.2f}; "
+        f"{args.reps} updates per case after 2 warm-ups; shapes in the probe's docstring.\n"
+    )
     print("| threads | precision, attention | actor update s, min / **median** / max |")
     print("|---|---|---|")
     for threads in args.threads:

@@ -48,10 +48,14 @@ def main() -> None:
     print("# One actor update, eager vs `model.compile()` (CPU, 1 thread)\n")
     print("Command: `.venv/bin/python benchmarks/probes/probe_compile_cpu.py > benchmarks/results/compile_cpu.md`  ")
     print(f"{stamp()}  ")
-    print(f"Load average at the start {os.getloadavg()[0]:.2f}; "
-          f"{args.reps} updates per case after warm-ups; shapes in the probe's docstring.\n")  # fmt: skip
-    print("| precision | eager s, min / **median** / max | compiled s, min / **median** / max "
-          "| first compiled update (compile included) s | speed-up |")  # fmt: skip
+    print(
+        f"Load average at the start {os.getloadavg()[0]:.2f}; "
+        f"{args.reps} updates per case after warm-ups; shapes in the probe's docstring.\n"
+    )
+    print(
+        "| precision | eager s, min / **median** / max | compiled s, min / **median** / max "
+        "| first compiled update (compile included) s | speed-up |"
+    )
     print("|---|---|---|---|---|")
     for autocast in (False, True):
         times = {}

@@ -52,12 +52,13 @@ def main() -> None:
     torch.set_num_threads(ap.parse_args().threads)
     torch.manual_seed(0)
     print("# Decoding attention on the CPU: bf16 against fp32\n")
-    print("Command: `.venv/bin/python benchmarks/probes/probe_decode_attention_cpu.py > "
-          "benchmarks/results/decode_attention_cpu.md`  ")  # fmt: skip
+    print(
+        "Command: `.venv/bin/python benchmarks/probes/probe_decode_attention_cpu.py > "
+        "benchmarks/results/decode_attention_cpu.md`  "
+    )
     print(f"{stamp()}  ")
     print(f"{torch.get_num_threads()} thread(s), AMX tiles: {'yes' if cpu_has_amx() else 'no'}  ")
-    print(f"Matmul 1024², GFLOP/s: fp32 {matmul_gflops(torch.float32):.0f}, "
-          f"bf16 {matmul_gflops(torch.bfloat16):.0f}\n")  # fmt: skip
+    print(f"Matmul 1024², GFLOP/s: fp32 {matmul_gflops(torch.float32):.0f}, bf16 {matmul_gflops(torch.bfloat16):.0f}\n")
     print("| cached positions | SDPA bf16 ms | SDPA fp32 ms | bf16 / fp32 | max err bf16 | max err fp32 |")
     print("|---|---|---|---|---|---|")
     keys, values = torch.randn(B, H, CAPACITY, D), torch.randn(B, H, CAPACITY, D)

@@ -49,9 +49,7 @@ def roles(tokenizer, response_ids: list[int]) -> list[str]:
             else re.fullmatch(r" [a-z]", text)
         )
         if not ok:
-            raise ValueError(
-                f"token {j} of a response is {text!r}, expected the {role!r} of a step"
-            )
+            raise ValueError(f"token {j} of a response is {text!r}, expected the {role!r} of a step")
         out.append(role)
     return [*out, "EOS"]
 
@@ -63,9 +61,11 @@ def role_losses(model, data: SFTDataModule, rows: list[dict]) -> dict[str, float
     batch = data._collate_train(examples)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], ignore_index=IGNORE_INDEX,
+        logits[:, :-1].transpose(1, 2),
+        batch["labels"][:, 1:],
+        ignore_index=IGNORE_INDEX,
         reduction="none",
-    )  # fmt: skip
+    )
     sums: dict[str, list[float]] = {}
     for i, e in enumerate(examples):
         P = len(e.prompt_ids)
@@ -87,18 +87,18 @@ def main() -> None:
     if cfg.get("task") != "digitwise":
         raise SystemExit(f"{args.config}: data.task must be digitwise, got {cfg.get('task')!r}")
     data = None
-    print(f"Per-role loss (nats) on {args.rows} validation problems of {args.config}; chance on "
-          f"a digit {math.log(10):.2f}\n")  # fmt: skip
+    print(
+        f"Per-role loss (nats) on {args.rows} validation problems of {args.config}; chance on "
+        f"a digit {math.log(10):.2f}\n"
+    )
     print("| model | step | label | x | y | z | EOS | format tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for path in args.models:
         if path.endswith(".ckpt"):
             if data is None:
                 data = SFTDataModule(**cfg)
-            module = SFTModule.load_from_checkpoint(
-                path, tokenizer=data.tokenizer, map_location="cpu"
-            )
-            model, step, d = module.model, torch.load(path, map_location="cpu", weights_only=False)["global_step"], data  # fmt: skip
+            module = SFTModule.load_from_checkpoint(path, tokenizer=data.tokenizer, map_location="cpu")
+            model, step, d = module.model, torch.load(path, map_location="cpu", weights_only=False)["global_step"], data
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,8 +108,11 @@ def main() -> None:
         rows = read_jsonl(cfg.get("val_path") or TASKS["digitwise"].assets / "val.jsonl")
         loss = role_losses(model.eval(), d, rows[: args.rows])
         fmt = sum(loss[r] for r in FORMAT) / len(FORMAT)
-        print(f"| {Path(path).name} | {step} | {loss['label']:.3f} | {loss['x']:.3f} | {loss['y']:.3f} "
-              f"| {loss['z']:.3f} | {loss['EOS']:.3f} | {fmt:.3f} |", flush=True)  # fmt: skip
+        print(
+            f"| {Path(path).name} | {step} | {loss['label']:.3f} | {loss['x']:.3f} | {loss['y']:.3f} "
+            f"| {loss['z']:.3f} | {loss['EOS']:.3f} | {fmt:.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

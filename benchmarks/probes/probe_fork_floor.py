@@ -55,8 +55,7 @@ def main() -> None:
             os.waitpid(pid, 0)
         wall, after = time.perf_counter() - start, usage()
         d = [(a - b) / n for a, b in zip(after, before)]
-        print(f"| {label} | {wall / n * 1e3:.3f} | {d[0] * 1e3:.3f} | {d[1] * 1e3:.3f} "
-              f"| {d[2]:.0f} | {d[3]:.0f} |")  # fmt: skip
+        print(f"| {label} | {wall / n * 1e3:.3f} | {d[0] * 1e3:.3f} | {d[1] * 1e3:.3f} | {d[2]:.0f} | {d[3]:.0f} |")
     # imported after the forks, so that they are timed at the server's size
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from benchmarks.stamp import stamp

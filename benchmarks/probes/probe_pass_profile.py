@@ -102,15 +102,24 @@ def main() -> None:
 
     def sample(new: int, forced: bool):
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16), weights_cast_once():
-            return sample_responses(policy, ids, mask, max_new_tokens=new, min_new_tokens=new if forced else 0,
-                                    stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-                                    temperature=0.4)  # fmt: skip
+            return sample_responses(
+                policy,
+                ids,
+                mask,
+                max_new_tokens=new,
+                min_new_tokens=new if forced else 0,
+                stop_token_ids=[tok.eos_token_id],
+                pad_token_id=tok.pad_token_id,
+                temperature=0.4,
+            )
 
     torch.manual_seed(0)
     r = assemble(ids, mask, sample(192, forced=False), [tok.eos_token_id], tok.pad_token_id, 4)
     layout = Layout(4)
-    print(f"\nRollout: 64 answers of {r.response_lengths.float().mean():.0f} tokens on average, "
-          f"{int(r.attention_mask[::4].sum() + r.response_mask.sum())} tokens in its 16 packs.\n")  # fmt: skip
+    print(
+        f"\nRollout: 64 answers of {r.response_lengths.float().mean():.0f} tokens on average, "
+        f"{int(r.attention_mask[::4].sum() + r.response_mask.sum())} tokens in its 16 packs.\n"
+    )
 
     def values():
         with torch.autocast("cpu", torch.bfloat16):

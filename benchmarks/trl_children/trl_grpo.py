@@ -45,9 +45,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(art / "policy", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(art / "policy", dtype=torch.float32)
     rows = [json.loads(line) for line in (art / "prompts.jsonl").read_text().splitlines()]
-    dataset = Dataset.from_dict(
-        {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
-    )
+    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]})
 
     static = versions("torch", "transformers", "trl", "accelerate", device=cfg["device"])
     driver = StepDriver(args.steps, static)

@@ -55,12 +55,8 @@ def main() -> None:
     micro = cfg["micro_batch"]["trl_ppo"]
     tok = AutoTokenizer.from_pretrained(art / "policy", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(art / "policy", dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(
-        art / "reward", num_labels=1, dtype=torch.float32
-    )
-    value = AutoModelForSequenceClassification.from_pretrained(
-        art / "value", num_labels=1, dtype=torch.float32
-    )
+    reward = AutoModelForSequenceClassification.from_pretrained(art / "reward", num_labels=1, dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(art / "value", num_labels=1, dtype=torch.float32)
     prompts = [json.loads(line) for line in (art / "prompts.jsonl").read_text().splitlines()]
     ids = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in prompts]
     dataset = Dataset.from_dict({"input_ids": [x for x in ids for _ in range(n)]})  # prompts × n
@@ -74,9 +70,7 @@ def main() -> None:
 
         def on_step_end(self, a, state, control, **kw):
             w = seen.pop("width")
-            driver.end(
-                gen_tokens=w * seen["rows"], len_min=w, len_max=w, eos_inside=seen["eos_inside"]
-            )
+            driver.end(gen_tokens=w * seen["rows"], len_min=w, len_max=w, eos_inside=seen["eos_inside"])
 
     out = str(art / "trainer_out_ppo")  # removed with the artefacts
     config = PPOConfig(

@@ -44,17 +44,13 @@ def main() -> None:
                 gen_tokens=round(m["response_length/mean"] * batch),
                 len_min=m["response_length/min"],
                 len_max=m["response_length/max"],
-                timing={
-                    k[len("timing_s/") :]: v for k, v in m.items() if k.startswith("timing_s/")
-                },
+                timing={k[len("timing_s/") :]: v for k, v in m.items() if k.startswith("timing_s/")},
             )
 
     module = VAPOModule(
         policy=ModelSpec(name_or_path=str(art / "policy")),
         critic=ModelSpec(name_or_path=str(art / "value"), tokenizer=str(art / "policy")),
-        algorithm=Algorithm(
-            mini_batch_size=batch, micro_batch_size=cfg["micro_batch"]["vapo"], ppo_epochs=1
-        ),
+        algorithm=Algorithm(mini_batch_size=batch, micro_batch_size=cfg["micro_batch"]["vapo"], ppo_epochs=1),
         generation=Generation(n=cfg["n"], max_new_tokens=T, min_new_tokens=T),
         optim=Optim(actor_lr=1e-5, critic_lr=1e-5, warmup_steps=0),
         val_before_train=False,

@@ -48,14 +48,18 @@ def make_engine(
     """The engine `gen.engine` names, sampling `policy` (whose weights it holds from now on);
     `logprobs`: its rollouts carry each sampled token's log-prob (`Rollout.rollout_logprobs`)."""
     return engine_class(gen.engine).from_generation(
-        gen, policy, tokenizer, tools, max_model_len=max_model_len, precision=precision,
-        local_rank=local_rank, logprobs=logprobs,
-    )  # fmt: skip
+        gen,
+        policy,
+        tokenizer,
+        tools,
+        max_model_len=max_model_len,
+        precision=precision,
+        local_rank=local_rank,
+        logprobs=logprobs,
+    )
 
 
-def check_generation(
-    config: Any, longest_prompt: int, gen: Generation, val_gen: Generation, algo: Algorithm
-) -> None:
+def check_generation(config: Any, longest_prompt: int, gen: Generation, val_gen: Generation, algo: Algorithm) -> None:
     """Before any work: the longest prompt of the data plus max_new_tokens fits the policy's
     context (`config`), each engine can run this policy, rollout correction and pi_old from
     the rollout have an engine log-prob to read. One line each, with the numbers."""

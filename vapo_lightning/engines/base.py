@@ -35,17 +35,23 @@ class RolloutEngine(ABC):
 
     reports_logprobs: ClassVar[bool] = False  # each sampled token's log-prob under the engine
 
-    def __init__(
-        self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], logprobs: bool = False
-    ) -> None:
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], logprobs: bool = False) -> None:
         self.policy, self.tokenizer, self.tools = policy, tokenizer, list(tools)
         self.logprobs = logprobs
 
     @classmethod
     def from_generation(
-        cls, gen: Generation, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], *,
-        max_model_len: int, precision: str, local_rank: int, logprobs: bool = False,
-    ) -> RolloutEngine:  # fmt: skip
+        cls,
+        gen: Generation,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        tools: list[Tool],
+        *,
+        max_model_len: int,
+        precision: str,
+        local_rank: int,
+        logprobs: bool = False,
+    ) -> RolloutEngine:
         """The engine for `gen` (its own options there), in a process training at `precision`
         on device `local_rank`, holding prompt + response of up to `max_model_len` tokens;
         `logprobs`: the sampled tokens' log-probs are read."""

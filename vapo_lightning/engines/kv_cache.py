@@ -48,9 +48,7 @@ class GrowingLayer(CacheLayerMixin):
         self._v = value_states.new_empty(B, H, size, value_states.shape[-1], dtype=dtype)
         self.is_initialized = True
 
-    def update(
-        self, key_states: Tensor, value_states: Tensor, *args, **kwargs
-    ) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self.length - self.offset, self.length - self.offset + key_states.shape[-2]
@@ -83,7 +81,10 @@ class GrowingLayer(CacheLayerMixin):
         """Keeps only the rows at `indices` (finished sequences leave the batch)."""
         if self.is_initialized:
             self._k, self._v = self._k[indices], self._v[indices]
-            self.keys, self.values = self._k[:, :, : self.length - self.offset], self._v[:, :, : self.length - self.offset]
+            self.keys, self.values = (
+                self._k[:, :, : self.length - self.offset],
+                self._v[:, :, : self.length - self.offset],
+            )
             if self.prefix is not None:
                 self.prefix.select(indices)
 
@@ -101,9 +102,7 @@ class GrowingLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length
 
     def _unsupported(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            "GrowingLayer is a decoding cache: no beam search, crop or offload"
-        )
+        raise NotImplementedError("GrowingLayer is a decoding cache: no beam search, crop or offload")
 
     reorder_cache = crop = offload = prefetch = reset = _unsupported
 
@@ -123,9 +122,7 @@ def cache_dtype(key_states: Tensor) -> torch.dtype:
         low = None
     if not decodes_in_autocast_dtype(device):
         low = None
-    wider = (
-        key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
-    )
+    wider = key_states.is_floating_point() and low is not None and low.itemsize < key_states.itemsize
     return low if wider else key_states.dtype
 
 

@@ -39,9 +39,7 @@ class NativeEngine(RolloutEngine):
 
     reports_logprobs = True
 
-    def __init__(
-        self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], logprobs: bool = False
-    ) -> None:
+    def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], logprobs: bool = False) -> None:
         super().__init__(policy, tokenizer, tools, logprobs)
         sharded = any(hasattr(p, "full_tensor") for p in policy.parameters())
         self.merged = MergedCopy(policy) if is_lora(policy) and not sharded else None
@@ -57,9 +55,15 @@ class NativeEngine(RolloutEngine):
         self.policy.eval()
         model, tok = self.policy if self.merged is None else self.merged.model, self.tokenizer
         return generate(
-            model, prompt_ids, gen, tok.pad_token_id, tok.eos_token_id, tools=self.tools, tokenizer=tok,
+            model,
+            prompt_ids,
+            gen,
+            tok.pad_token_id,
+            tok.eos_token_id,
+            tools=self.tools,
+            tokenizer=tok,
             logprobs=self.logprobs,
-        )  # fmt: skip
+        )
 
 
 @torch.no_grad()
@@ -152,19 +156,25 @@ def generate_turns(
     stop = sorted({tokenizer.eos_token_id, *cfg.stop_token_ids})
     texts, markers = token_texts(tokenizer), [tool.call_end for tool in tools]
 
-    def sample(
-        contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]
-    ) -> list[Segment]:
+    def sample(contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]) -> list[Segment]:
         segments, chunk = [], cfg.max_batch_size or len(contexts)
         for i in range(0, len(contexts), chunk):
             ids, attn = left_padded(contexts[i : i + chunk], 1, tokenizer.pad_token_id, device)
             stop_text = StopText(texts, markers, pause[i : i + chunk])
             out = sample_responses(
-                policy, ids, attn, max_new_tokens=max(budgets[i : i + chunk]),
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
-                lock_step=False, stop_text=stop_text, logprobs=logprobs,
-            )  # fmt: skip
+                policy,
+                ids,
+                attn,
+                max_new_tokens=max(budgets[i : i + chunk]),
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                stop_token_ids=stop,
+                pad_token_id=tokenizer.pad_token_id,
+                lock_step=False,
+                stop_text=stop_text,
+                logprobs=logprobs,
+            )
             out, lps = (out.tokens, out.logprobs) if logprobs else (out, None)
             for k, row in enumerate(out.tolist()):
                 ends = [j + 1 for j, token in enumerate(row) if token in stop][:1]
@@ -174,7 +184,5 @@ def generate_turns(
 
     with gathered_weights(policy, cfg.gather_weights) as lock_step:
         if lock_step:  # ranks would make different numbers of forwards
-            raise ValueError(
-                "model.tools with a sharded policy needs model.generation.gather_weights=true"
-            )
+            raise ValueError("model.tools with a sharded policy needs model.generation.gather_weights=true")
         return sample_turns(sample, prompt_ids, cfg, tokenizer, tools, n, device)

@@ -179,9 +179,7 @@ class StopText:
     lie inside a multi-byte character.
     """
 
-    def __init__(
-        self, token_texts: Sequence[str], markers: Sequence[str], enabled: Sequence[bool]
-    ) -> None:
+    def __init__(self, token_texts: Sequence[str], markers: Sequence[str], enabled: Sequence[bool]) -> None:
         self.texts, self.markers, self.enabled = token_texts, list(markers), list(enabled)
         self.keep = max(len(m) for m in self.markers) - 1  # tail that may start a marker
         self.tails = [""] * len(self.enabled)
@@ -274,8 +272,9 @@ def shares_prompt_cache(model: PreTrainedModel, device: torch.device) -> bool:
     return device.type == "cpu" and getattr(config, "_attn_implementation", None) == SDPA
 
 
-def _prefill(model: PreTrainedModel, *, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-             share: bool, **kwargs) -> CausalLMOutputWithPast:  # fmt: skip
+def _prefill(
+    model: PreTrainedModel, *, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, share: bool, **kwargs
+) -> CausalLMOutputWithPast:
     """The model's forward over the prompts (B, P), each distinct row once: its cache (in
     `kwargs`) is then shared by (`share`) or copied to every row that repeats it, and its
     logits copied."""
@@ -283,8 +282,12 @@ def _prefill(model: PreTrainedModel, *, input_ids: Tensor, attention_mask: Tenso
     if len(distinct) == len(input_ids):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     B = len(input_ids)
-    first = repeat.new_empty(len(distinct)).scatter_(0, repeat, torch.arange(B, device=repeat.device))  # one row of each
-    out = model(input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=position_ids[first], **kwargs)
+    first = repeat.new_empty(len(distinct)).scatter_(
+        0, repeat, torch.arange(B, device=repeat.device)
+    )  # one row of each
+    out = model(
+        input_ids=input_ids[first], attention_mask=attention_mask[first], position_ids=position_ids[first], **kwargs
+    )
     for cache in kwargs.values():
         if isinstance(cache, Cache) and share:
             for layer in cache.layers:
@@ -352,8 +355,14 @@ def sample_responses(
     with contextlib.ExitStack() as shared:  # reading the prompts' shared cache after the prefill
         for t in range(max_new_tokens):
             step = model if t else partial(_prefill, model, share=share)  # each distinct prompt read once
-            logits = step(input_ids=tokens, attention_mask=mask, position_ids=position, use_cache=True,
-                          **{cache_arg: cache}, logits_to_keep=1).logits[:, -1]  # fmt: skip
+            logits = step(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=position,
+                use_cache=True,
+                **{cache_arg: cache},
+                logits_to_keep=1,
+            ).logits[:, -1]
             allowed = logits.index_fill(-1, stop, float("-inf")) if t < min_new_tokens else logits
             new = next_tokens(allowed, temperature, top_p, top_k)
             new = torch.where(done, torch.full_like(new, pad_token_id), new)  # pad after a stop

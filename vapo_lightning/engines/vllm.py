@@ -51,8 +51,8 @@ from vapo_lightning.rollout import Rollout, assemble, left_padded, sample_turns
 from vapo_lightning.tools.base import Tool
 from vapo_lightning.tools.turns import Segment
 
-__all__ = ["EngineSetupError", "VLLMEngine", "check_architecture", "check_setup", "import_vllm",
-           "named_full_tensors"]  # fmt: skip
+__all__ = ["EngineSetupError", "VLLMEngine", "check_architecture", "check_setup", "import_vllm", "named_full_tensors"]
+
 
 def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, full tensor) of each weight of a possibly sharded model, one at a
@@ -110,8 +110,9 @@ class VLLMEngine(RolloutEngine):
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))
         else:
-            check_device_memory(options.sleep, options.gpu_memory_utilization, dict(os.environ),
-                                torch.cuda.mem_get_info())  # fmt: skip
+            check_device_memory(
+                options.sleep, options.gpu_memory_utilization, dict(os.environ), torch.cuda.mem_get_info()
+            )
         extra, seed = self._join_ranks(options.tensor_parallel_size, seed, local_rank)
         self._owns_process_group = not (dist.is_available() and dist.is_initialized())
         self._dir = tempfile.TemporaryDirectory(prefix="vapo_vllm_")
@@ -144,9 +145,7 @@ class VLLMEngine(RolloutEngine):
         one engine (`self.tp_group`). Returns vLLM's extra arguments and this engine's seed."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world % tp:
-            raise ValueError(
-                f"model.generation.vllm.tensor_parallel_size={tp} must divide the world size {world}"
-            )
+            raise ValueError(f"model.generation.vllm.tensor_parallel_size={tp} must divide the world size {world}")
         self.tp_group: Any = None  # the ranks sharing this engine, when tp > 1
         if tp > 1:  # collective: every rank makes every group
             self.tp_group, _ = dist.new_subgroups_by_enumeration(
@@ -163,16 +162,29 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def from_generation(
-        cls, gen: Generation, policy: torch.nn.Module, tokenizer: Any, tools: list[Tool], *,
-        max_model_len: int, precision: str, local_rank: int, logprobs: bool = False,
-    ) -> VLLMEngine:  # fmt: skip
+        cls,
+        gen: Generation,
+        policy: torch.nn.Module,
+        tokenizer: Any,
+        tools: list[Tool],
+        *,
+        max_model_len: int,
+        precision: str,
+        local_rank: int,
+        logprobs: bool = False,
+    ) -> VLLMEngine:
         from vapo_lightning.engines import engine_dtype
 
         return cls(
-            policy, tokenizer, tools, options=gen.vllm, max_model_len=max_model_len,
-            dtype=engine_dtype(gen.vllm.dtype, precision), local_rank=local_rank,
+            policy,
+            tokenizer,
+            tools,
+            options=gen.vllm,
+            max_model_len=max_model_len,
+            dtype=engine_dtype(gen.vllm.dtype, precision),
+            local_rank=local_rank,
             seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # per engine: `_join_ranks`
-        )  # fmt: skip
+        )
 
     @classmethod
     def check_setup(cls, config: Any, max_model_len: int) -> None:
@@ -212,9 +224,7 @@ class VLLMEngine(RolloutEngine):
             return self.generate_turns(prompt_ids, gen, seeds)
         return self.generate_tokens(prompt_ids, gen, seeds)
 
-    def generate_tokens(
-        self, prompt_ids: list[list[int]], cfg: Generation, seeds: list[int] | None = None
-    ) -> Rollout:
+    def generate_tokens(self, prompt_ids: list[list[int]], cfg: Generation, seeds: list[int] | None = None) -> Rollout:
         """The native engine's rollout, sampled by vLLM, with `rollout_logprobs`. `seeds`:
         one per prompt for reproducible sampling; None: the engine's own stream."""
         from vllm import SamplingParams
@@ -238,8 +248,7 @@ class VLLMEngine(RolloutEngine):
             detokenize=False,
         )
         per_prompt = [
-            SamplingParams(**params, seed=None if seeds is None else seeds[i])
-            for i in range(len(prompt_ids))
+            SamplingParams(**params, seed=None if seeds is None else seeds[i]) for i in range(len(prompt_ids))
         ]
         # vLLM runs its own kernels in its own dtype: no autocast from a bf16-mixed step around it
         with (
@@ -269,9 +278,7 @@ class VLLMEngine(RolloutEngine):
         r.rollout_logprobs = torch.where(r.response_mask, logprobs, torch.zeros_like(logprobs))
         return r
 
-    def generate_turns(
-        self, prompt_ids: list[list[int]], cfg: Generation, seeds: list[int] | None = None
-    ) -> Rollout:
+    def generate_turns(self, prompt_ids: list[list[int]], cfg: Generation, seeds: list[int] | None = None) -> Rollout:
         """`generate_tokens` with tool calls (`tools.turns.run_turns`): each round is one
         `LLM.generate` over the open responses, stopping at the tools' `call_end` strings;
         the engine's prefix cache holds the context a paused response goes on from, so only
@@ -288,9 +295,7 @@ class VLLMEngine(RolloutEngine):
         markers = [tool.call_end for tool in tools]
         rounds = iter(range(1 << 30))
 
-        def sample(
-            contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]
-        ) -> list[Segment]:
+        def sample(contexts: list[list[int]], budgets: list[int], pause: list[bool], rows: list[int]) -> list[Segment]:
             round_ = next(rounds)
             common = dict(
                 n=1,

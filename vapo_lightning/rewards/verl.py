@@ -54,9 +54,7 @@ class FunctionPool(WorkerPool):
         label = f"reward worker for {self.spec[0]}"
         super().__init__(num_workers, call_timeout_s, startup_timeout_s, label=label)
 
-    def map(
-        self, calls: Sequence[tuple[str, str, Any, dict]]
-    ) -> list[tuple[float | None, tuple[str, str] | None]]:
+    def map(self, calls: Sequence[tuple[str, str, Any, dict]]) -> list[tuple[float | None, tuple[str, str] | None]]:
         """``(score, None)`` or ``(None, (kind, message))`` per ``(data_source, solution_str,
         ground_truth, extra_info)``."""
         return [self._outcome(reply) for reply in self.run(calls)]
@@ -162,8 +160,11 @@ class VerlReward(RewardCallback):
                 truths.append(verl_ground_truth(s.ground_truth))
             except SampleError as refused:
                 truths.append(refused)
-        calls = [(s.data_source, s.response, t, dict(s.extra_info))
-                 for s, t in zip(samples, truths) if not isinstance(t, SampleError)]  # fmt: skip
+        calls = [
+            (s.data_source, s.response, t, dict(s.extra_info))
+            for s, t in zip(samples, truths)
+            if not isinstance(t, SampleError)
+        ]
         results = iter(self.pool.map(calls))  # in the order of the samples called
         out: list[float | SampleError] = []
         for truth in truths:

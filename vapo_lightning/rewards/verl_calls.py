@@ -95,8 +95,7 @@ def adapt(fn: Callable[..., Any], where: str) -> Call:
         return lambda ds, sol, gt, extra: fn(sol, gt)
     if "data_source" in params:
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        names = [n for n in ("data_source", "solution_str", "ground_truth", "extra_info")
-                 if takes_any or n in params]  # fmt: skip
+        names = [n for n in ("data_source", "solution_str", "ground_truth", "extra_info") if takes_any or n in params]
 
         def call(ds: str, sol: str, gt: Any, extra: dict) -> Any:
             given = {
@@ -108,9 +107,7 @@ def adapt(fn: Callable[..., Any], where: str) -> Call:
             return fn(**{n: given[n] for n in names})
 
         return call
-    positional = [
-        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params.values()):
         raise TypeError(
             f"VerlReward: {where} takes neither (data_source, solution_str, ground_truth, "
@@ -119,9 +116,7 @@ def adapt(fn: Callable[..., Any], where: str) -> Call:
     return lambda ds, sol, gt, extra: fn(sol, gt)
 
 
-def load_reward(
-    path: str, function: str = "compute_score", sources: Mapping[str, str] | None = None
-) -> Call:
+def load_reward(path: str, function: str = "compute_score", sources: Mapping[str, str] | None = None) -> Call:
     """The reward at `path`: a Python file holding `function`, or a folder of reward files
     (verl's ``reward_score/``) from which each sample's file is picked by its data source
     (`VERL_SOURCES`, extended or overridden by `sources`)."""

@@ -49,14 +49,10 @@ class _Worker:
     task: int | None = None
 
 
-def start_process(
-    argv: list[str], env: dict[str, str] | None = None, greeting: bytes = b""
-) -> subprocess.Popen[bytes]:
+def start_process(argv: list[str], env: dict[str, str] | None = None, greeting: bytes = b"") -> subprocess.Popen[bytes]:
     """Starts a worker with piped stdin / stdout (its stderr is the host's) and sends it
     `greeting`, what it must read before it can say it is ready."""
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env, close_fds=True
-    )
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env, close_fds=True)
     with contextlib.suppress(OSError):  # it died at once: its stdout's EOF will say so
         _write(proc, greeting)
     return proc
@@ -216,10 +212,7 @@ class WorkerPool:
                 failed_starts += 1
                 if failed_starts >= self.start_attempts:
                     times = f" {failed_starts} times" if failed_starts > 1 else ""
-                    raise RuntimeError(
-                        f"{self.label} exited while starting{times}; see its stderr"
-                        + self.start_hint
-                    )
+                    raise RuntimeError(f"{self.label} exited while starting{times}; see its stderr" + self.start_hint)
             elif worker.task is not None:
                 results[worker.task] = Lost(timed_out=False, exit_code=worker.proc.wait())
                 self.crashes += 1

@@ -175,8 +175,7 @@ class WarmServer:
         head = out.read(4)
         if len(head) != 4:
             raise RuntimeError(
-                "sandbox server died (run it by hand to see why: "
-                f"{sys.executable} -I -S {SERVER_SCRIPT})"
+                f"sandbox server died (run it by hand to see why: {sys.executable} -I -S {SERVER_SCRIPT})"
             )
         (n,) = struct.unpack(">I", head)
         header = json.loads(out.read(n))
@@ -242,10 +241,7 @@ class Pool:
         cgroup_root: str | None = DEFAULT_CGROUP_ROOT,
     ) -> None:
         size = size or max(1, os.cpu_count() or 1)
-        self.servers = [
-            WarmServer(namespaces, landlock, spares, via_userns, seccomp, cgroup_root)
-            for _ in range(size)
-        ]
+        self.servers = [WarmServer(namespaces, landlock, spares, via_userns, seccomp, cgroup_root) for _ in range(size)]
         self.idle: queue.Queue[WarmServer] = queue.Queue()
         for s in self.servers:
             self.idle.put(s)
@@ -392,9 +388,7 @@ def default_pool() -> Pool:
         return _default
 
 
-def evaluate(
-    code: str, tests: list[dict], fn_name: str | None = None, timeout_s: float = 10.0
-) -> Result:
+def evaluate(code: str, tests: list[dict], fn_name: str | None = None, timeout_s: float = 10.0) -> Result:
     """Runs `code` on `tests` in the sandbox and judges the outputs here, on the host.
 
     Function mode (`fn_name` given): each test is ``{"input": [args], "output": value}``.

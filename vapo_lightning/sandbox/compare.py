@@ -162,9 +162,7 @@ def decode(text: str, max_digits: int = DIGITS_SLACK, max_depth: int = DEPTH_SLA
         return float(digits)
 
     with _recursion_room(max_depth):
-        return json.loads(
-            text, parse_constant=_no_constants, parse_int=parse_int, parse_float=parse_float
-        )
+        return json.loads(text, parse_constant=_no_constants, parse_int=parse_int, parse_float=parse_float)
 
 
 def same_value(got: object, want: object, tol: float | None = None) -> bool:
@@ -235,9 +233,7 @@ def _frames(raw: bytes, n: int) -> dict[int, tuple[str, str]]:
     return found
 
 
-def judge(
-    raw: bytes, tests: list[dict], fn_name: str | None
-) -> tuple[list[bool], list[str | None]]:
+def judge(raw: bytes, tests: list[dict], fn_name: str | None) -> tuple[list[bool], list[str | None]]:
     """Per-test pass/fail and failure reasons, from the raw frames of one run."""
     frames = _frames(raw, len(tests))
     passed: list[bool] = []

@@ -96,8 +96,6 @@ class DirFdFinder:
             rel = os.path.normpath(f"{rel_dir}/{name}{suffix}")
             if exists(rel):
                 ext_fd = os.open(rel, os.O_RDONLY, dir_fd=fd)
-                loader = importlib.machinery.ExtensionFileLoader(
-                    fullname, f"/proc/self/fd/{ext_fd}"
-                )
+                loader = importlib.machinery.ExtensionFileLoader(fullname, f"/proc/self/fd/{ext_fd}")
                 return importlib.util.spec_from_file_location(fullname, loader.path, loader=loader)
         return None

@@ -41,12 +41,7 @@ def _argument(node: ast.AST) -> object:
 
 
 def _call_args(node: ast.AST, fn: str) -> list | None:
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == fn
-        and not node.keywords
-    ):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == fn and not node.keywords:
         return [_argument(a) for a in node.args]
     return None
 
@@ -85,11 +80,7 @@ def _assert_to_test(expr: ast.AST, fn: str) -> dict | None:
     if isinstance(op, (ast.Lt, ast.LtE)) and isinstance(left, ast.Call) and len(left.args) == 1:
         name = ast.unparse(left.func)
         inner = left.args[0]
-        if (
-            name in ("abs", "math.fabs")
-            and isinstance(inner, ast.BinOp)
-            and isinstance(inner.op, ast.Sub)
-        ):
+        if name in ("abs", "math.fabs") and isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Sub):
             args = _call_args(inner.left, fn)
             if args is not None:
                 want, tol = _literal(inner.right), _literal(right)

@@ -109,9 +109,7 @@ class Isolation:
 
     def _open_reachable(self) -> None:
         """Opens what the sandboxes' Landlock rules and import finder name."""
-        self.read_fds = [
-            os.open(p, os.O_PATH | os.O_CLOEXEC) for p in READ_PATHS if os.path.exists(p)
-        ]
+        self.read_fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in READ_PATHS if os.path.exists(p)]
         self.dev_fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in DEVICES if os.path.exists(p)]
         # The interpreter, reachable inside so that a program may start it (multiprocessing's
         # spawn and forkserver, subprocess): read and execute for Landlock; bind-mounted into
@@ -121,18 +119,12 @@ class Isolation:
         self.prefix = os.path.realpath(sys.base_prefix)
         self.prefix_fd = os.open(self.prefix, os.O_PATH | os.O_CLOEXEC)
         # The stdlib, opened now: after the uid drop its path may no longer be searchable.
-        self.stdlib = {
-            p: os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            for p in sys.path
-            if os.path.isdir(p)
-        }
+        self.stdlib = {p: os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for p in sys.path if os.path.isdir(p)}
         self.import_by_fd = True  # (a sandbox with the minimal root may not need it)
         self.root_plan = rootfs.plan([*READ_PATHS, self.prefix, *self.stdlib], list(DEVICES))
 
     # --- in the zygote -----------------------------------------------------------------------
-    def fork_sandbox(
-        self, fds: list[int], host_dir: str | None, tmp_mb: int, cgroups, run_cgroups
-    ) -> int:
+    def fork_sandbox(self, fds: list[int], host_dir: str | None, tmp_mb: int, cgroups, run_cgroups) -> int:
         """In the zygote: forks one sandbox (C, or P2 straight into a new PID namespace) into
         the cgroups `cgroups` (folders of `run_cgroups`)."""
         ctl_w, res_w, req_r = fds
@@ -281,11 +273,7 @@ class Isolation:
         rules += [(work_fd, everything)]
         if "private_tmp" in active:  # fresh tmpfs of this run only: all of it is ours
             rules.append((os.open("/proc", os.O_PATH), L.LL_READ))
-            rules += [
-                (os.open(p, os.O_PATH), everything)
-                for p in ("/tmp", "/dev/shm")
-                if os.path.isdir(p)
-            ]
+            rules += [(os.open(p, os.O_PATH), everything) for p in ("/tmp", "/dev/shm") if os.path.isdir(p)]
         try:
             return L.landlock_ruleset(rules, self.abi)
         except OSError as err:  # reported; the host decides whether it may run
@@ -346,9 +334,7 @@ class Isolation:
         os.write(ctl_w, f"L {json.dumps(active)}\nT {time.monotonic()!r}\n".encode())
         os.close(ctl_w)
         if mode == "stdin":
-            runner.run_stdin_mode(
-                req["code"], req["inputs"], res_w, int(lim["stdout_bytes"]), own_pidns, confine
-            )
+            runner.run_stdin_mode(req["code"], req["inputs"], res_w, int(lim["stdout_bytes"]), own_pidns, confine)
         elif mode == "execute":
             runner.run_execute_mode(req["code"], res_w, req["max_output_bytes"], own_pidns, confine)
         else:

@@ -97,9 +97,7 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
-ALL_NAMESPACES = (
-    CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
-)
+ALL_NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET
 
 
 def enter_namespaces(uid: int, gid: int, flags: int = ALL_NAMESPACES) -> int:

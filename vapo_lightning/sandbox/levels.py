@@ -56,8 +56,7 @@ _HOW_TO = {
     "where that cgroup holds processes itself and is not the root: delegate one, e.g. "
     "systemd's Delegate=yes, and start the trainer in a leaf of it)",
     "pids_cgroup": "a pids cgroup per run: as for memory_cgroup, with the pids controller",
-    "cpu_cgroup": "a cpu cgroup per run (one equal CPU share each): as for memory_cgroup, "
-    "with the cpu controller",
+    "cpu_cgroup": "a cpu cgroup per run (one equal CPU share each): as for memory_cgroup, with the cpu controller",
 }
 
 

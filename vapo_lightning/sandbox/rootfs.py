@@ -187,9 +187,7 @@ def _mount_setattr_read_only(path: str) -> None:
     """The mount at `path` and every mount below it read-only, in one system call (it only
     adds a restriction, which a user namespace may: the host's locked flags stay)."""
     attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)  # set, clear, propagation, userns
-    ret = L.libc.syscall(
-        _SYS_MOUNT_SETATTR, _AT_FDCWD, path.encode(), _AT_RECURSIVE, ctypes.byref(attr), 32
-    )
+    ret = L.libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, path.encode(), _AT_RECURSIVE, ctypes.byref(attr), 32)
     L.check(ret, "mount_setattr")
 
 

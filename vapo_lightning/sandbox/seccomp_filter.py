@@ -33,20 +33,51 @@ class _SockFprog(ctypes.Structure):
 # Audit arch and syscall numbers per machine (seccomp filters see raw numbers).
 _SECCOMP_ABI = (
     {
-        "x86_64": (0xC000003E, {"socket": 41, "socketpair": 53, "ptrace": 101, "prctl": 157,
-                                "add_key": 248, "request_key": 249, "keyctl": 250,
-                                "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300,
-                                "process_vm_readv": 310, "process_vm_writev": 311,
-                                "io_uring_setup": 425, "pidfd_getfd": 438, "fcntl": 72, "flock": 73}),
-        "aarch64": (0xC00000B7, {"socket": 198, "socketpair": 199, "ptrace": 117, "prctl": 167,
-                                 "add_key": 217, "request_key": 218, "keyctl": 219,
-                                 "inotify_init1": 26, "fanotify_init": 262,
-                                 "process_vm_readv": 270, "process_vm_writev": 271,
-                                 "io_uring_setup": 425, "pidfd_getfd": 438, "fcntl": 25, "flock": 32}),
+        "x86_64": (
+            0xC000003E,
+            {
+                "socket": 41,
+                "socketpair": 53,
+                "ptrace": 101,
+                "prctl": 157,
+                "add_key": 248,
+                "request_key": 249,
+                "keyctl": 250,
+                "inotify_init": 253,
+                "inotify_init1": 294,
+                "fanotify_init": 300,
+                "process_vm_readv": 310,
+                "process_vm_writev": 311,
+                "io_uring_setup": 425,
+                "pidfd_getfd": 438,
+                "fcntl": 72,
+                "flock": 73,
+            },
+        ),
+        "aarch64": (
+            0xC00000B7,
+            {
+                "socket": 198,
+                "socketpair": 199,
+                "ptrace": 117,
+                "prctl": 167,
+                "add_key": 217,
+                "request_key": 218,
+                "keyctl": 219,
+                "inotify_init1": 26,
+                "fanotify_init": 262,
+                "process_vm_readv": 270,
+                "process_vm_writev": 271,
+                "io_uring_setup": 425,
+                "pidfd_getfd": 438,
+                "fcntl": 25,
+                "flock": 32,
+            },
+        ),
     }.get(os.uname().machine)
     if L.IS_LINUX
     else None
-)  # fmt: skip
+)
 _DENIED_ALWAYS = {
     "no_ptrace": ("ptrace", "pidfd_getfd", "process_vm_readv", "process_vm_writev"),
     "no_fs_watch": ("inotify_init", "inotify_init1", "fanotify_init", "flock"),
@@ -155,11 +186,7 @@ def seccomp_filter_array(program: list[tuple[int, int, int, int]]) -> _SockFprog
     return fprog
 
 
-FILTERS = (
-    {flag: seccomp_filter_array(sandbox_filter(flag)) for flag in (False, True)}
-    if _SECCOMP_ABI
-    else {}
-)
+FILTERS = {flag: seccomp_filter_array(sandbox_filter(flag)) for flag in (False, True)} if _SECCOMP_ABI else {}
 
 
 def seccomp_works() -> bool:
@@ -184,9 +211,7 @@ def seccomp_sandbox(no_sockets: bool) -> list[str]:
         raise OSError(0, "seccomp: syscall numbers unknown on this machine")
     prog = FILTERS[no_sockets]
     L.check(
-        L.libc.prctl(
-            PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0
-        ),
+        L.libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
         "seccomp",
     )
     layers = [*_DENIED_ALWAYS, "not_dumpable", "dies_with_server"]

@@ -63,4 +63,3 @@ def sft_main(args: list[str] | None = None) -> SFTCLI:
     if args is not None and (not args or args[0] not in _SUBCOMMANDS):
         args = ["fit", *args]
     return SFTCLI(SFTModule, SFTDataModule, args=args, save_config_kwargs={"overwrite": True})
-

@@ -74,9 +74,7 @@ TASKS = {
     ),
     "bignum": SFTTask(bignum.generate, bignum.check, _ASSETS / "bignum", answer_only=bignum.bare),
     "functions": SFTTask(functions.generate, functions.check, _ASSETS / "functions"),
-    "digitwise": SFTTask(
-        digitwise.generate, digitwise.check, _ASSETS / "digitwise", with_slips=digitwise.with_slips
-    ),
+    "digitwise": SFTTask(digitwise.generate, digitwise.check, _ASSETS / "digitwise", with_slips=digitwise.with_slips),
 }
 """The tasks `SFTDataModule(task=...)` knows; ``functions`` is checked in the sandbox."""
 
@@ -98,9 +96,7 @@ def split_observations(solution: str) -> list[tuple[str, bool]]:
     return [(text, k % 2 == 1) for k, text in enumerate(parts) if text]
 
 
-def encode_responses(
-    tokenizer: PreTrainedTokenizerFast, solutions: list[str]
-) -> list[tuple[list[int], list[int]]]:
+def encode_responses(tokenizer: PreTrainedTokenizerFast, solutions: list[str]) -> list[tuple[list[int], list[int]]]:
     """(ids, labels) of each response + EOS, tokenized segment by segment as the rollout builds
     it: the model's first segment with the space that starts every response, each
     observation and each later model segment as it is. Labels are the ids, `IGNORE_INDEX` on
@@ -112,8 +108,7 @@ def encode_responses(
     for solution, segments in zip(solutions, per_solution):
         if not segments or segments[0][1]:
             raise ValueError(f"a response starts with model text, got {solution[:60]!r}")
-    texts = [" " + text if k == 0 else text for segments in per_solution
-             for k, (text, _) in enumerate(segments)]  # fmt: skip
+    texts = [" " + text if k == 0 else text for segments in per_solution for k, (text, _) in enumerate(segments)]
     pieces = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
     out = []
     for segments in per_solution:
@@ -127,9 +122,7 @@ def encode_responses(
     return out
 
 
-def encode_response(
-    tokenizer: PreTrainedTokenizerFast, solution: str
-) -> tuple[list[int], list[int]]:
+def encode_response(tokenizer: PreTrainedTokenizerFast, solution: str) -> tuple[list[int], list[int]]:
     """`encode_responses` of one solution."""
     return encode_responses(tokenizer, [solution])[0]
 
@@ -195,9 +188,7 @@ class SFTDataModule(L.LightningDataModule):
             raise ValueError(f"data.task must be one of {sorted(TASKS)}, got {task!r}")
         self.task = TASKS[task]
         if not 0.0 <= answer_only_fraction <= 1.0:
-            raise ValueError(
-                f"data.answer_only_fraction must be in [0, 1], got {answer_only_fraction}"
-            )
+            raise ValueError(f"data.answer_only_fraction must be in [0, 1], got {answer_only_fraction}")
         if answer_only_fraction > 0 and self.task.answer_only is None:
             raise ValueError(f"data.answer_only_fraction: task {task!r} has no answer-only form")
         if not 0 <= answer_only_from_step * batch_size <= num_train:
@@ -219,9 +210,7 @@ class SFTDataModule(L.LightningDataModule):
         if answer_only_fraction > 0:
             style = random.Random(seed + 1)
             self.train_rows = [
-                {**r, "solution": self.task.answer_only(r)}
-                if style.random() < answer_only_fraction
-                else r
+                {**r, "solution": self.task.answer_only(r)} if style.random() < answer_only_fraction else r
                 for r in self.train_rows
             ]
         if slip_rate > 0:
@@ -240,7 +229,7 @@ class SFTDataModule(L.LightningDataModule):
         """The chat prompt's ids and the response's (`encode_responses`) of each row."""
         tok = self.tokenizer
         prompts = [chat_prompt(tok, row["prompt"]) for row in rows]
-        prompt_ids = tok(prompts, add_special_tokens=False)["input_ids"] if rows else []  # fmt: skip
+        prompt_ids = tok(prompts, add_special_tokens=False)["input_ids"] if rows else []
         responses = encode_responses(tok, [row["solution"] for row in rows])
         return [Example(p, *r) for p, r in zip(prompt_ids, responses)]
 
@@ -268,9 +257,7 @@ class SFTDataModule(L.LightningDataModule):
             return_tensors="pt",
         )
         batch = self._collate_train(self._encode(rows))
-        batch.update(
-            prompt_ids=prompts["input_ids"], prompt_mask=prompts["attention_mask"], rows=rows
-        )
+        batch.update(prompt_ids=prompts["input_ids"], prompt_mask=prompts["attention_mask"], rows=rows)
         return batch
 
     def check(self, responses: Sequence[str], rows: Sequence[dict]) -> list[bool]:
@@ -284,11 +271,7 @@ class SFTDataModule(L.LightningDataModule):
         if self.bucket_batches:  # sort within pools of 50 batches, then shuffle the batches
             pool = 50 * B
             length = [len(e.prompt_ids) + len(e.response_ids) for e in self._examples]
-            order = [
-                i
-                for s in range(0, len(order), pool)
-                for i in sorted(order[s : s + pool], key=length.__getitem__)
-            ]
+            order = [i for s in range(0, len(order), pool) for i in sorted(order[s : s + pool], key=length.__getitem__)]
         batches = [order[s : s + B] for s in range(0, len(order) - B + 1, B)]
         rng.shuffle(batches)
         return batches
@@ -319,5 +302,3 @@ class SFTDataModule(L.LightningDataModule):
             shuffle=False,
             collate_fn=self._collate_val,
         )
-
-

@@ -97,9 +97,7 @@ class SFTModule(L.LightningModule):
 
     def _response_loss(self, batch: dict) -> torch.Tensor:
         """Mean cross-entropy over response tokens (labels != -100) of the batch."""
-        logits = self.model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).logits  # (B, T, V)
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
         return torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1),
             batch["labels"][:, 1:].flatten(),
@@ -120,9 +118,7 @@ class SFTModule(L.LightningModule):
         return loss
 
     @torch.no_grad()
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, do_sample: bool
-    ) -> list[str]:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, do_sample: bool) -> list[str]:
         """Decoded responses of a left-padded prompt batch (special tokens removed)."""
         # Pure temperature-1.0 sampling: no top-k / top-p truncation.
         sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -216,5 +212,3 @@ class SFTModule(L.LightningModule):
         if self._correct:
             metrics = {k: round(v, 4) for k, v in self.accuracy_by_difficulty().items()}
             (path / "eval.json").write_text(json.dumps(metrics, indent=1) + "\n")
-
-

@@ -90,9 +90,7 @@ def make_problem(rng: random.Random, difficulty: int) -> dict:
         op = _random_op(rng, x)
         ops.append(op)
         x = evaluate(x, [op])
-    prompt = f"{PROMPT_PREFIX}{start}. " + " ".join(
-        f"{label}) {op} {b}" for label, (op, b) in zip(LABELS, ops)
-    )
+    prompt = f"{PROMPT_PREFIX}{start}. " + " ".join(f"{label}) {op} {b}" for label, (op, b) in zip(LABELS, ops))
     return {
         "prompt": prompt,
         "answer": str(x),

@@ -36,12 +36,41 @@ MAX_CHANGE = 9
 MAX_START = 12
 
 NAMES = {  # name -> pronoun
-    "Mia": "She", "Noah": "He", "Ava": "She", "Liam": "He", "Emma": "She", "Leo": "He",
-    "Zoe": "She", "Omar": "He", "Sara": "She", "Ben": "He", "Lily": "She", "Sam": "He",
-    "Nina": "She", "Jack": "He", "Ella": "She", "Tom": "He",
-}  # fmt: skip
-THINGS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "coins",
-          "shells", "cards", "balloons", "eggs", "flowers", "toy cars", "crayons", "buttons"]  # fmt: skip
+    "Mia": "She",
+    "Noah": "He",
+    "Ava": "She",
+    "Liam": "He",
+    "Emma": "She",
+    "Leo": "He",
+    "Zoe": "She",
+    "Omar": "He",
+    "Sara": "She",
+    "Ben": "He",
+    "Lily": "She",
+    "Sam": "He",
+    "Nina": "She",
+    "Jack": "He",
+    "Ella": "She",
+    "Tom": "He",
+}
+THINGS = [
+    "apples",
+    "pencils",
+    "stickers",
+    "marbles",
+    "books",
+    "cookies",
+    "stamps",
+    "coins",
+    "shells",
+    "cards",
+    "balloons",
+    "eggs",
+    "flowers",
+    "toy cars",
+    "crayons",
+    "buttons",
+]
 GAINS = [  # (sentence with {p} pronoun, {n} count, {t} things)
     "{p} buys {n} more {t}.",
     "{p} finds {n} more {t}.",

@@ -60,8 +60,7 @@ class PythonTool(Tool):
             raise ValueError("PythonTool: timeout_s must be > 0 and max_output_bytes >= 1")
         if min_isolation not in ISOLATION_LEVELS:
             raise ValueError(
-                f"PythonTool.min_isolation must be one of {sorted(ISOLATION_LEVELS)}, "
-                f"got {min_isolation!r}"
+                f"PythonTool.min_isolation must be one of {sorted(ISOLATION_LEVELS)}, got {min_isolation!r}"
             )
         self.timeout_s, self.max_output_bytes, self.workers = timeout_s, max_output_bytes, workers
         self.namespaces, self.landlock = namespaces, landlock
@@ -91,17 +90,13 @@ class PythonTool(Tool):
             return list(pool.map(self._run_one, calls))
 
     def _run_one(self, code: str) -> ToolOutput:
-        ex = self._pool.execute(
-            code, timeout_s=self.timeout_s, max_output_bytes=self.max_output_bytes
-        )
+        ex = self._pool.execute(code, timeout_s=self.timeout_s, max_output_bytes=self.max_output_bytes)
         text = ex.stdout.rstrip("\n")
         if ex.truncated:
             text += "\n... (output truncated)"
         if ex.status == "error":  # the program's own error: its last traceback line
             lines = [line for line in ex.stderr.strip().splitlines() if line.strip()]
-            text = "\n".join(
-                filter(None, [text, lines[-1] if lines else f"exit code {ex.exit_code}"])
-            )
+            text = "\n".join(filter(None, [text, lines[-1] if lines else f"exit code {ex.exit_code}"]))
         elif ex.status == "timeout":
             text = "\n".join(filter(None, [text, f"Timed out after {self.timeout_s:g} s"]))
         elif ex.status == "memory_limit":

@@ -68,9 +68,7 @@ class Turns:
     tool_seconds: float = 0.0
 
 
-def observation_ids(
-    tool: Tool, text: str, tokenizer: PreTrainedTokenizerBase, budget: int
-) -> list[int]:
+def observation_ids(tool: Tool, text: str, tokenizer: PreTrainedTokenizerBase, budget: int) -> list[int]:
     """The tokens of ``tool.observation(text)``, at most `budget`: an output too long is cut
     (at a token boundary of its own tokenization) and says so."""
 
@@ -163,10 +161,14 @@ def run_turns(
 
 
 def _observe(
-    out: Turns, pending: dict[int, list[tuple[int, str]]], tools: Sequence[Tool],
-    tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, max_observation_tokens: int,
+    out: Turns,
+    pending: dict[int, list[tuple[int, str]]],
+    tools: Sequence[Tool],
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    max_observation_tokens: int,
     segment_start: list[int],
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """Runs each tool's pending calls (tool index -> (response, call)) and appends their
     observations to the responses (context, not actions); returns the responses that have
     room to go on."""
