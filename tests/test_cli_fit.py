@@ -19,7 +19,7 @@ def test_tiny_cpu_fit_with_every_callback_and_a_plugin(tmp_path):
             f"--trainer.default_root_dir={tmp_path}",
             "--trainer.max_steps=3",
             "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus",
+            "--trainer.callbacks+=examples.rewards.short_answer.ShortAnswerBonus",
             "--trainer.callbacks.weight=0.1",
             f"--model.hf_export_dir={tmp_path / 'hf'}",
         ]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vapo_lightning import core
-from vapo_lightning.token_stats import chunk_rows_for
+from vapo_lightning.logprobs import chunk_rows_for
 
 # --------------------------------------------------------------------------- references
 

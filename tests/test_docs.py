@@ -38,7 +38,7 @@ CODE_SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 REPO_DIRS = (
     "benchmarks",
-    "callbacks",
+    "examples",
     "configs",
     "docs",
     "scripts",

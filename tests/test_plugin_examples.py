@@ -1,5 +1,5 @@
-"""The plug-in examples in `callbacks/`, how `vapo` finds them, and how the built-in rewards
-are reached: `callbacks/` is the user's folder (not installed), the built-ins are lazy exports
+"""The plug-in examples in `examples/rewards/`, how `vapo` finds them, and how the built-in
+rewards are reached: `examples/` is user code (not installed), the built-ins are lazy exports
 of `vapo_lightning.rewards`."""
 
 import importlib
@@ -10,8 +10,8 @@ import sys
 import pytest
 import setuptools
 
-from callbacks.multiple_choice import MultipleChoice
-from callbacks.short_answer import ShortAnswerBonus
+from examples.rewards.multiple_choice import MultipleChoice
+from examples.rewards.short_answer import ShortAnswerBonus
 from tests.test_cli_errors import ROOT, vapo
 from vapo_lightning.rewards import RewardError, Sample, combine_rewards
 
@@ -45,23 +45,23 @@ def test_multiple_choice_is_a_verifier_and_reports_rows_it_cannot_score():
 
 
 @pytest.mark.slow
-def test_vapo_imports_a_callbacks_folder_from_the_working_directory(tmp_path):
-    shutil.copytree(ROOT / "callbacks", tmp_path / "callbacks")
+def test_vapo_imports_a_plug_in_folder_from_the_working_directory(tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
     done = vapo(
         "fit",
         "-c",
         str(ROOT / "configs/tiny_cpu.yaml"),
         "--print_config",
-        "--trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus",
-        "--trainer.callbacks+=callbacks.multiple_choice.MultipleChoice",
+        "--trainer.callbacks+=examples.rewards.short_answer.ShortAnswerBonus",
+        "--trainer.callbacks+=examples.rewards.multiple_choice.MultipleChoice",
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "class_path: callbacks.short_answer.ShortAnswerBonus" in done.stdout
-    assert "class_path: callbacks.multiple_choice.MultipleChoice" in done.stdout
+    assert "class_path: examples.rewards.short_answer.ShortAnswerBonus" in done.stdout
+    assert "class_path: examples.rewards.multiple_choice.MultipleChoice" in done.stdout
 
 
-def test_callbacks_is_not_installed():
+def test_examples_are_not_installed():
     tomllib = pytest.importorskip("tomllib")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     find = config["tool"]["setuptools"]["packages"]["find"]

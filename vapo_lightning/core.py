@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vapo_lightning.token_stats import entropy_from_logits, logprobs_from_logits
+from vapo_lightning.logprobs import entropy_from_logits, logprobs_from_logits
 
 LossAgg = Literal["token", "sequence"]
 
@@ -230,7 +230,7 @@ def overlong_penalty(response_lengths: Tensor, max_len: int, cache_len: int) -> 
 
 
 # --------------------------------------------------------------------------- per-token quantities
-# logprobs_from_logits and entropy_from_logits: chunked, memory-lean kernels in `token_stats`.
+# logprobs_from_logits and entropy_from_logits: chunked, memory-lean kernels in `logprobs`.
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
@@ -287,7 +287,7 @@ def policy_loss(
     L = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A), r = exp(logp - old_logp).
     `clip_ratio_c` (verl's dual clip, not in the paper) bounds the loss of negative-advantage
     tokens at -A * c. `is_weights` (B, T), detached, scales each token's loss: truncated
-    importance sampling against the engine that sampled (`correction.truncated_is_weights`).
+    importance sampling against the engine that sampled (`rollout_correction.truncated_is_weights`).
     Returns (loss, stats) with stats (detached, micro-batch token means):
     clipfrac_high (r > 1 + clip_high, A > 0), clipfrac_low (r < 1 - clip_low, A < 0),
     approx_kl (mean of old_logp - logp).

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from vapo_lightning import core, correction
+from vapo_lightning import core, rollout_correction
 from vapo_lightning.critic_checks import GlobalSum, explained_variance
 from vapo_lightning.rewards.math_answers import answer_forms
 from vapo_lightning.updates import Step
@@ -133,7 +133,7 @@ def rollout_metrics(step: Step, timer: PhaseTimer, global_sum: GlobalSum = Tenso
     # engine vs trainer (with pi_old taken from the engine there is nothing to compare)
     old = step.old.logprobs
     if r.rollout_logprobs is not None and old is not None and old is not r.rollout_logprobs:
-        diff = correction.probs_diff(old, r.rollout_logprobs, mask)
+        diff = rollout_correction.probs_diff(old, r.rollout_logprobs, mask)
         m["training/rollout_probs_diff_mean"] = core.masked_mean(diff, mask)
         m["training/rollout_probs_diff_max"] = diff.max()
     # Every phase each step, 0 where it did not run (no actor update while value pretraining):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from vapo_lightning import core, correction
+from vapo_lightning import core, rollout_correction
 from vapo_lightning.advantages import Advantages
 from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.packing import ROWS, Layout
@@ -363,7 +363,7 @@ def actor_step(
             read.entropy[rows, :T] = entropy.detach()
         pi_old, old_entropy = read.logprobs[rows, :T], read.entropy[rows, :T]
         is_weights = (  # truncated importance sampling against the engine that sampled
-            correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
+            rollout_correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
             if a.rollout_is == "tis"
             else None
         )

@@ -41,7 +41,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from vapo_lightning.attention import SDPA, decoding, reading_shared_prefixes
 from vapo_lightning.engines.kv_cache import cache_argument, growing_cache
-from vapo_lightning.token_stats import entropy_from_logits, logprobs_from_logits
+from vapo_lightning.logprobs import entropy_from_logits, logprobs_from_logits
 
 __all__ = [
     "Sampled",

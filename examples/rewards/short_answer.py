@@ -1,7 +1,7 @@
 """The README's plug-in: a bonus for short responses that contain a boxed answer.
 
     vapo fit -c configs/quickstart.yaml \
-      --trainer.callbacks+=callbacks.short_answer.ShortAnswerBonus --trainer.callbacks.weight=0.1
+      --trainer.callbacks+=examples.rewards.short_answer.ShortAnswerBonus --trainer.callbacks.weight=0.1
 """
 
 from vapo_lightning.rewards import RewardCallback, Sample

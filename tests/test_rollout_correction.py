@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from vapo_lightning import core, correction
+from vapo_lightning import core, rollout_correction
 
 
 def batch(seed: int, B: int = 5, T: int = 9):
@@ -18,7 +18,7 @@ def batch(seed: int, B: int = 5, T: int = 9):
 
 def test_truncated_is_weights_against_a_loop():
     old, rollout, mask = batch(0)
-    w = correction.truncated_is_weights(old, rollout, mask, cap=2.0)
+    w = rollout_correction.truncated_is_weights(old, rollout, mask, cap=2.0)
     for b in range(old.shape[0]):
         for t in range(old.shape[1]):
             want = min(math.exp(float(old[b, t]) - float(rollout[b, t])), 2.0) if mask[b, t] else 0.0
@@ -29,7 +29,7 @@ def test_truncated_is_weights_against_a_loop():
 
 def test_probs_diff_against_a_loop():
     old, rollout, mask = batch(1)
-    d = correction.probs_diff(old, rollout, mask)
+    d = rollout_correction.probs_diff(old, rollout, mask)
     for b in range(old.shape[0]):
         for t in range(old.shape[1]):
             want = abs(math.exp(float(old[b, t])) - math.exp(float(rollout[b, t]))) if mask[b, t] else 0.0
@@ -43,7 +43,7 @@ def test_policy_loss_with_is_weights_scales_each_token():
     logprobs = (old + torch.randn(old.shape, generator=g) * 0.3).requires_grad_()
     adv = torch.randn(old.shape, generator=g)
     n = mask.sum()
-    w = correction.truncated_is_weights(old, rollout, mask, cap=2.0)
+    w = rollout_correction.truncated_is_weights(old, rollout, mask, cap=2.0)
     plain, _ = core.policy_loss(logprobs, old, adv, mask, n)
     ones, _ = core.policy_loss(logprobs, old, adv, mask, n, is_weights=torch.ones_like(old))
     assert torch.allclose(plain, ones)

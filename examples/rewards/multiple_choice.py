@@ -3,7 +3,7 @@ response's last ``Answer: X`` against the row's letter.
 
 List it in a config's ``trainer.callbacks`` in place of `MathReward`, or add it:
 
-    vapo fit -c my_config.yaml --trainer.callbacks+=callbacks.multiple_choice.MultipleChoice
+    vapo fit -c my_config.yaml --trainer.callbacks+=examples.rewards.multiple_choice.MultipleChoice
 
 It shows the two parts of the plug-in API a verifier uses: `correct_threshold` (a score above
 it counts as correct in `rollout/accuracy`, `val/accuracy` and the positive-example NLL), and

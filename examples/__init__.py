@@ -1,0 +1,1 @@
+"""Worked examples of user code (not part of the installed package)."""
