@@ -4,7 +4,8 @@ PPO's ratio exp(logp - logp_old) needs fp32 log-probs; a (B, T, V) fp32 log_soft
 large vocabulary does not fit beside the model. These kernels take the logits as given (bf16
 stays bf16), work `chunk_rows` positions at a time in fp32, and save only the logits and a
 (N,) logsumexp for the backward, which recomputes the softmax chunk by chunk. Exported by
-`vapo_lightning.core` with the rest of the math.
+`vapo_lightning.core` with the rest of the math. Where the policy's LM head allows it,
+`head_logprobs` goes further and never makes the logits whole: it takes the head's input.
 
 A chunk is counted in logits, not rows, so its size does not grow with the vocabulary. On the
 CPU it holds about 2^20 of them (4 MiB in fp32), so the several passes over it (cast, max,
