@@ -51,6 +51,20 @@ LAYOUTS = {
 }
 
 
+CHUNK = 7  # rows per chunk in these tests: every forward and backward spans several
+
+
+def small_chunks() -> None:
+    logprobs.CPU_CHUNK_LOGITS, head_logprobs.CPU_MIN_ROWS = CHUNK * VOCAB, 1
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_LOGITS", CHUNK * VOCAB)
+    monkeypatch.setattr(head_logprobs, "CPU_MIN_ROWS", 1)
+    assert head_logprobs.rows_per_chunk(VOCAB, torch.device("cpu")) == CHUNK
+
+
 def tiny(model_type: str = "llama", tied: bool = False, attn: str = "sdpa", vocab: int = VOCAB, **cfg):
     torch.manual_seed(0)
     extra = {**BASE, **EXTRA.get(model_type, {}), **cfg}
@@ -252,6 +266,15 @@ def test_a_lora_policy_takes_the_adapters_gradients_through_its_frozen_head():
     assert_same_grads(got, grads(model))
 
 
+def test_a_chunk_holds_enough_rows_to_amortise_reading_the_head(monkeypatch):
+    monkeypatch.undo()  # (the module's own sizes)
+    cpu, gpu = torch.device("cpu"), torch.device("meta")  # (any device but the CPU)
+    assert head_logprobs.rows_per_chunk(151_936, cpu) == 128  # (2^20 logits: 6 rows)
+    assert head_logprobs.rows_per_chunk(151_936, gpu) == 512  # (2^26 logits: 441 rows)
+    assert head_logprobs.rows_per_chunk(500, cpu) == 2**20 // 500
+    assert head_logprobs.rows_per_chunk(32_000, gpu) == 2**26 // 32_000
+
+
 class LargestWithVocab(TorchDispatchMode):
     """Records the largest numel of any op's output with a dimension of `vocab` and none of
     `hidden` (so the head's weight (V, H), its views and gradient do not count)."""
@@ -276,6 +299,8 @@ def test_the_full_logits_never_exist(monkeypatch, layout):
     attn, c = LAYOUTS[layout]
     V, H, T, chunk = 500, 32, 96, 8
     monkeypatch.setattr(logprobs, "CPU_CHUNK_LOGITS", chunk * V)
+    monkeypatch.setattr(head_logprobs, "CPU_MIN_ROWS", 1)
+    assert head_logprobs.rows_per_chunk(V, torch.device("cpu")) == chunk
     model = tiny(attn=attn, vocab=V)
     B = 4
     ids = torch.randint(3, V, (B, 6 + T), generator=torch.Generator().manual_seed(0))
@@ -305,6 +330,7 @@ def _fsdp_rank(rank: int, init: str, out: str) -> None:
     unit, resharded after the forward), each rank's half of the rollout, the full gradients;
     in bf16 (FSDP2's mixed precision), also those through the logits, on the same shards."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    small_chunks()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -5,21 +5,22 @@ exist in full: at 4 answers x 8,192 tokens x Qwen2.5's 152,064-token vocabulary,
 bf16. Here the policy's forward runs with its LM head replaced (`StatsHead`) by one that, given
 the hidden states h (N, H) at the kept positions and the tokens they predict, returns
 log softmax(h W^T / tau)[token] and the entropy of softmax(h W^T / tau) instead of the logits,
-computed `chunk_rows` positions at a time (`linear_token_stats`). Its backward saves only h
-and a (N,) logsumexp (and the entropy) and recomputes each chunk's logits, so the largest
-temporaries are a few (chunk, V) ones in fp32, in the forward and in the backward. The
-gradients with respect to h and to W are the full-logits ones up to float rounding; W's is
-summed over chunks in fp32.
+a chunk of positions at a time (`linear_token_stats`, `rows_per_chunk`). Its backward saves
+only h and a (N,) logsumexp (and the entropy) and recomputes each chunk's logits, so the
+largest temporaries are a few (chunk, V) ones in fp32, in the forward and in the backward.
+The gradients with respect to h and to W are the full-logits ones up to float rounding; W's
+is summed over chunks in fp32 (a (V, H) fp32 buffer during the backward).
 
 The head is swapped inside the model's own forward, not called after it: under FSDP2 the
 root's pre-forward has gathered the head's weight (the embeddings', when tied), and the
 statistics leave the forward as its output, on which FSDP2 hangs the hook that gathers the
-weight again for the backward. This is what verl does with `use_fused_kernels`
-(`verl/models/transformers/monkey_patch.py` patches the model's forward to take log-probs and
-entropy from `lm_head.weight` and the hidden states, `forward_with_torch_backend`, or its
-Triton kernel `verl/utils/kernel/linear_cross_entropy.py`); NeMo-RL and Liger fuse the LM
-head with the cross-entropy the same way (Liger's `LigerFusedLinearCrossEntropyLoss`). verl's
-torch path sums W's gradient in W's dtype; here it is summed in fp32.
+weight again for the backward. This is what verl does with `use_fused_kernels`:
+`verl/models/transformers/monkey_patch.py` patches the model's forward to take log-probs and
+entropy from `lm_head.weight` and the hidden states (`forward_with_torch_backend` of
+`dense_common.py`: chunks of 512 positions, W's gradient summed in W's dtype; or the Triton
+kernel of `verl/utils/kernel/linear_cross_entropy.py`). NeMo-RL's `FusedLinearCrossEntropyLoss` (NeMo
+Automodel's, on cut-cross-entropy) and Liger's `LigerFusedLinearCrossEntropyLoss` fuse the
+head and a cross-entropy loss the same way, from the hidden states and the head's weight.
 
 It applies where it is exact (`plain_head`): a model whose forward returns `lm_head(hidden)`
 unchanged as its logits (no soft-capping or scaling after the head: the types in
@@ -37,13 +38,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vapo_lightning.logprobs import chunk_rows as rows_per_chunk
+from vapo_lightning import logprobs
 
-__all__ = ["PLAIN_HEAD_MODELS", "StatsHead", "linear_token_stats", "plain_head", "replaced_head"]
+__all__ = ["PLAIN_HEAD_MODELS", "StatsHead", "linear_token_stats", "plain_head", "replaced_head", "rows_per_chunk"]
 
 # Model types whose causal-LM forward is `logits = self.lm_head(hidden_states[:, keep, :])`,
 # returned as is (tests/test_head_logprobs.py checks each against its logits).
 PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+# Each chunk's matmuls read all of W (V, H): about c flops per byte of a bf16 W for c rows (c/2
+# in fp32), so too few rows leave them waiting on memory, and W's gradient takes one (V, H)
+# addition per chunk. Rows per chunk are at least these, whatever `logprobs.chunk_rows` counts
+# in logits (6 rows of a 152k vocabulary on the CPU): 128 on the CPU, and verl's 512 (its torch
+# path's chunk) elsewhere, where 2^26 logits are 441 such rows.
+CPU_MIN_ROWS, MIN_ROWS = 128, 512
+
+
+def rows_per_chunk(vocab: int, device: torch.device) -> int:
+    """Positions per chunk of `linear_token_stats`: `logprobs.chunk_rows`, or more (above)."""
+    return max(logprobs.chunk_rows(vocab, device), CPU_MIN_ROWS if device.type == "cpu" else MIN_ROWS)
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
@@ -139,7 +152,7 @@ def linear_token_stats(
     """log p(label) and (with `entropy`) H(p) for p = softmax(hidden @ weight^T / temperature):
     hidden (N, H), weight (V, H), labels (N,) -> (N,), (N,), in fp32 (or wider).
 
-    The logits exist `chunk_rows` positions at a time (None: `logprobs.chunk_rows`), in the
+    The logits exist `chunk_rows` positions at a time (None: `rows_per_chunk`), in the
     forward and in the backward, computed in `F.linear`'s dtype (autocast's where it is on) and
     divided by the temperature in fp32. `entropy_grad`: the entropy keeps its graph (an
     entropy bonus); otherwise only its value.
