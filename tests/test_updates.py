@@ -300,3 +300,13 @@ def test_the_actor_update_takes_the_entropy_only_for_a_bonus(tok, monkeypatch, c
     assert {(k["entropy"], k["entropy_grad"]) for k in asked} == {(coef > 0, coef > 0)}
     want = float(core.masked_mean(old.entropy, r.response_mask))
     assert stats["actor/entropy"] == pytest.approx([want], rel=1e-5)
+
+
+def test_an_unscored_rollout_or_gae_without_values_fails_naming_what_is_missing():
+    r, algo = rollout(32), Algorithm()
+    values = torch.zeros(r.response_mask.shape)
+    with pytest.raises(ValueError, match="needs V_old"):
+        compute_advantages(r, None, algo, False, lambda x: x)
+    r.scores = None
+    with pytest.raises(ValueError, match="the rollout has no scores"):
+        compute_advantages(r, values, algo, False, lambda x: x)

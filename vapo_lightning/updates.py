@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,6 +22,9 @@ from vapo_lightning.advantages import Advantages
 from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.packing import ROWS, Layout
 from vapo_lightning.rollout import Rollout, critic_values, token_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "OLD_LOGPROB_SOURCES",
@@ -144,8 +147,9 @@ def sync_gradients(model: torch.nn.Module, last: bool, ops: RankOps) -> None:
 
     if isinstance(model, FSDPModule) and not ops.accumulate_unsharded:
         return  # (reduce-scatter on, FSDP2's default, never turned off)
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(last)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's and replicate's
+    if callable(set_sync):
+        set_sync(last)
 
 
 # --------------------------------------------------------------------------- no-grad passes
@@ -174,7 +178,7 @@ class Step(NamedTuple):
 
 @torch.no_grad()
 def compute_log_probs(
-    policy: torch.nn.Module,
+    policy: PreTrainedModel,
     r: Rollout,
     micro_size: int,
     temperature: float,
@@ -185,19 +189,19 @@ def compute_log_probs(
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(a_t | s_t) and (with `entropy`) the entropy of pi at each response position,
     (B, T) each, under the sampling `temperature`; `policy` as the caller set it (eval)."""
-    logprobs, entropies = per_token(r), per_token(r) if entropy else None
+    logprobs, entropies = per_token(r), per_token(r)
     for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
         lp, h = token_logprobs(policy, micro, temperature, entropy=entropy, layout=layout)
         logprobs[idx, : lp.shape[1]] = lp
-        if entropy:
+        if h is not None:
             entropies[idx, : lp.shape[1]] = h
-    return logprobs, entropies
+    return logprobs, entropies if entropy else None
 
 
 def old_policy(
     source: str,
-    policy: torch.nn.Module,
-    ref_policy: torch.nn.Module | None,
+    policy: PreTrainedModel,
+    ref_policy: PreTrainedModel | None,
     r: Rollout,
     micro_size: int,
     temperature: float,
@@ -213,6 +217,8 @@ def old_policy(
     the reference policy when there is one (a KL penalty): a frozen copy, or the policy itself
     with its adapters off (`lora.AdaptersOff`), so the policy is put in eval mode for both."""
     policy.eval()
+    logprobs: Tensor | None
+    entropy: Tensor | None
     if source == "recompute":
         logprobs, entropy = compute_log_probs(policy, r, micro_size, temperature, max_tokens, agree, layout)
     elif source == "rollout":
@@ -229,7 +235,7 @@ def old_policy(
 
 @torch.no_grad()
 def compute_values(
-    critic: torch.nn.Module,
+    critic: PreTrainedModel,
     r: Rollout,
     micro_size: int,
     max_tokens: int | None = None,
@@ -249,7 +255,7 @@ def compute_values(
 
 
 def update_critic(
-    critic: torch.nn.Module,
+    critic: PreTrainedModel,
     opt: torch.optim.Optimizer,
     r: Rollout,
     old_values: Tensor | None,
@@ -272,7 +278,8 @@ def update_critic(
             micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree, layout.pack)
         )
         for _ in range(algo.critic_updates_per_step):
-            loss_sum = clip_sum = 0.0
+            loss_sum: Tensor | float = 0.0
+            clip_sum: Tensor | float = 0.0
             for i, (rows, micro) in enumerate(micros):
                 sync_gradients(critic, i == len(micros) - 1, ops)
                 values, T = critic_values(critic, micro, layout), micro.response_mask.shape[1]
@@ -290,7 +297,7 @@ def update_critic(
 
 
 def update_actor(
-    policy: torch.nn.Module,
+    policy: PreTrainedModel,
     opt: torch.optim.Optimizer,
     r: Rollout,
     old: OldPolicy,
@@ -324,7 +331,7 @@ def update_actor(
 
 
 def actor_step(
-    policy: torch.nn.Module,
+    policy: PreTrainedModel,
     r: Rollout,
     old: OldPolicy,
     read: OldPolicy,
@@ -337,8 +344,11 @@ def actor_step(
 ) -> dict[str, Tensor | float]:
     """The gradient of the actor loss on the rows `index` (micro-batch by micro-batch), and
     the step's metrics, token-weighted; what `old` lacks is taken from these forwards into
-    `read`."""
-    mask, correct = r.response_mask[index], r.correct[index]
+    `read` (pi_old as the update reads it: both tensors present)."""
+    read_logprobs, read_entropy = read.logprobs, read.entropy
+    if read_logprobs is None or read_entropy is None:
+        raise ValueError("actor_step: `read` holds pi_old's log-probs and entropy, (B, T) each")
+    mask, correct = r.response_mask[index], r.require("correct")[index]
     n_tokens = ops.global_sum(mask.sum())
     normalizers = {
         "normalizer": n_tokens
@@ -358,21 +368,21 @@ def actor_step(
             policy, micro, temperature, entropy=bonus or old.entropy is None, entropy_grad=bonus, layout=layout
         )
         if old.logprobs is None:  # on-policy: this first forward is pi_old (verl's dp_actor)
-            read.logprobs[rows, :T] = logprobs.detach()
-        if old.entropy is None:
-            read.entropy[rows, :T] = entropy.detach()
-        pi_old, old_entropy = read.logprobs[rows, :T], read.entropy[rows, :T]
-        is_weights = (  # truncated importance sampling against the engine that sampled
-            rollout_correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
-            if a.rollout_is == "tis"
-            else None
-        )
+            read_logprobs[rows, :T] = logprobs.detach()
+        if old.entropy is None and entropy is not None:
+            read_entropy[rows, :T] = entropy.detach()
+        pi_old, old_entropy = read_logprobs[rows, :T], read_entropy[rows, :T]
+        is_weights = None
+        if a.rollout_is == "tis":  # truncated importance sampling against the engine that sampled
+            if micro.rollout_logprobs is None:
+                raise ValueError("rollout_is 'tis': the engine reported no log-probs of its samples")
+            is_weights = rollout_correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
         loss, st = core.actor_loss(
             logprobs,
             pi_old,
             advantages[rows, :T],
             m,
-            micro.correct,
+            micro.require("correct"),
             **normalizers,
             clip_low=a.clip_low,
             clip_high=a.clip_high,
@@ -422,8 +432,8 @@ def fused_adamw(params: list[Tensor]) -> bool:
 def clip_and_step(opt: torch.optim.Optimizer, model: torch.nn.Module, max_norm: float) -> float:
     """Clips the gradient to `max_norm` and steps; a non-finite gradient norm skips the step
     (no bad update is ever applied). Returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     if math.isfinite(norm):
         opt.step()
         # Under an autocast region that caches casts (Lightning < 2.6 runs training_step
