@@ -262,6 +262,7 @@ def _fake_run(task, seed_acc):
                 f.write(
                     json.dumps({"step": 45, "prompt": f"User: {row['prompt']}\nAssistant:", "correct": i == 0}) + "\n"
                 )
+        return 0.5, {}  # minutes, not resumed
 
     return run
 
@@ -455,3 +456,51 @@ def test_the_reading_answers_whether_the_pretrained_critic_helps():
         "+20.0 points against VAPO's from the backbone (no p: one seed): the pretrained "
         "critic is not ahead of the random one here (not held at p < 0.05)."
     ) in text
+
+
+def test_a_fit_killed_after_a_checkpoint_resumes_from_it(tmp_path, monkeypatch):
+    """A session that ends mid-run leaves its last checkpoint: the next call resumes the fit
+    from it (training samples past it dropped, as the resumed fit writes them again), counts
+    the first part's minutes up to that checkpoint, and says where it resumed; a run killed
+    before any checkpoint starts afresh."""
+    import time
+
+    import torch
+
+    calls = []
+
+    def vapo(command, configs, run_dir, args, log):  # a fit leaves its last checkpoint
+        calls.append((command, args))
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "last.ckpt").touch()
+
+    monkeypatch.setattr(B, "vapo", vapo)
+    monkeypatch.setattr(B, "commit", lambda: "abc1234")
+    task, layer = B.TASKS["smollm2"], None
+    run_dir = tmp_path / "vapo" / "seed0"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    torch.save({"global_step": 10}, last)
+    since = time.time() - 600  # the killed part started ten minutes before its checkpoint
+    (run_dir / "started.json").write_text(json.dumps({"minutes": 5.0, "since": since, "commit": "0ld0000"}))
+    import os
+
+    os.utime(last, (since + 600, since + 600))
+    (run_dir / "train_samples.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 16)))
+    minutes, resumed = B.run(task, layer, 0, run_dir, [])
+    (fit, fit_args), (validate, _) = calls
+    assert (fit, validate) == ("fit", "validate")
+    assert f"--ckpt_path={last}" in fit_args
+    assert [json.loads(x)["step"] for x in (run_dir / "train_samples.jsonl").read_text().splitlines()] == list(
+        range(1, 11)
+    )
+    assert resumed == {"resumed_from_step": 10, "resumed_from_commit": "0ld0000"}
+    assert 15.0 <= minutes < 15.5
+    assert not (run_dir / "started.json").exists()
+
+    calls.clear()  # killed before a checkpoint: afresh
+    (run_dir / "started.json").write_text(json.dumps({"minutes": 0.0, "since": time.time(), "commit": "x"}))
+    (run_dir / "stale.txt").write_text("left by the killed run")
+    minutes, resumed = B.run(task, layer, 0, run_dir, [])
+    assert resumed == {} and not any(a.startswith("--ckpt_path=") for a in calls[0][1])
+    assert not (run_dir / "stale.txt").exists()
