@@ -9,7 +9,7 @@ import torch
 from tests.helpers import scalars, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning.critic_checks import check_critic
 from vapo_lightning.critic_probe import CriticProbe
-from vapo_lightning.updates import compute_values
+from vapo_lightning.updates import Forwards, compute_values
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_the_probe_is_fixed_logged_from_step_0_and_measures_the_critic_as_it_sta
     steps = [s for s, _ in logged["critic_probe/value_loss"]]
     assert steps == [0, 1, 2, 3]
     # The last logged numbers are the checks of the critic as the run left it.
-    values = compute_values(module.critic, r, module.algo.micro_batch_size)
+    values = compute_values(module.critic, r, Forwards(module.algo.micro_batch_size))
     expected = check_critic(values, returns, r.scores, r.correct, r.group_ids, r.response_mask)
     assert logged["critic_probe/value_loss"][-1][1] == pytest.approx(expected["value_loss"], rel=1e-4)
     assert logged["critic_probe/value_loss"][0][1] != pytest.approx(expected["value_loss"], rel=1e-4)  # it learnt

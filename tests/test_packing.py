@@ -14,6 +14,7 @@ from vapo_lightning.advantages import compute_advantages
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits, token_logprobs
 from vapo_lightning.updates import (
+    Forwards,
     RankOps,
     compute_values,
     micro_batches,
@@ -173,8 +174,9 @@ def update_gradients(
     module.algo.mini_batch_size = G * n
     r = grouped_rollout(module.policy.config.vocab_size, n=n, common=common)
     layout, a, ops = packing.Layout(pack, not apart), module.algo, RankOps()
-    old = old_policy("recompute", module.policy, None, r, a.micro_batch_size, 1.0, layout=layout)
-    values = compute_values(module.critic, r, a.micro_batch_size, layout=layout)
+    fw = Forwards(a.micro_batch_size, layout=layout)
+    old = old_policy("recompute", module.policy, None, r, fw, 1.0)
+    values = compute_values(module.critic, r, fw)
     adv = compute_advantages(r, values, a, False, ops.global_sum)
     steps, batches = [], mini_batches(len(r), a.mini_batch_size, a.ppo_epochs, pack)
     update_critic(
@@ -187,7 +189,7 @@ def update_gradients(
         a,
         NO_CLIP,
         ops,
-        layout,
+        Forwards.of(a, layout=layout),
     )
     update_actor(
         module.policy,
@@ -200,7 +202,7 @@ def update_gradients(
         1.0,
         NO_CLIP,
         ops,
-        layout,
+        Forwards.of(a, layout=layout),
     )
     estimates = {"old_logprobs": old.logprobs, "entropy": old.entropy, "values": values, "advantages": adv.advantages}
     return {f"{name}.{n}": g for name, step in steps for n, g in step.items()}, r, estimates

@@ -15,6 +15,7 @@ from vapo_lightning.advantages import compute_advantages, critic_targets
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout, critic_values, policy_logits
 from vapo_lightning.updates import (
+    Forwards,
     OldPolicy,
     RankOps,
     compute_values,
@@ -61,8 +62,8 @@ def module_with(tok, micro: int, **algorithm):
 
 def old_estimates(module, r: Rollout, source: str = "recompute") -> tuple[OldPolicy, torch.Tensor]:
     """pi_old from `source` and V_old (a no-grad pass of the critic)."""
-    old = old_policy(source, module.policy, None, r, module.algo.micro_batch_size, 1.0)
-    return old, compute_values(module.critic, r, module.algo.micro_batch_size)
+    fw = Forwards(module.algo.micro_batch_size)
+    return old_policy(source, module.policy, None, r, fw, 1.0), compute_values(module.critic, r, fw)
 
 
 class Recorder:
