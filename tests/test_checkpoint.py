@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.test_configs import CONFIGS
+from tests.helpers import CONFIGS
 from vapo_lightning.checkpoint import AtomicCheckpointIO, CheckpointError
 from vapo_lightning.cli import VAPOCLI
 from vapo_lightning.data import PromptDataModule

@@ -2,22 +2,11 @@
 mistakes reported in one line naming the field or file, before any work."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT, vapo
 from vapo_lightning.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
-VAPO = Path(sys.executable).parent / "vapo"  # the console script, as installed
-
-
-def vapo(*args, cwd=ROOT, timeout=300):
-    if not VAPO.exists():
-        pytest.skip("the vapo console script is not installed")
-    return subprocess.run([str(VAPO), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow

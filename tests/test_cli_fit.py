@@ -5,7 +5,7 @@ import glob
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.test_configs import CONFIGS
+from tests.helpers import CONFIGS
 from vapo_lightning.cli import main
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import glob
 import re
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.test_configs import print_config
+from tests.helpers import ROOT, print_config
 from vapo_lightning.cli import main
 from vapo_lightning.rewards.base import Sample
 from vapo_lightning.rewards.code import CodeReward, extract_code
@@ -18,7 +17,6 @@ from vapo_lightning.sandbox import evaluate
 from vapo_lightning.sft import SFTDataModule
 from vapo_lightning.tasks import functions as F
 
-ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "vapo_lightning" / "assets" / "functions"
 _TABLE = re.compile(r"f\((-?\d+)\) = (-?\d+)")
 

@@ -8,20 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import CONFIGS, print_config
 from vapo_lightning.cli import main
 from vapo_lightning.config import Algorithm, Generation
 from vapo_lightning.data import PromptDataModule
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(p for p in CONFIGS.rglob("*.yaml"))
-
-
-def print_config(*args: str) -> dict:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
-        main([*args, "--print_config"])
-    assert exit_.value.code in (0, None), out.getvalue()
-    return yaml.safe_load(out.getvalue())
 
 
 @pytest.mark.parametrize("path", ALL, ids=[str(p.relative_to(CONFIGS)) for p in ALL])

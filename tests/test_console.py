@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.test_cli_errors import ROOT, vapo
+from tests.helpers import ROOT, vapo
 
 
 @pytest.mark.slow

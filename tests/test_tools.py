@@ -324,27 +324,12 @@ def test_python_tool_refuses_to_start_below_its_minimum_isolation(monkeypatch):
     assert from_spec(spec(PythonTool(min_isolation="basic"))).min_isolation == "basic"
 
 
-def rollout_with_observations(vocab: int):
-    """tests/test_updates.py's rollout, with tool observations: holes in `response_mask`
-    (context the models read, never actions) inside responses, one ending in one."""
-    from tests.test_updates import rollout
-
-    r = rollout(vocab)
-    mask = r.response_mask.clone()
-    mask[:, 2:4] &= torch.tensor([True, False, True, False, False, True, False, False])[:, None]
-    mask[6, 5:] = False  # a response whose last tokens are an observation
-    mask[:, 0] = True
-    r.response_mask = mask & (r.attention_mask[:, r.prompt_length :] > 0)
-    assert (~r.response_mask & (r.attention_mask[:, r.prompt_length :] > 0)).any()
-    return r
-
-
 def test_observation_tokens_reach_no_loss(tok):
     """Both models' gradients equal a slow reference over the model's own tokens only: the
     actor's token-mean surrogate (on-policy, so ratio 1) plus the positive-example NLL, the
     critic's squared error to the Monte-Carlo return; whitening counts actions only; garbage
     at observation positions of every per-token field changes nothing."""
-    from tests.test_updates import module_with, old_estimates, run_updates
+    from tests.update_helpers import module_with, old_estimates, rollout_with_observations, run_updates
     from vapo_lightning import core
     from vapo_lightning.advantages import compute_advantages
     from vapo_lightning.rollout import critic_values, policy_logits
@@ -444,13 +429,12 @@ def test_resumed_tools_run_reproduces_the_uninterrupted_run(tok, tmp_path):
 def test_ddp_run_with_tools_on_two_processes(tmp_path):
     """Two ranks with tools: each samples its own multi-turn responses; tool metrics are
     logged (reduced over ranks) alongside the usual ones."""
-    from tests.test_distributed import scalars as dist_scalars
-    from tests.test_distributed import vapo_fit
+    from tests.helpers import vapo_fit, version_scalars
 
     tools = "--model.tools=[{class_path: tests.tool_helpers.EverySpace, init_args: {fail_over: 8}}]"
     vapo_fit(tmp_path, "ddp", "--trainer.max_steps=3", tools)
     (version,) = tmp_path.glob("lightning_logs/version_*")
-    logged = dist_scalars(version)
+    logged = version_scalars(version)
     assert logged["rollout_step"] == [1.0, 2.0, 3.0]
     assert all(0 < v <= 4 for v in logged["tools/calls/mean"])  # max_turns 4
     assert all(0 < v <= 1 for v in logged["tools/share_of_responses"])

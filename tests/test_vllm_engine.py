@@ -18,17 +18,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import skip_without_vllm
-from vapo_lightning import core
-from vapo_lightning.config import Generation, VLLMOptions
+from tests.vllm_helpers import OPTIONS, max_logprob_gap, native, real_update, responses, trainer_logprobs
+from vapo_lightning.config import Generation
 from vapo_lightning.engines.native import generate
 from vapo_lightning.engines.vllm import VLLMEngine, check_architecture, import_vllm
 from vapo_lightning.models import load_tokenizer
-from vapo_lightning.rollout import policy_logits
 
 skip_without_vllm()
 
 ASSET = Path(__file__).resolve().parents[1] / "vapo_lightning/assets/quickstart_sft"
-OPTIONS = VLLMOptions(gpu_memory_utilization=0.05, kv_cache_gib=1, max_num_seqs=64)
 
 
 @pytest.fixture(scope="module")
@@ -60,38 +58,6 @@ def engine(policy, tok):
     e = vllm_engine(policy, tok)
     yield e
     e.close()
-
-
-def responses(r):
-    return [row[m].tolist() for row, m in zip(r.responses, r.response_mask)]
-
-
-def native(policy, prompts, tok, cfg):
-    return generate(policy, prompts, cfg, tok.pad_token_id, tok.eos_token_id)
-
-
-def trainer_logprobs(policy, r, temperature=1.0):
-    with torch.no_grad():
-        return core.logprobs_from_logits(policy_logits(policy, r), r.responses, temperature)
-
-
-def real_update(policy, prompts, tok):
-    """One AdamW step of the NLL of sampled answers: every weight moves."""
-    r = native(policy, prompts, tok, Generation(n=2, max_new_tokens=24, temperature=1.0))
-    opt = torch.optim.AdamW(policy.parameters(), lr=3e-3)
-    policy.train()
-    logits = policy_logits(policy, r)
-    loss = -core.masked_mean(core.logprobs_from_logits(logits, r.responses), r.response_mask)
-    loss.backward()
-    opt.step()
-    policy.eval()
-
-
-def max_logprob_gap(engine, policy, prompts, tok) -> float:
-    cfg = Generation(n=2, max_new_tokens=24, temperature=1.0)
-    r = engine.generate_tokens(prompts, cfg, seeds=list(range(len(prompts))))
-    gap = (r.rollout_logprobs - trainer_logprobs(policy, r)).abs()
-    return float(gap[r.response_mask].max())
 
 
 def test_greedy_matches_native_before_and_after_a_sync(engine, policy, prompts, tok):

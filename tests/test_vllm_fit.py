@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import skip_without_vllm
-from tests.test_distributed import SHORT, vapo_fit
+from tests.helpers import SHORT, skip_without_vllm, vapo_fit
 from vapo_lightning.cli import main
 
 skip_without_vllm()
