@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.sandbox.test_hostile import pool_leftovers
+from tests.sandbox.helpers import pool_leftovers
 from vapo_lightning.sandbox import Limits, Pool, client, execute
 from vapo_lightning.sandbox.client import _read_execution
 

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tests.sandbox.test_hostile import PROGRAMS, _sandbox_processes
+from tests.sandbox.helpers import PROGRAMS, sandbox_processes
 from vapo_lightning.sandbox import Pool
 
 # mode: (namespaces, landlock, via_userns)
@@ -82,7 +82,7 @@ def _check_layers(mode: str, layers: list[str]) -> None:
 def _leftovers(pools) -> list[int]:
     """Sandbox processes still alive, besides the idle spares of every pool started here."""
     spares = set().union(*(p.spare_sessions() for p in pools.started.values()))
-    return _sandbox_processes(spares)
+    return sandbox_processes(spares)
 
 
 def _run_hostile(pools, mode: str, name: str) -> None:
