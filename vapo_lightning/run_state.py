@@ -23,7 +23,7 @@ class RunStateHooks:
         step (Lightning-AI/pytorch-lightning#17958, open); users count rollout steps
         (max_steps, checkpoint and logging intervals), so one rollout advances
         `trainer.global_step` by exactly one, through the loop's private progress counter
-        (pyproject bounds Lightning to releases tests/test_cli_errors.py checked)."""
+        (pyproject bounds Lightning to releases tests/trainer/test_cli_errors.py checked)."""
         progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
         target = self._rollout_steps_before + 1
         progress.total.ready = progress.total.completed = target
