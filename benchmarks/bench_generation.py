@@ -133,7 +133,7 @@ def main() -> None:
                 )
     print(
         "\nSpeed-up: transformers' median time over this sampler's. Free sampling draws differ "
-        "run to run (the same distribution, tests/test_generation.py); tokens/s counts each "
+        "run to run (the same distribution, tests/engines/test_generation.py); tokens/s counts each "
         "response up to its EOS."
     )
 

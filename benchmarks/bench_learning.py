@@ -335,21 +335,40 @@ def vapo(command: str, configs: list[str], run_dir: Path, args: list[str], log: 
         raise RuntimeError(f"{' '.join(cmd)} failed; see {run_dir / log}")
 
 
-def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> None:
-    """One row, one seed: fit, then (P > 0) validate the last checkpoint."""
+def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str]) -> tuple[float, dict]:
+    """One row, one seed: fit, then (P > 0) validate the last checkpoint. A fit killed after
+    a checkpoint (a session's end) resumes from it, exactly as it would have gone on, with
+    the training samples past the checkpoint dropped (the resumed fit writes them again);
+    one killed before any starts afresh. Returns the run's minutes, its parts added (a killed
+    part counted to its last checkpoint), and where a resumed run's first part stopped."""
     p, args = row_overrides(task, layer)
     configs = [task.config, *([layer] if layer else [])]
-    shutil.rmtree(run_dir, ignore_errors=True)  # what a killed run left: it starts afresh
-    run_dir.mkdir(parents=True)
+    last, started = run_dir / "checkpoints" / "last.ckpt", run_dir / "started.json"
+    resumed: dict = {}
+    minutes = 0.0
+    if last.exists() and started.exists():  # a killed fit's last checkpoint
+        import torch
+
+        state = json.loads(started.read_text())
+        step = int(torch.load(last, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+        resumed = {"resumed_from_step": step, "resumed_from_commit": state["commit"]}
+        minutes = state["minutes"] + (last.stat().st_mtime - state["since"]) / 60
+        keep_samples_up_to(run_dir / "train_samples.jsonl", step)
+        resume = [f"--ckpt_path={last}"]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # what a run killed before a checkpoint left
+        run_dir.mkdir(parents=True)
+        resume = []
+    since = time.time()
+    started.write_text(json.dumps({"minutes": minutes, "since": since, "commit": commit()}))
     vapo(
         "fit",
         configs,
         run_dir,
-        [f"--seed_everything={seed}", "--model.hf_export_dir=null", *args, *extra],
-        "log.txt",
+        [f"--seed_everything={seed}", "--model.hf_export_dir=null", *args, *extra, *resume],
+        f"log{'_resumed' * bool(resumed)}.txt",
     )
     if p:
-        last = run_dir / "checkpoints" / "last.ckpt"
         vapo(
             "validate",
             configs,
@@ -358,6 +377,15 @@ def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str
             "log_validate.txt",
         )
         last.unlink()  # the study keeps curves and samples, not weights
+    started.unlink()
+    return minutes + (time.time() - since) / 60, resumed
+
+
+def keep_samples_up_to(path: Path, step: int) -> None:
+    """Drops the rows of a samples file written after rollout step `step`."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+        path.write_text("".join(rows))
 
 
 def summary_path(folder: str, name: str, seed: int) -> Path:
@@ -418,9 +446,9 @@ def ensure_run(folder: str, task: Task, job: tuple, root: Path, extra: list[str]
         summary = summarize(task, run_dir, old["minutes"], old["commit"])
         summary.update(date=old["date"], machine=old["machine"])
     else:
-        start, at_commit = time.time(), commit()
-        run(task, layer, seed, run_dir, extra)
-        summary = summarize(task, run_dir, (time.time() - start) / 60, at_commit)
+        at_commit = commit()
+        minutes, resumed = run(task, layer, seed, run_dir, extra)
+        summary = summarize(task, run_dir, minutes, at_commit) | resumed
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary))

@@ -158,18 +158,37 @@ def step_passes(r, pol, cri, opts, batches, algo, ops, layout) -> dict:
     """The passes of one rollout step over rollout `r`, in order, as callables; each keeps
     what it returns in `out` for the passes after it."""
     from vapo_lightning.advantages import compute_advantages
-    from vapo_lightning.updates import compute_values, old_policy, update_actor, update_critic
+    from vapo_lightning.updates import Forwards, compute_values, old_policy, update_actor, update_critic
 
     out: dict = {}
     return {
-        "old_log_prob": lambda: out.update(old=old_policy("recompute", pol, None, r, 16, 0.4, layout=layout)),
-        "values": lambda: out.update(values=compute_values(cri, r, 16, layout=layout)),
+        "old_log_prob": lambda: out.update(old=old_policy("recompute", pol, None, r, Forwards(16, layout=layout), 0.4)),
+        "values": lambda: out.update(values=compute_values(cri, r, Forwards(16, layout=layout))),
         "adv": lambda: out.update(adv=compute_advantages(r, out["values"], algo, False, ops.global_sum)),
         "update_critic": lambda: update_critic(
-            cri, opts[1], r, out["values"], out["adv"].returns, batches, algo, 1.0, ops, layout
+            cri,
+            opts[1],
+            r,
+            out["values"],
+            out["adv"].returns,
+            batches,
+            algo,
+            1.0,
+            ops,
+            Forwards.of(algo, layout=layout),
         ),
         "update_actor": lambda: update_actor(
-            pol, opts[0], r, out["old"], out["adv"].advantages, batches, algo, 0.4, 1.0, ops, layout
+            pol,
+            opts[0],
+            r,
+            out["old"],
+            out["adv"].advantages,
+            batches,
+            algo,
+            0.4,
+            1.0,
+            ops,
+            Forwards.of(algo, layout=layout),
         ),
     }
 

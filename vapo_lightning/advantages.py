@@ -42,8 +42,8 @@ class Advantages(NamedTuple):
 def actor_lambda(r: Rollout, a: Algorithm) -> Tensor:
     """(B,) lambda of the actor's GAE: length-adaptive (§4.2, Eq. 5) or fixed."""
     if a.length_adaptive_gae:
-        return core.length_adaptive_lam(r.response_lengths, a.alpha).to(r.scores)
-    return torch.full_like(r.scores, a.lam_actor)
+        return core.length_adaptive_lam(r.response_lengths, a.alpha).to(r.require("scores"))
+    return torch.full_like(r.require("scores"), a.lam_actor)
 
 
 @torch.no_grad()
@@ -52,7 +52,7 @@ def critic_targets(r: Rollout, values: Tensor, a: Algorithm, value_pretraining: 
     Decoupled GAE (§4.1): with lam_critic (1: Monte-Carlo), and always Monte-Carlo while
     value pretraining (§4.1, §5.1); without decoupling, with the actor's lambda."""
     lam = 1.0 if value_pretraining else (a.lam_critic if a.decoupled_gae else actor_lambda(r, a))
-    rewards = core.sparse_rewards(r.scores, r.response_mask)
+    rewards = core.sparse_rewards(r.require("scores"), r.response_mask)
     return core.gae(rewards, values, r.response_mask, a.gamma, lam)[1]
 
 
@@ -69,19 +69,21 @@ def compute_advantages(
     on every token (also where `a.critic_gate` finds the critic explaining too little);
     whitened over all ranks' valid tokens if `a.whiten_advantages`. The returns are taken
     before any whitening (§4.1)."""
-    mask = r.response_mask
+    mask, scores = r.response_mask, r.require("scores")
     returns = lam = gate = None
     if a.advantage == "gae":
+        if values is None:
+            raise ValueError("advantage 'gae' needs V_old: the values of a critic")
         lam = actor_lambda(r, a)
-        rewards = core.sparse_rewards(r.scores, mask)
+        rewards = core.sparse_rewards(scores, mask)
         adv, _ = core.gae(rewards, values, mask, a.gamma, lam)
         returns = critic_targets(r, values, a, value_pretraining)
         if a.critic_gate is not None and not value_pretraining:  # (no actor update to gate)
             gate = critic_gate(r, values, a, global_sum)
             if not gate.all():
-                adv = core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
+                adv = core.group_normalized_advantages(scores, r.group_ids, a.group_std)[:, None] * mask
     else:
-        adv = core.group_normalized_advantages(r.scores, r.group_ids, a.group_std)[:, None] * mask
+        adv = core.group_normalized_advantages(scores, r.group_ids, a.group_std)[:, None] * mask
     if a.whiten_advantages:
         adv = core.masked_whiten(adv, mask, global_sum(core.masked_moments(adv, mask)))
     return Advantages(adv, returns, lam, gate)
@@ -101,7 +103,9 @@ def critic_gate(r: Rollout, values: Tensor, a: Algorithm, global_sum: Callable[[
     valid tokens, exceeds `a.critic_gate` (its variance reduction then beats the batch
     mean's), else 0; 0 where the return does not vary (nothing to explain). The same on
     every rank."""
-    mc = monte_carlo_returns(r.scores, r.response_mask, a.gamma)
+    if a.critic_gate is None:
+        raise ValueError("critic_gate: Algorithm.critic_gate is None (no gate asked for)")
+    mc = monte_carlo_returns(r.require("scores"), r.response_mask, a.gamma)
     ev = critic_checks.explained_variance(values, mc, r.response_mask, global_sum)
     return (ev > a.critic_gate).float().expand(len(r)).clone()  # (B,) alike; NaN > x is False
 
@@ -115,6 +119,6 @@ def has_actor_gradient(r: Rollout, advantages: Tensor, a: Algorithm) -> Tensor:
     and backward of a zero gradient, and AdamW's momentum and weight decay would still move
     the weights."""
     signal = bool(advantages[r.response_mask].ne(0).any())
-    signal |= a.nll_coef > 0 and bool(r.correct.any())
+    signal |= a.nll_coef > 0 and bool(r.require("correct").any())
     signal |= a.kl_coef > 0 or a.entropy_coef > 0
-    return torch.tensor(float(signal), device=r.scores.device)
+    return torch.tensor(float(signal), device=advantages.device)

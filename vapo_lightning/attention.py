@@ -1,10 +1,7 @@
 """Attention for bf16 mixed precision on the CPU.
 
-Under CPU autocast, SDPA runs in bf16, and torch's bf16 flash-attention *backward* on the CPU
-is slower than the fp32 one (535 against 233 ms in a torch profile of one actor update at the
-TRL benchmark's shapes, 64 × 183 tokens). The whole update with attention in fp32: 1.50 ->
-1.18 s with 2 threads, 2.57 -> 2.12 s with 1
-(`python benchmarks/probes/probe_attention_cpu.py`, `benchmarks/results/attention_cpu.md`).
+Under CPU autocast, SDPA runs in bf16, and torch's bf16 flash-attention *backward* on the CPU is
+slower than the fp32 one, enough that a whole actor update runs faster with attention in fp32.
 `SDPA` below is transformers' SDPA attention, except that on the CPU under autocast it runs in
 fp32 (faster there for training, and more accurate), in every forward but decoding's on CPUs
 with AMX: the sampler's single-token forwards only read the KV cache, and bf16 halves the bytes
@@ -69,9 +66,8 @@ class SharedPrefix:
     """One layer's cached keys and values of G distinct prompts, (G, H_kv, P, D), and the
     prompt each decoding row continues (`group`, (b,)): group sampling asks each prompt n
     times, and the n rows read its cache once, as one matrix of their n × H / H_kv queries
-    against it, instead of each its own copy. A decoding step's attention on the CPU reads the
-    cache at a low rate (`benchmarks/results/pass_profile_cpu.md`); the prompt is most of what
-    it reads.
+    against it, instead of each its own copy. A decoding step's attention on the CPU spends
+    its time reading the cache, and the prompt is most of what it reads.
 
     The rows are placed in a (G, n) grid (n: the most rows any prompt has; a row's slot: its
     rank among its prompt's rows, holes left empty) to be multiplied by their prompt's cache.
@@ -140,9 +136,7 @@ def cpu_has_amx() -> bool:
 def decodes_in_autocast_dtype(device_type: str) -> bool:
     """Whether decoding attends in the autocast dtype and keeps its KV cache in it (GPUs, and
     CPUs with AMX), or in fp32 (other CPUs). Without AMX, torch's CPU bf16 attention is the slow
-    one: one decoding attention call (64 rows, 4 heads, 183 cached keys, head dim 64, the cache's
-    strided views, 1 thread) took 3.45 ms in bf16 and 0.95 ms in fp32 on an AMD EPYC with
-    AVX512-BF16 (benchmarks/results/decode_attention_cpu.md)."""
+    one, for a decoding step's single-token queries too, even on a CPU with AVX512-BF16."""
     return device_type != "cpu" or cpu_has_amx()
 
 
@@ -194,8 +188,7 @@ def grouped_decode_attention(
     softmax(q k^T * scaling + mask) v, with the H / H_kv query heads that share a key head as
     one matrix against it, so the cache is read once, in place. transformers' SDPA path copies
     every layer's whole cache H / H_kv times (`repeat_kv`: torch's GQA needs no mask) and
-    torch's CPU flash kernel is built for long queries: on SmolLM2-135M (9 heads over 3, bf16
-    autocast, 64 rows) the kernel took 25 % of the sampler's time and copies 17 %.
+    torch's CPU flash kernel is built for long queries, not a decoding step's single one.
     """
     B, H, _, D = query.shape
     kv_heads, dtype = key.shape[1], key.dtype
@@ -233,9 +226,7 @@ def packed_attention(
     itself; each prompt [first, P) over the shared start and causally over itself, each
     response [s, s + n) over the shared start, its prompt and causally over itself: the pairs
     a pack's block mask keeps, and no others. One masked call computes all L^2 pairs of a
-    row: on configs/smollm2.yaml's rollouts (prompts of ~115 tokens, four answers of ~77 in
-    a pack) about ten times those (`benchmarks/results/real_model_passes.md` has the passes
-    before and after).
+    row, most of them masked out where a row holds several packs of several answers each.
     """
     H, L, D = query.shape[1:]
 

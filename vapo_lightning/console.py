@@ -1,5 +1,5 @@
 """What the console shows: other libraries' messages that do not apply to a VAPO run are
-dropped, each for a stated reason (`tests/test_console.py` checks a run's output)."""
+dropped, each for a stated reason (`tests/trainer/test_console.py` checks a run's output)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def quiet_vllm() -> None:
     token ids in and out (no tokenizer: its chat-template warm-up fails, with a traceback,
     and it has no EOS id of its own, the trainer passes the stop ids), and a weight sync does
     not send the rotary embedding's cos/sin cache, which is computed from the config and kept
-    (greedy tokens after a sync equal the trainer's: tests/test_vllm_engine.py)."""
+    (greedy tokens after a sync equal the trainer's: tests/engines/test_vllm.py)."""
     for name, drop in VLLM_BY_DESIGN.items():  # the same filter objects: added once per logger
         logging.getLogger(name).addFilter(drop)
 

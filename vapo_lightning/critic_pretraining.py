@@ -48,6 +48,7 @@ from vapo_lightning.distributed import save_pretrained
 from vapo_lightning.models import add_adapters, build_critic, build_policy
 from vapo_lightning.packing import layout_for
 from vapo_lightning.updates import (
+    Forwards,
     RankOps,
     adamw_with_warmup,
     compute_values,
@@ -149,7 +150,7 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
 
     def score(epoch: int, train_loss: float, seconds: float) -> dict[str, float]:
         with s.forward_context():
-            values = compute_values(critic, held, algo.micro_batch_size, layout=layouts["held"])
+            values = compute_values(critic, held, Forwards(algo.micro_batch_size, layout=layouts["held"]))
         checks = check_critic(values, returns["held"], held.scores, held.correct, held.group_ids, held.response_mask)
         return {
             "epoch": epoch,
@@ -173,17 +174,9 @@ def _pretrain(s: Setup, argv: list[str], opts: Options, out: Path, started: floa
             losses = []
             for index in batches:
                 with s.forward_context():
+                    fw = Forwards.of(algo, layout=layouts["train"])
                     stats = update_critic(
-                        critic,
-                        opt,
-                        train,
-                        None,
-                        returns["train"],
-                        [index],
-                        algo,
-                        optim.max_grad_norm,
-                        RankOps(),
-                        layouts["train"],
+                        critic, opt, train, None, returns["train"], [index], algo, optim.max_grad_norm, RankOps(), fw
                     )
                 sched.step()
                 losses += stats["critic/vf_loss"]

@@ -23,7 +23,7 @@ from vapo_lightning.advantages import monte_carlo_returns
 from vapo_lightning.critic_checks import check_critic
 from vapo_lightning.packing import ROWS, layout_for
 from vapo_lightning.rollout import Rollout
-from vapo_lightning.updates import compute_values
+from vapo_lightning.updates import Forwards, compute_values
 
 __all__ = ["CriticProbe"]
 
@@ -103,6 +103,6 @@ class CriticProbe(L.Callback):
         critic on each, as a sharded critic needs)."""
         r = self.probe
         with trainer.precision_plugin.forward_context():
-            values = compute_values(pl_module.critic, r, pl_module.algo.micro_batch_size, layout=self.layout)
+            values = compute_values(pl_module.critic, r, Forwards(pl_module.algo.micro_batch_size, layout=self.layout))
         checks = check_critic(values, self.returns, r.scores, r.correct, r.group_ids, r.response_mask)
         return {f"critic_probe/{k}": v for k, v in checks.items() if math.isfinite(v)}  # (NaN: undefined)

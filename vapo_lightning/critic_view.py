@@ -32,7 +32,7 @@ from vapo_lightning import core
 from vapo_lightning.advantages import actor_lambda
 from vapo_lightning.config import Algorithm
 from vapo_lightning.rollout import Rollout
-from vapo_lightning.updates import compute_values
+from vapo_lightning.updates import Forwards, compute_values
 
 __all__ = ["CriticView", "TokenView", "pick_rows", "token_views"]
 
@@ -196,7 +196,7 @@ class CriticView(L.Callback):
         r = self.last_rollout = r.select(pick_rows(r.correct, self.k))
         # V(s_t) on every rank, in one forward each (a sharded critic's forward is collective:
         # every rank takes part); rank 0 draws and writes.
-        values = compute_values(pl_module.critic, r, max(1, len(r)))
+        values = compute_values(pl_module.critic, r, Forwards(max(1, len(r))))
         if not trainer.is_global_zero:
             return
         self.last_views = token_views(r, values, pl_module.algo, pl_module.tokenizer)

@@ -97,8 +97,8 @@ class VAPOStrategy(ModelParallelStrategy):
             before it, for a save that turns out bad); older ones are deleted.
         accumulate_unsharded: fsdp: accumulate a mini-batch's gradient unsharded and
             reduce-scatter it once, on its last micro-batch: fewer reduce-scatters, but every
-            rank holds the whole model's gradient in fp32 (4 bytes per parameter, not 4 / W)
-            from the first micro-batch on (+30 GB per GPU at 7 B). Off (the default, as in
+            rank holds the whole model's gradient in fp32 (4 bytes per parameter, not 4 / W:
+            28 GB at 7 B parameters) from the first micro-batch on. Off (the default, as in
             verl, NeMo-RL and torchtitan): a reduce-scatter after every micro-batch, each
             rank holding its shard. ddp always reduces once per mini-batch (its gradient is
             whole on every rank anyway).

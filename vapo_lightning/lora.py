@@ -154,10 +154,10 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 class MergedCopy:
     """A plain model of a LoRA model's base architecture holding its merged weights, for
-    sampling: each decoding step then makes one matmul per layer, not the base layer's plus
-    the adapter's two small ones (benchmarks/results/lora.md). `stale` after each change of
-    the adapters; `refresh` copies them in, in place, one tensor at a time. Memory: one more
-    copy of the base's weights, in the model's dtype."""
+    sampling: each decoding step then makes one matmul per layer, not the base layer's plus the
+    adapter's two small ones. `stale` after each change of the adapters; `refresh` copies them
+    in, in place, one tensor at a time. Memory: one more copy of the base's weights, in the
+    model's dtype."""
 
     def __init__(self, model: nn.Module) -> None:
         self.source, self.model, self.stale = model, None, True

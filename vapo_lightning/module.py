@@ -22,18 +22,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from vapo_lightning.advantages import compute_advantages, has_actor_gradient
-from vapo_lightning.checkpoint import checkpoint_seconds, rank_rng_states, set_rng_state
 from vapo_lightning.config import Algorithm, Generation, Optim, SetupError
 from vapo_lightning.critic_checks import explained_variance
 from vapo_lightning.distributed import (
     builds_on_meta,
     parallelize,
     save_pretrained,
-    shards_checkpoints,
 )
 from vapo_lightning.dynamic_sampling import sample_in_rounds
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
-from vapo_lightning.lora import AdaptersOff, drop_frozen, is_lora, restore_frozen
+from vapo_lightning.lora import AdaptersOff, is_lora
 from vapo_lightning.memory_plan import check_memory
 from vapo_lightning.metrics import PhaseTimer, drop_undefined, reduce_over_ranks, step_metrics
 from vapo_lightning.models import (
@@ -44,13 +42,14 @@ from vapo_lightning.models import (
     check_torch_compile,
     compile_in_place,
     load_tokenizer,
-    weights_from_source,
 )
 from vapo_lightning.packing import layout_for
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, score_rollout
 from vapo_lightning.rollout import Rollout, with_round_counts
+from vapo_lightning.run_state import RunStateHooks
 from vapo_lightning.tools.base import Tool, from_spec, show_errors, spec
 from vapo_lightning.updates import (
+    Forwards,
     RankOps,
     Step,
     adamw_with_warmup,
@@ -66,7 +65,7 @@ from vapo_lightning.validation import ValidationHooks, ValidationMetrics
 __all__ = ["VAPOModule"]
 
 
-class VAPOModule(ValidationHooks, L.LightningModule):
+class VAPOModule(ValidationHooks, RunStateHooks, L.LightningModule):
     """Policy + critic trained with VAPO (arXiv 2504.05118), or PPO / GRPO / DAPO by switches.
 
     Args:
@@ -219,59 +218,30 @@ class VAPOModule(ValidationHooks, L.LightningModule):
         pretraining = self.value_pretraining_at(index)  # only the critic learns (§4.1)
         with timer("step"):
             r = self.rollout_and_score(batch, timer, pretraining)  # 1. n responses per prompt, rewards (§4.3)
-            layout = layout_for(r.group_ids, algo)  # the forwards: one prompt's responses in packs
-            micro, max_tokens = algo.micro_batch_size, algo.max_tokens_per_micro_batch
+            fw = Forwards.of(algo, self.global_max, layout_for(r.group_ids, algo))  # micro-batches, packs
+            ops, max_norm, temperature = self.rank_ops, self.optim.max_grad_norm, self.logprob_temperature
             source = "recompute" if pretraining else self.pi_old_source  # one for the run
             with timer("old_log_prob") if source == "recompute" or self.ref_policy is not None else nullcontext():
-                old = old_policy(
-                    source,
-                    self.policy,
-                    self.ref_policy,
-                    r,
-                    micro,
-                    self.logprob_temperature,
-                    max_tokens,
-                    self.global_max,
-                    layout,
-                )  # 2. pi_old, pi_ref
+                old = old_policy(source, self.policy, self.ref_policy, r, fw, temperature)  # 2. pi_old, pi_ref
             values = None
             if self.critic is not None:
                 with timer("values"):  # 3. V_old
-                    values = compute_values(self.critic, r, micro, max_tokens, self.global_max, layout)
+                    values = compute_values(self.critic, r, fw)
             with timer("adv"):  # 4. decoupled, length-adaptive GAE (§4.1-4.2), or the group baseline
                 adv = compute_advantages(r, values, algo, pretraining, self.global_sum)
-            batches = mini_batches(len(r), algo.mini_batch_size, algo.ppo_epochs, layout.pack)
+            batches = mini_batches(len(r), algo.mini_batch_size, algo.ppo_epochs, fw.layout.pack)
             stats: dict[str, list[float]] = {}
             if self.critic is not None:
                 with timer("update_critic"):  # 5. the critic toward the decoupled returns (§4.1)
                     stats |= update_critic(
-                        self.critic,
-                        critic_opt,
-                        r,
-                        values,
-                        adv.returns,
-                        batches,
-                        algo,
-                        self.optim.max_grad_norm,
-                        self.rank_ops,
-                        layout,
+                        self.critic, critic_opt, r, values, adv.returns, batches, algo, max_norm, ops, fw
                     )
             # 6. the actor: Clip-Higher, token-level and LM loss (§4.2-4.3); no rank with a
             # gradient: no step.
             if not pretraining and self.global_sum(has_actor_gradient(r, adv.advantages, algo)) > 0:
                 with timer("update_actor"):  # (and pi_old as it read it: on-policy, its first forward's)
                     actor_stats, old = update_actor(
-                        self.policy,
-                        actor_opt,
-                        r,
-                        old,
-                        adv.advantages,
-                        batches,
-                        algo,
-                        self.logprob_temperature,
-                        self.optim.max_grad_norm,
-                        self.rank_ops,
-                        layout,
+                        self.policy, actor_opt, r, old, adv.advantages, batches, algo, temperature, max_norm, ops, fw
                     )
                 stats |= actor_stats
             self.after_updates(stats)
@@ -371,7 +341,7 @@ class VAPOModule(ValidationHooks, L.LightningModule):
     @property
     def rank_ops(self) -> RankOps:  # Lightning's backward, sums over ranks
         unsharded = getattr(self.trainer.strategy, "accumulate_unsharded", False)
-        return RankOps(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded, self.global_max)
+        return RankOps(self.manual_backward, self.global_sum, self.trainer.world_size, unsharded)
 
     def global_max(self, count: int) -> int:
         """The largest of a count over data-parallel ranks (micro-batches by tokens)."""
@@ -413,16 +383,6 @@ class VAPOModule(ValidationHooks, L.LightningModule):
                 f"rewards and data, then resume with --ckpt_path {path}."
             )
 
-    def _count_rollout_as_one_step(self) -> None:
-        """Under manual optimisation Lightning counts every `optimizer.step()` as a global
-        step (Lightning-AI/pytorch-lightning#17958, open); users count rollout steps
-        (max_steps, checkpoint and logging intervals), so one rollout advances
-        `trainer.global_step` by exactly one, through the loop's private progress counter
-        (pyproject bounds Lightning to releases tests/test_cli_errors.py checked)."""
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-        target = self._rollout_steps_before + 1
-        progress.total.ready = progress.total.completed = target
-
     # ------------------------------------------------------------------ Lightning hooks
 
     def on_fit_start(self) -> None:
@@ -435,38 +395,6 @@ class VAPOModule(ValidationHooks, L.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._rollout_steps_before = self.trainer.global_step
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After the callbacks, `ModelCheckpoint` included: logs what this step's save took."""
-        if (seconds := checkpoint_seconds(self.trainer)) is not None:  # (None: not measured)
-            self.log("timing_s/checkpoint", seconds, on_step=True, on_epoch=False, batch_size=1)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Random streams (one per rank) and counters, so a resumed run samples exactly what
-        the uninterrupted run would have (data order: `ResumableDataLoader`)."""
-        states = rank_rng_states(self.trainer.world_size)  # (every rank dumps the checkpoint)
-        checkpoint["vapo"] = {
-            "rng": states,
-            "bad_updates": self.bad_updates,
-            "value_pretraining_steps": self.value_pretraining_steps,
-        }
-        sources = weights_from_source(self.policy_spec, self.critic_spec)
-        if shards_checkpoints(self):  # (fsdp loads every key of the model from its shards)
-            sources = dict.fromkeys(sources, False)
-        drop_frozen(checkpoint, self.trained_models, sources)  # LoRA: adapters, not the base
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.checkpoint_step = int(checkpoint.get("global_step", 0))  # (validate keeps its own at 0)
-        source = str(getattr(self._trainer, "ckpt_path", None) or "the checkpoint")
-        restore_frozen(checkpoint, self.trained_models, source)
-        state = checkpoint.get("vapo")
-        if state is not None:
-            states = state["rng"]
-            set_rng_state(states[self.global_rank] if self.global_rank < len(states) else states[0])
-            self.bad_updates = state["bad_updates"]
-            self.value_pretraining_steps = state.get("value_pretraining_steps", self.value_pretraining_steps)
-        for engine in self.engines.values():  # restored weights: an engine made before reloads
-            engine.policy_changed()
 
     def teardown(self, stage: str) -> None:
         for engine in self.engines.values():

@@ -123,7 +123,8 @@ def dense_packing_saves_work(prompt: float, answer: float, c: int, params: float
     token: P + cT tokens packed against c(P + T). Attention costs 4·layers·hidden FLOPs a
     (query, key) pair (QKᵀ and AV): a masked call computes the pack's whole (P + cT)² square,
     where c causal rows cost c(P + T)²/2. Prompts longer than answers: packing saves; long
-    reasoning answers (P 200, T 4096, c 8 at 7 B): it costs ~1.7× the rows' work."""
+    reasoning answers (P 200, T 4096, c 8 at 7 B): the pack's attention, about (cT)² against
+    the rows' cT²/2, costs more than the prompt's linear layers save."""
     packed = 2 * params * (prompt + c * answer) + 4 * layers * hidden * (prompt + c * answer) ** 2
     rows = 2 * params * c * (prompt + answer) + 4 * layers * hidden * c * (prompt + answer) ** 2 / 2
     return packed < rows

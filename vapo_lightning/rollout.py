@@ -67,6 +67,14 @@ class Rollout:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def require(self, name: str) -> Tensor:
+        """The tensor field `name` that a later phase fills in (`scores`, `correct`: the reward
+        phase; `rollout_logprobs`: an engine asked for them), or an error naming it."""
+        value = getattr(self, name)
+        if not isinstance(value, Tensor):
+            raise ValueError(f"the rollout has no {name} (filled in by the phase that computes it)")
+        return value
+
     @property
     def prompt_length(self) -> int:
         return self.input_ids.shape[1] - self.response_mask.shape[1]

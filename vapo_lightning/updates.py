@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,8 +23,12 @@ from vapo_lightning.config import Algorithm, Optim
 from vapo_lightning.packing import ROWS, Layout
 from vapo_lightning.rollout import Rollout, critic_values, token_logprobs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = [
     "OLD_LOGPROB_SOURCES",
+    "Forwards",
     "OldPolicy",
     "RankOps",
     "Step",
@@ -47,16 +51,37 @@ Stats = dict[str, list[float]]
 @dataclass(frozen=True)
 class RankOps:
     """What an update does across data-parallel ranks: `backward` (Lightning's
-    `manual_backward`: precision plugin and strategy), `global_sum` (a sum over ranks), for a
-    sharded model whether its gradient accumulates unsharded over a mini-batch
-    (`VAPOStrategy.accumulate_unsharded`), and `agree` (the maximum of a count over ranks:
-    as many micro-batches on each)."""
+    `manual_backward`: precision plugin and strategy), `global_sum` (a sum over ranks), and for
+    a sharded model whether its gradient accumulates unsharded over a mini-batch
+    (`VAPOStrategy.accumulate_unsharded`)."""
 
     backward: Callable[[Tensor], None] = Tensor.backward
     global_sum: Callable[[Tensor], Tensor] = Tensor.float
     world_size: int = 1
     accumulate_unsharded: bool = False
-    agree: Callable[[int], int] = int  # the maximum of a count over ranks
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """How a step's forwards are cut, which the loss does not depend on (§4.2): micro-batches
+    of `size` responses, or with `max_tokens` as many as fit in that many tokens; as many on
+    every rank (`agree`: the maximum of a count over ranks, since each forward of a sharded
+    model is collective); in `layout` (rows, or one prompt's responses packed over their
+    shared prompt, `packing`)."""
+
+    size: int
+    max_tokens: int | None = None
+    agree: Callable[[int], int] = int
+    layout: Layout = ROWS
+
+    @classmethod
+    def of(cls, a: Algorithm, agree: Callable[[int], int] = int, layout: Layout = ROWS) -> Forwards:
+        """The algorithm's micro-batches (`micro_batch_size`, `max_tokens_per_micro_batch`)."""
+        return cls(a.micro_batch_size, a.max_tokens_per_micro_batch, agree, layout)
+
+    def micro_batches(self, r: Rollout, index: Tensor | None = None) -> Iterator[tuple[Tensor, Rollout]]:
+        """(rows of `r`, micro-batch) pairs over the rows `index` (default: all)."""
+        return micro_batches(r, self.size, index, self.max_tokens, self.agree, self.layout.pack)
 
 
 def mini_batches(n: int, size: int, epochs: int, pack: int = 1) -> list[Tensor]:
@@ -144,8 +169,9 @@ def sync_gradients(model: torch.nn.Module, last: bool, ops: RankOps) -> None:
 
     if isinstance(model, FSDPModule) and not ops.accumulate_unsharded:
         return  # (reduce-scatter on, FSDP2's default, never turned off)
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(last)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's and replicate's
+    if callable(set_sync):
+        set_sync(last)
 
 
 # --------------------------------------------------------------------------- no-grad passes
@@ -174,36 +200,26 @@ class Step(NamedTuple):
 
 @torch.no_grad()
 def compute_log_probs(
-    policy: torch.nn.Module,
-    r: Rollout,
-    micro_size: int,
-    temperature: float,
-    max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
-    layout: Layout = ROWS,
-    entropy: bool = True,
+    policy: PreTrainedModel, r: Rollout, fw: Forwards, temperature: float, entropy: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(a_t | s_t) and (with `entropy`) the entropy of pi at each response position,
     (B, T) each, under the sampling `temperature`; `policy` as the caller set it (eval)."""
-    logprobs, entropies = per_token(r), per_token(r) if entropy else None
-    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
-        lp, h = token_logprobs(policy, micro, temperature, entropy=entropy, layout=layout)
+    logprobs, entropies = per_token(r), per_token(r)
+    for idx, micro in fw.micro_batches(r):
+        lp, h = token_logprobs(policy, micro, temperature, entropy=entropy, layout=fw.layout)
         logprobs[idx, : lp.shape[1]] = lp
-        if entropy:
+        if h is not None:
             entropies[idx, : lp.shape[1]] = h
-    return logprobs, entropies
+    return logprobs, entropies if entropy else None
 
 
 def old_policy(
     source: str,
-    policy: torch.nn.Module,
-    ref_policy: torch.nn.Module | None,
+    policy: PreTrainedModel,
+    ref_policy: PreTrainedModel | None,
     r: Rollout,
-    micro_size: int,
+    fw: Forwards,
     temperature: float,
-    max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
-    layout: Layout = ROWS,
 ) -> OldPolicy:
     """pi_old from `source`, one of `OLD_LOGPROB_SOURCES`: 'recompute', a no-grad pass of
     the policy (verl's default); 'rollout', the engine's own log-probs of what it sampled
@@ -213,8 +229,10 @@ def old_policy(
     the reference policy when there is one (a KL penalty): a frozen copy, or the policy itself
     with its adapters off (`lora.AdaptersOff`), so the policy is put in eval mode for both."""
     policy.eval()
+    logprobs: Tensor | None
+    entropy: Tensor | None
     if source == "recompute":
-        logprobs, entropy = compute_log_probs(policy, r, micro_size, temperature, max_tokens, agree, layout)
+        logprobs, entropy = compute_log_probs(policy, r, fw, temperature)
     elif source == "rollout":
         logprobs, entropy = r.rollout_logprobs, r.entropy
     elif source == "first_forward":
@@ -223,24 +241,17 @@ def old_policy(
         raise ValueError(f"pi_old source {source!r}: one of {OLD_LOGPROB_SOURCES}")
     ref = None
     if ref_policy is not None:
-        ref = compute_log_probs(ref_policy, r, micro_size, temperature, max_tokens, agree, layout, entropy=False)[0]
+        ref = compute_log_probs(ref_policy, r, fw, temperature, entropy=False)[0]
     return OldPolicy(logprobs, entropy, ref)
 
 
 @torch.no_grad()
-def compute_values(
-    critic: torch.nn.Module,
-    r: Rollout,
-    micro_size: int,
-    max_tokens: int | None = None,
-    agree: Callable[[int], int] = int,
-    layout: Layout = ROWS,
-) -> Tensor:
+def compute_values(critic: PreTrainedModel, r: Rollout, fw: Forwards) -> Tensor:
     """V(s_t) at each response position, (B, T)."""
     critic.eval()
     values = per_token(r)
-    for idx, micro in micro_batches(r, micro_size, max_tokens=max_tokens, agree=agree, pack=layout.pack):
-        v = critic_values(critic, micro, layout)
+    for idx, micro in fw.micro_batches(r):
+        v = critic_values(critic, micro, fw.layout)
         values[idx, : v.shape[1]] = v
     return values
 
@@ -249,7 +260,7 @@ def compute_values(
 
 
 def update_critic(
-    critic: torch.nn.Module,
+    critic: PreTrainedModel,
     opt: torch.optim.Optimizer,
     r: Rollout,
     old_values: Tensor | None,
@@ -258,24 +269,25 @@ def update_critic(
     algo: Algorithm,
     max_grad_norm: float,
     ops: RankOps,
-    layout: Layout = ROWS,
+    fw: Forwards | None = None,
 ) -> Stats:
     """`critic_updates_per_step` critic steps on each mini-batch of `batches`: `core.value_loss`
     toward `returns` (B, T) (decoupled GAE, §4.1), clipped around V_old `old_values` (B, T)
-    (None: no clip, `algo.value_clip` None), over global token normalisers."""
+    (None: no clip, `algo.value_clip` None), over global token normalisers; forwards cut as
+    `fw` says (None: `algo`'s micro-batches, in rows)."""
+    fw = fw or Forwards.of(algo)
     stats: Stats = defaultdict(list)
     critic.train()
     for index in batches:
         mask = r.response_mask[index]
         n_tokens = ops.global_sum(mask.sum())  # (one all-reduce for all its steps)
-        micros = list(
-            micro_batches(r, algo.micro_batch_size, index, algo.max_tokens_per_micro_batch, ops.agree, layout.pack)
-        )
+        micros = list(fw.micro_batches(r, index))
         for _ in range(algo.critic_updates_per_step):
-            loss_sum = clip_sum = 0.0
+            loss_sum: Tensor | float = 0.0
+            clip_sum: Tensor | float = 0.0
             for i, (rows, micro) in enumerate(micros):
                 sync_gradients(critic, i == len(micros) - 1, ops)
-                values, T = critic_values(critic, micro, layout), micro.response_mask.shape[1]
+                values, T = critic_values(critic, micro, fw.layout), micro.response_mask.shape[1]
                 v_old = None if old_values is None else old_values[rows, :T]
                 loss, clipfrac = core.value_loss(
                     values, v_old, returns[rows, :T], micro.response_mask, n_tokens, algo.value_clip
@@ -290,7 +302,7 @@ def update_critic(
 
 
 def update_actor(
-    policy: torch.nn.Module,
+    policy: PreTrainedModel,
     opt: torch.optim.Optimizer,
     r: Rollout,
     old: OldPolicy,
@@ -300,13 +312,14 @@ def update_actor(
     temperature: float,
     max_grad_norm: float,
     ops: RankOps,
-    layout: Layout = ROWS,
+    fw: Forwards | None = None,
 ) -> tuple[Stats, OldPolicy]:
     """One actor step on each mini-batch of `batches`: `core.actor_loss` (clipped surrogate
     with Clip-Higher and the positive-example LM loss, §4.2-4.3) of `advantages` (B, T) against
     pi_old `old`, over global normalisers. Returns the statistics, and pi_old as the update
     read it: `old`, with what it lacked (the log-probs, on-policy; the entropy) taken from the
-    update's forwards, detached."""
+    update's forwards, detached. Forwards cut as `fw` says (None: `algo`'s, in rows)."""
+    fw = fw or Forwards.of(algo)
     stats: Stats = defaultdict(list)
     policy.train()
     read = OldPolicy(
@@ -315,7 +328,7 @@ def update_actor(
         old.ref_logprobs,
     )
     for index in batches:
-        acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops, layout)
+        acc = actor_step(policy, r, old, read, advantages, index, algo, temperature, ops, fw)
         for k, v in acc.items():  # losses are this rank's share of the global sum
             stats[k].append(float(v) * (ops.world_size if k.endswith(("_loss", "entropy")) else 1))
         stats["actor/pg_clipfrac"].append(stats["actor/pg_clipfrac_high"][-1] + stats["actor/pg_clipfrac_lower"][-1])
@@ -324,7 +337,7 @@ def update_actor(
 
 
 def actor_step(
-    policy: torch.nn.Module,
+    policy: PreTrainedModel,
     r: Rollout,
     old: OldPolicy,
     read: OldPolicy,
@@ -333,12 +346,15 @@ def actor_step(
     a: Algorithm,
     temperature: float,
     ops: RankOps,
-    layout: Layout,
+    fw: Forwards,
 ) -> dict[str, Tensor | float]:
     """The gradient of the actor loss on the rows `index` (micro-batch by micro-batch), and
     the step's metrics, token-weighted; what `old` lacks is taken from these forwards into
-    `read`."""
-    mask, correct = r.response_mask[index], r.correct[index]
+    `read` (pi_old as the update reads it: both tensors present)."""
+    read_logprobs, read_entropy = read.logprobs, read.entropy
+    if read_logprobs is None or read_entropy is None:
+        raise ValueError("actor_step: `read` holds pi_old's log-probs and entropy, (B, T) each")
+    mask, correct = r.response_mask[index], r.require("correct")[index]
     n_tokens = ops.global_sum(mask.sum())
     normalizers = {
         "normalizer": n_tokens
@@ -346,7 +362,7 @@ def actor_step(
         else ops.global_sum(torch.tensor(len(index), device=mask.device)),
         "n_correct_tokens": ops.global_sum((mask & correct[:, None]).sum()),
     }
-    micros = list(micro_batches(r, a.micro_batch_size, index, a.max_tokens_per_micro_batch, ops.agree, layout.pack))
+    micros = list(fw.micro_batches(r, index))
     acc: dict[str, Tensor | float] = defaultdict(float)
     for i, (rows, micro) in enumerate(micros):
         sync_gradients(policy, i == len(micros) - 1, ops)
@@ -355,24 +371,24 @@ def actor_step(
         # for the metric (verl's actor/entropy), pi_old's where `old` has it.
         bonus = a.entropy_coef > 0
         logprobs, entropy = token_logprobs(
-            policy, micro, temperature, entropy=bonus or old.entropy is None, entropy_grad=bonus, layout=layout
+            policy, micro, temperature, entropy=bonus or old.entropy is None, entropy_grad=bonus, layout=fw.layout
         )
         if old.logprobs is None:  # on-policy: this first forward is pi_old (verl's dp_actor)
-            read.logprobs[rows, :T] = logprobs.detach()
-        if old.entropy is None:
-            read.entropy[rows, :T] = entropy.detach()
-        pi_old, old_entropy = read.logprobs[rows, :T], read.entropy[rows, :T]
-        is_weights = (  # truncated importance sampling against the engine that sampled
-            rollout_correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
-            if a.rollout_is == "tis"
-            else None
-        )
+            read_logprobs[rows, :T] = logprobs.detach()
+        if old.entropy is None and entropy is not None:
+            read_entropy[rows, :T] = entropy.detach()
+        pi_old, old_entropy = read_logprobs[rows, :T], read_entropy[rows, :T]
+        is_weights = None
+        if a.rollout_is == "tis":  # truncated importance sampling against the engine that sampled
+            if micro.rollout_logprobs is None:
+                raise ValueError("rollout_is 'tis': the engine reported no log-probs of its samples")
+            is_weights = rollout_correction.truncated_is_weights(pi_old, micro.rollout_logprobs, m, a.rollout_is_cap)
         loss, st = core.actor_loss(
             logprobs,
             pi_old,
             advantages[rows, :T],
             m,
-            micro.correct,
+            micro.require("correct"),
             **normalizers,
             clip_low=a.clip_low,
             clip_high=a.clip_high,
@@ -422,8 +438,8 @@ def fused_adamw(params: list[Tensor]) -> bool:
 def clip_and_step(opt: torch.optim.Optimizer, model: torch.nn.Module, max_norm: float) -> float:
     """Clips the gradient to `max_norm` and steps; a non-finite gradient norm skips the step
     (no bad update is ever applied). Returns the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
     if math.isfinite(norm):
         opt.step()
         # Under an autocast region that caches casts (Lightning < 2.6 runs training_step

@@ -35,7 +35,7 @@ from vapo_lightning.engines.sampler import sample_responses, weights_cast_once  
 from vapo_lightning.models import ModelSpec, build_critic, build_policy, load_tokenizer  # noqa: E402
 from vapo_lightning.packing import Layout  # noqa: E402
 from vapo_lightning.rollout import assemble  # noqa: E402
-from vapo_lightning.updates import compute_values  # noqa: E402
+from vapo_lightning.updates import Forwards, compute_values  # noqa: E402
 
 HIDDEN, MLP, KV, VOCAB = 576, 1536, 192, 49152  # SmolLM2-135M's linear layers
 
@@ -123,7 +123,7 @@ def main() -> None:
 
     def values():
         with torch.autocast("cpu", torch.bfloat16):
-            compute_values(critic, r, 16, layout=layout)
+            compute_values(critic, r, Forwards(16, layout=layout))
 
     passes = {"V_old pass (critic, no grad)": values, "sampling, 64 rows × 64 forced tokens": lambda: sample(64, True)}
     for name, run in passes.items():

@@ -108,13 +108,12 @@ class GrowingLayer(CacheLayerMixin):
 
 
 def cache_dtype(key_states: Tensor) -> torch.dtype:
-    """Under autocast (bf16-mixed) a Llama's keys come out of the rotary embedding in fp32,
-    and SDPA cast the whole key cache to the autocast dtype at every step: 36 % of the
-    sampler's CPU time (`benchmarks/results/generation_bf16.md`). Stored in that dtype once,
-    attention reads the same values and half the key bytes (values already come out of
-    `v_proj` in it). Where decoding attends in fp32 (CPUs without AMX,
-    `attention.decodes_in_autocast_dtype`), without autocast, and on devices autocast does not
-    know: the keys' dtype."""
+    """Under autocast (bf16-mixed) a Llama's keys come out of the rotary embedding in fp32, and
+    SDPA cast the whole key cache to the autocast dtype at every step, a copy of the cache per
+    step. Stored in that dtype once, attention reads the same values and half the key bytes
+    (values already come out of `v_proj` in it). Where decoding attends in fp32 (CPUs without
+    AMX, `attention.decodes_in_autocast_dtype`), without autocast, and on devices autocast does
+    not know: the keys' dtype."""
     device = key_states.device.type
     try:
         low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None

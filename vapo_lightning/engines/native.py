@@ -31,11 +31,11 @@ __all__ = ["NativeEngine", "generate", "generate_turns"]
 
 
 class NativeEngine(RolloutEngine):
-    """Samples the trainer's policy in place (CPU runs, tests, small models). A LoRA policy
-    (not sharded) is sampled from a copy with its adapters merged in (`lora.MergedCopy`),
-    refreshed after each change of the policy: decoding through peft's unmerged layers ran
-    at three quarters of its speed (benchmarks/results/lora.md). Its log-probs of the sampled
-    tokens cost a log-softmax per step: computed only when `logprobs` asks."""
+    """Samples the trainer's policy in place (CPU runs, tests, small models). A LoRA policy (not
+    sharded) is sampled from a copy with its adapters merged in (`lora.MergedCopy`), refreshed
+    after each change of the policy: through peft's unmerged layers each decoding step runs the
+    adapters' two small matmuls beside every base one. Its log-probs of the sampled tokens cost
+    a log-softmax per step: computed only when `logprobs` asks."""
 
     reports_logprobs = True
 
@@ -147,7 +147,7 @@ def generate_turns(
 
     Each round samples the open responses from their whole context (prompt, model tokens and
     observations so far): the KV cache of a paused response is rebuilt by one prefill, not
-    kept (what that costs: `benchmarks/results/tools.md`).
+    kept.
     """
     n = cfg.n if n is None else n
     if cfg.min_new_tokens:

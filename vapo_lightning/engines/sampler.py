@@ -4,24 +4,19 @@
 pays for two of its general-purpose choices on every token:
 
 - its `DynamicCache` concatenates each layer's keys and values with the new token's, so
-  decoding T tokens copies O(T²) cache (61% of a decode step's CPU time at the quickstart's
-  shapes); `kv_cache.GrowingLayer` writes in place into a buffer that doubles when full;
+  decoding T tokens copies O(T²) cache; `kv_cache.GrowingLayer` writes in place into a buffer
+  that doubles when full;
 - it decodes every sequence until the longest one stops; here finished sequences leave the
   batch (`compact`), so the cost follows the sum of the response lengths, not B × max;
 - it reads a prompt asked n times (group sampling, §4.3) n times; here the prefill runs over
-  the distinct prompts (SmolLM2-135M, 16 prompts × 4 of ~115 tokens, bf16 on 2 CPU cores:
-  6.2 s for the 64 rows, 1.6 s for the 16; benchmarks/results/real_model_passes.md), and
-  with this project's attention on the CPU their cache is kept once, read once per decoding
-  step by all the rows that continue it (`attention.SharedPrefix`; elsewhere it is copied to
-  each row).
+  the distinct prompts, a group's n rows costing one prompt's forward, and with this
+  project's attention on the CPU their cache is kept once, read once per decoding step by
+  all the rows that continue it (`attention.SharedPrefix`; elsewhere it is copied to each
+  row).
 
-Decoding never uses cuDNN's attention kernel. On an H200 (torch 2.11, bf16 autocast,
-quickstart model, 128 rows, up to 160 tokens) SDPA picked it once finished rows had left the
-batch, and it built a new execution plan at nearly every step (18.7 ms of CPU per call):
-42.8 ms per decoding step with it allowed, 5.0 ms without (benchmarks/results/gpu.md).
-
-The numbers, against `generate` on the same model and prompts:
-`python -m benchmarks.bench_generation` (benchmarks/results/generation.md).
+Decoding never uses cuDNN's attention kernel. Under bf16 autocast SDPA picked it once
+finished rows had left the batch, and it built a new execution plan at nearly every step: the
+planning's CPU time, not the GPU's work, then set the step's pace.
 """
 
 from __future__ import annotations
@@ -133,15 +128,14 @@ def next_tokens(logits: Tensor, temperature: float, top_p: float, top_k: int = 0
 def inverse_cdf_draw(probs: Tensor, u: Tensor | None = None, block: int = 256) -> Tensor:
     """One index per row of (b, V) probabilities: the first whose cumulative mass exceeds a
     uniform draw (`u`, (b, 1) in [0, 1); None: drawn here) times the row's total. Exact, and
-    it draws b random numbers where `torch.multinomial` draws b × V (its exponential race): on
-    a CPU, 60 ms of a 64 × 49,152 decoding step's ~280 (SmolLM2-135M, bf16).
+    it draws b random numbers where `torch.multinomial` draws b × V (its exponential race), a
+    cost that grows with the vocabulary at every decoding step.
 
-    In two levels, so that only b × V / `block` block sums and one block per row are summed
-    up in float64, not the whole (b, V) (a float64 cumsum over it was 4 % of the sampler's
-    time): the block whose cumulative mass first exceeds the draw, then the index inside it
-    against what is left of the draw. A zero-probability index is never returned: its
-    cumulative mass equals the previous one's, which exceeded the draw first (what is left is
-    kept below the block's own sum, whatever the rounding)."""
+    In two levels, so that only b × V / `block` block sums and one block per row are summed up
+    in float64, not the whole (b, V): the block whose cumulative mass first exceeds the draw,
+    then the index inside it against what is left of the draw. A zero-probability index is never
+    returned: its cumulative mass equals the previous one's, which exceeded the draw first (what
+    is left is kept below the block's own sum, whatever the rounding)."""
     b, V = probs.shape
     n = -(-V // block)
     p = probs.float() if V % block == 0 else torch.nn.functional.pad(probs.float(), (0, n * block - V))

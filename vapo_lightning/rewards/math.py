@@ -34,8 +34,9 @@ from vapo_lightning.rewards.workers import READY, Lost, WorkerPool, start_proces
 __all__ = ["MathReward", "MathVerifier", "extract_answer", "is_equivalent"]
 
 # The worker: a fresh interpreter that imports math-verify once, then answers one JSON line
-# ``[task, pred, gold]`` with ``[task, ok, why]`` (`why`: None, or why it could not check). Kept as source text so the worker imports neither
-# this package nor torch / lightning (start-up ~1 s instead of ~7 s, ~100 MB instead of ~500).
+# ``[task, pred, gold]`` with ``[task, ok, why]`` (`why`: None, or why it could not check).
+# Kept as source text so the worker imports neither this package nor torch / lightning, which
+# would multiply its start-up time and memory.
 _WORKER_SOURCE = r"""
 import json, logging, os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
@@ -85,7 +86,8 @@ class MathVerifier(WorkerPool):
     """A pool of math-verify worker processes with a hard wall-clock limit per check.
 
     Args:
-        num_workers: worker processes (each ~100 MB, ~1 s to start; started on first use).
+        num_workers: worker processes (each an interpreter with math-verify imported; started
+            on first use).
         timeout_s: wall-clock limit of one check, enforced by killing the worker.
         max_answer_chars: longer extracted answers are judged wrong without parsing.
         memory_limit_mb: address-space limit of each worker (0: none); a check that exceeds

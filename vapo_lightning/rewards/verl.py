@@ -36,7 +36,8 @@ class FunctionPool(WorkerPool):
 
     Args:
         spec: ``(path, function, sources)``, as `verl_calls.load_reward` takes them.
-        num_workers: processes (started on first use, ~0.1 s each plus the reward's imports).
+        num_workers: processes (started on first use; each an interpreter's start plus the
+            reward's imports).
         call_timeout_s: limit of one call; past it the worker is killed and replaced.
         startup_timeout_s: how long a worker may take to load the reward.
     """

@@ -73,9 +73,9 @@ class RunCgroups:
 
     `cpu`: the server's own cpu cgroup (or None), which the server and every sandbox it
     forks are in: a server runs one run at a time, so this is the run's CPU share, and it
-    costs a run nothing (a cpu cgroup made and removed per run cost ~5 ms of CPU here,
-    mostly the kernel's). With only the sandboxes in it (the server outside), a run took
-    ~2 ms longer on a loaded machine here: their wake-ups of each other crossed groups."""
+    costs a run nothing (a cpu cgroup made and removed per run costs CPU every run, mostly
+    the kernel's). With only the sandboxes in it (the server outside), a run takes longer on
+    a loaded machine: their wake-ups of each other cross groups."""
 
     def __init__(self, root: str | None = DEFAULT_ROOT, tag: str | None = None) -> None:
         self.available = False

@@ -37,10 +37,9 @@ def _no_constants(name: str) -> float:
 
 DIGITS_SLACK = 1000
 """Digits of numbers a frame may carry beyond twice those of its test's expected value
-(`digit_budget`). Reading an int of n digits costs O(n^1.6) here (about 0.6 s for a million
-digits, 12 ms for 10^5, 0.3 ms for 10^4), so a frame's numbers are read only up to its
-budget: what a program writes then costs the judge no more than the expected outputs'
-own size, plus about 15 ns per digit of slack per test."""
+(`digit_budget`). Reading an int of n digits costs O(n^1.6), so a frame's numbers are read
+only up to its budget: what a program writes then costs the judge no more than the expected
+outputs' own size, plus the slack's digits per test."""
 
 
 class TooManyDigits(ValueError):

@@ -51,7 +51,7 @@ SANDBOX_ENV = {
 }
 """The whole environment of a sandbox. The server adopts it at start (its own is already
 scrubbed by the host), so that a sandbox inherits it instead of rewriting `os.environ`
-after the fork (~140 page faults, ~0.5 ms there)."""
+after the fork (page faults: each page it writes is copied from the server's)."""
 
 READ_PATHS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
@@ -71,8 +71,8 @@ class Isolation:
         # No socket but Unix ones, which cannot send a packet (`seccomp_filter.sandbox_filter`):
         # then a network namespace can serve all of this server's runs, taking turns, since
         # none can leave a mark in it (its counters cannot move), and it is made once here
-        # instead of once per run (~0.6 ms of CPU with its teardown, the largest cost of a
-        # run that isolation adds: benchmarks/results/sandbox_cpu.md).
+        # instead of once per run (with its teardown, the largest cost of a run that
+        # isolation adds).
         L.limit_malloc_arenas()  # (inherited by every sandbox; SANDBOX_ENV for what they exec)
         self.filter_works = SF.seccomp_works()
         self.seccomp = bool(opts.get("seccomp", True)) and self.filter_works
@@ -90,12 +90,12 @@ class Isolation:
 
     def _direct_pid_ns(self, opts: dict) -> bool:
         """As root, each sandbox is forked straight into a new PID namespace (`unshare
-        (CLONE_NEWPID)` here, undone by `setns` after the fork), makes its own mount, IPC,
-        UTS and network namespaces as root, drops to the sandbox uid and then enters a user
+        (CLONE_NEWPID)` here, undone by `setns` after the fork), makes its own mount, IPC, UTS
+        and network namespaces as root, drops to the sandbox uid and then enters a user
         namespace of its own (per-user kernel state: keyrings, RLIMIT_NPROC's count). One
-        process fewer per run than the unprivileged path through C (~0.8 ms of CPU). Not a
-        network namespace shared by a server's runs, unless the seccomp filter keeps every
-        run from writing to it (`__init__`)."""
+        process fewer per run than the unprivileged path through C. Not a network namespace
+        shared by a server's runs, unless the seccomp filter keeps every run from writing to it
+        (`__init__`)."""
         if not (self.is_root and self.namespaces and not opts.get("via_userns", False)):
             return False
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)

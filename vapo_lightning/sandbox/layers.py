@@ -149,7 +149,7 @@ class _CapData(ctypes.Structure):
     )
 
 
-# Built once, before any fork: in a forked sandbox, building them touches ~30 pages of the
+# Built once, before any fork: in a forked sandbox, building them touches pages of the
 # ctypes machinery (copy-on-write faults).
 _CAP_HEADER = _CapHeader(0x20080522, 0)
 _CAP_DATA = (_CapData * 2)()
@@ -241,7 +241,8 @@ def landlock_enforce(ruleset_fd: int, abi: int) -> list[str]:
 
 MALLOC_ARENAS = 2
 """glibc's malloc arenas per process in a sandbox (its default, 8 per core, reserves 64 MiB
-of address space for each thread that makes one: 132 threads filled 2 GiB)."""
+of address space for each thread that makes one, so a threaded program would fill its
+address-space limit with arenas before its memory)."""
 _M_ARENA_MAX = -8
 
 

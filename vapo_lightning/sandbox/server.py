@@ -65,8 +65,8 @@ else:  # run as a script (`-I` leaves the script's directory off sys.path)
 
 # Imported once here so that the candidate's imports of them are free. Not `random`, `queue`
 # (-> threading), `statistics` or `tempfile` (-> random): they register after-fork hooks that
-# run in every forked sandbox and cost ~180 page faults (~0.4 ms of CPU) per fork on this kind
-# of VM (benchmarks/results/sandbox.md); the candidate that needs them imports them itself.
+# run in every forked sandbox and cost page faults (copy-on-write) on every fork; the
+# candidate that needs them imports them itself.
 PRELOAD = [
     "abc",
     "array",

@@ -310,15 +310,13 @@ def start_mount_ns_holder() -> tuple[int, int]:
     """Forks the process that takes each run's mount namespace off the run's exit path.
 
     The last process to leave a mount namespace unmounts everything in it and then waits for an
-    RCU grace period (`synchronize_rcu_expedited` in `namespace_unlock`): median 0.12 ms, p90
-    1.2 ms here, on every run's critical path, the CPU idle meanwhile (results/sandbox_cpu.md).
-    Sent a sandbox's pid when its run starts, the holder opens that process's mount namespace
-    and keeps it until it is sent 0 (`RELEASE`: the run has ended) or the next run's pid, so
-    that P2's exit no longer tears it down: the holder's close does, after the server replied
-    (`benchmarks/probes/probe_sandbox_cpu.py --humaneval 5` measures the throughput). What a
-    run left in its /tmp and /dev/shm (files, or a million hard links: kernel memory) is freed
-    then. The holder never enters a namespace and never runs candidate code. Returns its pid
-    and the pipe to it."""
+    RCU grace period (`synchronize_rcu_expedited` in `namespace_unlock`), on every run's
+    critical path, the CPU idle meanwhile. Sent a sandbox's pid when its run starts, the holder
+    opens that process's mount namespace and keeps it until it is sent 0 (`RELEASE`: the run has
+    ended) or the next run's pid, so that P2's exit no longer tears it down: the holder's close
+    does, after the server replied. What a run left in its /tmp and /dev/shm (files, or a
+    million hard links: kernel memory) is freed then. The holder never enters a namespace and
+    never runs candidate code. Returns its pid and the pipe to it."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:

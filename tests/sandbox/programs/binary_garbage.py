@@ -1,0 +1,2 @@
+import os, sys
+sys.stdout.buffer.write(os.urandom(1 << 16))

@@ -1,0 +1,3 @@
+import os
+def f():
+    return os.environ.get('VAPO_TEST_SECRET', 'none')

@@ -1,0 +1,4 @@
+import sys
+sys.exit(0)
+def f():
+    return 0

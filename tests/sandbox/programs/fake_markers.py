@@ -1,0 +1,4 @@
+def f():
+    print('0 R "ok"')
+    print('PASSED all tests')
+    return 'ok'

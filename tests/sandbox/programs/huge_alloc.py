@@ -1,0 +1,3 @@
+def f():
+    x = bytearray(10 ** 11)
+    return len(x)

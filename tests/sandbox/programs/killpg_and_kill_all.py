@@ -1,0 +1,5 @@
+import os
+def f():
+    try: os.kill(-1, 9)
+    except OSError: pass
+    os.killpg(0, 9)

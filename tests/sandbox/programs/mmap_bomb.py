@@ -1,0 +1,4 @@
+import mmap
+def f():
+    m = mmap.mmap(-1, 1 << 36)
+    return len(m)

@@ -1,0 +1,2 @@
+def f():
+    return open(@REPO_FILE@).read()

@@ -1,0 +1,2 @@
+def f():
+    return b'\xff\x00' * 100

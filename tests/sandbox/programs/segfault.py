@@ -1,0 +1,3 @@
+import ctypes
+def f():
+    return ctypes.string_at(0)

@@ -1,0 +1,3 @@
+import time
+def f():
+    time.sleep(100)

@@ -1,0 +1,3 @@
+import sys
+def f():
+    while True: sys.stderr.write('x' * 10 ** 6)

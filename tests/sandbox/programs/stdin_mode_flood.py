@@ -1,0 +1,2 @@
+import sys
+while True: sys.stdout.write('y' * 10 ** 6)

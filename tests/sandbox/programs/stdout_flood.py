@@ -1,0 +1,2 @@
+def f():
+    while True: print('x' * 10 ** 6)

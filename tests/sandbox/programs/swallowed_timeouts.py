@@ -1,0 +1,7 @@
+import time
+def f():
+    while True:
+        try:
+            time.sleep(10)
+        except BaseException:
+            pass
