@@ -46,11 +46,11 @@ from vapo_lightning.critic_buffer import Setup, from_config, progress, sample_bu
 from vapo_lightning.critic_checks import check_critic
 from vapo_lightning.distributed import save_pretrained
 from vapo_lightning.models import add_adapters, build_critic, build_policy
+from vapo_lightning.optim import adamw_with_warmup
 from vapo_lightning.packing import layout_for
 from vapo_lightning.updates import (
     Forwards,
     RankOps,
-    adamw_with_warmup,
     compute_values,
     mini_batches,
     update_critic,

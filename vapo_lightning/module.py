@@ -43,6 +43,7 @@ from vapo_lightning.models import (
     compile_in_place,
     load_tokenizer,
 )
+from vapo_lightning.optim import adamw_with_warmup
 from vapo_lightning.packing import layout_for
 from vapo_lightning.rewards.base import RewardCallback, check_callbacks, score_rollout
 from vapo_lightning.rollout import Rollout, with_round_counts
@@ -52,7 +53,6 @@ from vapo_lightning.updates import (
     Forwards,
     RankOps,
     Step,
-    adamw_with_warmup,
     compute_values,
     count_bad_steps,
     mini_batches,

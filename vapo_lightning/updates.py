@@ -19,7 +19,7 @@ from torch import Tensor
 
 from vapo_lightning import core, rollout_correction
 from vapo_lightning.advantages import Advantages
-from vapo_lightning.config import Algorithm, Optim
+from vapo_lightning.config import Algorithm
 from vapo_lightning.packing import ROWS, Layout
 from vapo_lightning.rollout import Rollout, critic_values, token_logprobs
 
@@ -32,7 +32,6 @@ __all__ = [
     "OldPolicy",
     "RankOps",
     "Step",
-    "adamw_with_warmup",
     "clip_and_step",
     "compute_log_probs",
     "compute_values",
@@ -412,27 +411,6 @@ def actor_step(
             acc["actor/pg_clipfrac_lower"] += st["clipfrac_low"] * share
             acc["actor/ppo_kl"] += st["approx_kl"] * share
     return acc
-
-
-def adamw_with_warmup(
-    params: list[Tensor], lr: float, o: Optim
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `params` at `lr` with `o`'s betas and weight decay, and its schedule: a
-    linear warm-up over `o.warmup_steps` optimiser steps, then constant (§5.1)."""
-    opt = torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused_adamw(params))
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (o.warmup_steps + 1)))
-
-
-def fused_adamw(params: list[Tensor]) -> bool:
-    """AdamW's fused kernel (one kernel over all parameters) for plain fp32/bf16 parameters
-    on the CPU or a GPU, where torch's default is the slower per-tensor `foreach` loop. Not
-    for sharded (DTensor) parameters, which keep torch's default."""
-    return bool(params) and all(
-        type(p) is torch.nn.Parameter
-        and p.device.type in ("cpu", "cuda")
-        and p.dtype in (torch.float32, torch.bfloat16)
-        for p in params
-    )
 
 
 def clip_and_step(opt: torch.optim.Optimizer, model: torch.nn.Module, max_norm: float) -> float:

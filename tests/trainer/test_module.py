@@ -20,8 +20,8 @@ from tests.helpers import (
 )
 from vapo_lightning.callbacks import EntropyTracker, ValuePretraining
 from vapo_lightning.config import Algorithm, Generation, Optim
+from vapo_lightning.optim import fused_adamw
 from vapo_lightning.rewards.base import RewardCallback
-from vapo_lightning.updates import fused_adamw
 
 
 def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
