@@ -129,3 +129,38 @@ def rollout_with_observations(vocab: int):
     r.response_mask = mask & (r.attention_mask[:, r.prompt_length :] > 0)
     assert (~r.response_mask & (r.attention_mask[:, r.prompt_length :] > 0)).any()
     return r
+
+
+G, N = 3, 4  # grouped_rollout: prompts, and responses per prompt (prompt and response widths P, T)
+
+
+def grouped_rollout(vocab: int, same_prompt: bool = True, n: int = N, common: int = 0) -> Rollout:
+    """G prompts of 2-6 tokens (left-padded; with `common`, more than it, all starting with the
+    same `common` tokens), each answered `n` times with 1-10 tokens."""
+    g = torch.Generator().manual_seed(1)
+    B = G * n
+    prompt_len = torch.randint(2, P + 1, (G,), generator=g).clamp(min=common + 1)
+    resp_len = torch.randint(1, T + 1, (B,), generator=g)
+    prompts = torch.randint(3, vocab, (G, P), generator=g)
+    if common:
+        start = torch.randint(3, vocab, (common,), generator=g)
+        for i, length in enumerate(prompt_len.tolist()):
+            prompts[i, P - length : P - length + common] = start
+            prompts[i, P - length + common] = 3 + i  # the prompts differ right after it
+    prompts, prompt_len = prompts.repeat_interleave(n, 0), prompt_len.repeat_interleave(n)
+    if not same_prompt:
+        prompts[1, -1] = (prompts[0, -1] + 1) % vocab  # row 1 answers a different prompt
+    prompt_mask = torch.arange(P)[None] >= P - prompt_len[:, None]
+    response_mask = torch.arange(T)[None] < resp_len[:, None]
+    ids = torch.cat([prompts, torch.randint(3, vocab, (B, T), generator=g)], 1)
+    attn = torch.cat([prompt_mask, response_mask], 1)
+    scores = torch.randn(B, generator=g)
+    return Rollout(
+        input_ids=torch.where(attn, ids, torch.zeros_like(ids)),
+        attention_mask=attn.long(),
+        response_mask=response_mask,
+        group_ids=torch.arange(B) // n,
+        truncated=torch.zeros(B, dtype=torch.bool),
+        scores=scores,
+        correct=scores > 0,
+    )

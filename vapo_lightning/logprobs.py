@@ -4,12 +4,13 @@ PPO's ratio exp(logp - logp_old) needs fp32 log-probs; a (B, T, V) fp32 log_soft
 large vocabulary does not fit beside the model. These kernels take the logits as given (bf16
 stays bf16), work `chunk_rows` positions at a time in fp32, and save only the logits and a
 (N,) logsumexp for the backward, which recomputes the softmax chunk by chunk. Exported by
-`vapo_lightning.core` with the rest of the math.
+`vapo_lightning.core` with the rest of the math. Where the policy's LM head allows it,
+`head_logprobs` goes further and never makes the logits whole: it takes the head's input.
 
-On the CPU a chunk holds about 2^20 logits (4 MiB in fp32), so the several passes over it
-(cast, max, exp, sums) read the cache, not memory: log-probs and entropies of 1,800 positions
-of SmolLM2's 49,152-token vocabulary, bf16, took 1.04 s in chunks of 4,096 rows and ~0.2 s in
-chunks of 21-42 (its default 21) on 2 cores of an AMD EPYC. GPUs take ~2^26 logits at a time.
+A chunk is counted in logits, not rows, so its size does not grow with the vocabulary. On the
+CPU it holds about 2^20 of them (4 MiB in fp32), so the several passes over it (cast, max,
+exp, sums) read the cache rather than memory; a GPU takes about 2^26 at a time, enough rows to
+keep it busy.
 """
 
 from __future__ import annotations
@@ -17,18 +18,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_rows_for", "entropy_from_logits", "logprobs_from_logits"]
+__all__ = ["chunk_rows", "chunk_rows_for", "entropy_from_logits", "logprobs_from_logits"]
 
 CPU_CHUNK_LOGITS = 2**20  # 4 MiB of fp32: the passes over a chunk read the cache
 GPU_CHUNK_LOGITS = 2**26  # 256 MiB of fp32, two or three alive at once
 
 
+def chunk_rows(vocab: int, device: torch.device) -> int:
+    """Positions per chunk of a `vocab`-wide softmax on `device`, by element count: ~2^20
+    logits on the CPU, ~2^26 elsewhere (441 rows of Qwen2.5's 152,064-token vocabulary, where a
+    fixed 4,096 rows would make a 2.5 GB fp32 temporary)."""
+    budget = CPU_CHUNK_LOGITS if device.type == "cpu" else GPU_CHUNK_LOGITS
+    return max(1, budget // vocab)
+
+
 def chunk_rows_for(logits: Tensor) -> int:
-    """Positions per chunk for (..., V) `logits`, by element count: ~2^20 logits on the CPU,
-    ~2^26 elsewhere (441 rows of Qwen2.5's 152,064-token vocabulary: rows counted whatever the
-    vocabulary, 4,096 of them were 2.5 GB a temporary)."""
-    budget = CPU_CHUNK_LOGITS if logits.device.type == "cpu" else GPU_CHUNK_LOGITS
-    return max(1, budget // logits.shape[-1])
+    """`chunk_rows` for (..., V) `logits`."""
+    return chunk_rows(logits.shape[-1], logits.device)
 
 
 def _at_least_fp32(x: Tensor, tau: float = 1.0) -> Tensor:

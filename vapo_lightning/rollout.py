@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from vapo_lightning import core, packing
+from vapo_lightning import core, head_logprobs, packing
 from vapo_lightning.config import Generation
 from vapo_lightning.rewards.base import Sample
 from vapo_lightning.tools.base import Tool
@@ -250,12 +250,19 @@ def token_logprobs(
     logprobs_from_logits`, `core.entropy_from_logits`). `entropy_grad`: the entropy keeps
     its graph (an entropy bonus); otherwise only its value.
 
+    Where the policy's LM head allows it (`head_logprobs.plain_head`), they are taken from the
+    head's input inside the forward and the logits exist a chunk of positions at a time, never
+    (B, T, V) (`_hidden_logprobs`); otherwise from the logits.
+
     With shared-prompt forwards they are computed on the packs' kept columns (R, K), where each
     position predicts the next token of its pack, and only then laid out per row: never a
     (B, T, V) copy of the logits, whose rows past each response's end (most of T when
     lengths vary) would go through the log-softmax too. A prompt's last position predicts
     every response's first token: those c log-probs are taken one by one.
     """
+    head = head_logprobs.plain_head(policy)
+    if head is not None:
+        return _hidden_logprobs(policy, head, r, temperature, entropy, entropy_grad, layout)
     packed = _packed(policy, r, layout)
     if packed is None:
         logits = policy_logits(policy, r)  # (B, T, V)
@@ -274,6 +281,55 @@ def token_logprobs(
     with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
         h = core.entropy_from_logits(logits, temperature)
     return logprobs, h if per_row is None else per_row(h)
+
+
+def _hidden_logprobs(
+    policy: PreTrainedModel,
+    head: torch.nn.Linear,
+    r: Rollout,
+    temperature: float,
+    entropy: bool,
+    entropy_grad: bool,
+    layout: packing.Layout,
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` with the policy's LM head replaced by a `head_logprobs.StatsHead` for
+    its forward: the same positions and the same tokens as through the logits, each position's
+    log-prob and entropy returned by the forward in place of its logits."""
+
+    def stats(labels: Tensor, index: Tensor | None = None) -> head_logprobs.StatsHead:
+        return head_logprobs.StatsHead(head, labels, temperature, entropy, entropy_grad, index)
+
+    packed = _packed(policy, r, layout)
+    if packed is None:
+        L, T = r.input_ids.shape[1], r.response_mask.shape[1]
+        with head_logprobs.replaced_head(policy, head, stats(r.responses.reshape(-1))):
+            out = policy(
+                input_ids=r.input_ids,
+                attention_mask=r.attention_mask,
+                position_ids=r.position_ids,
+                logits_to_keep=torch.arange(L - T - 1, L - 1, device=r.input_ids.device),
+                use_cache=False,
+            ).logits  # (B, T, k)
+        return out[..., 0], _entropy(out[..., 1:], entropy, entropy_grad)
+    # The kept columns (R, K) predict their pack's next tokens; each prompt's last column
+    # (`packed.first`) also predicts the first token of each of its c responses.
+    R, K = packed.next_tokens.shape
+    c = len(r) // len(packed.first)
+    index = torch.cat([torch.arange(R * K, device=r.input_ids.device), packed.first.repeat_interleave(c)])
+    labels = torch.cat([packed.next_tokens.reshape(-1), r.responses[:, 0]])
+    with head_logprobs.replaced_head(policy, head, stats(labels, index)):
+        out = policy(**packed.forward_kwargs, logits_to_keep=packed.keep, use_cache=False).logits  # (R·K + B, k)
+    kept = out[: R * K].view(R, K, -1)
+    logprobs = torch.cat([out[R * K :, :1], packed.rows(kept[..., 0])[:, 1:]], 1)
+    return logprobs, _entropy(packed.rows(kept[..., 1:]), entropy, entropy_grad)
+
+
+def _entropy(column: Tensor, entropy: bool, entropy_grad: bool) -> Tensor | None:
+    """The entropy column (..., 1) of a `StatsHead`'s output as (...), with its graph only
+    with `entropy_grad`; None without `entropy` (no such column)."""
+    if not entropy:
+        return None
+    return column[..., 0] if entropy_grad else column[..., 0].detach()
 
 
 def critic_values(critic: PreTrainedModel, r: Rollout, layout: packing.Layout = packing.ROWS) -> Tensor:

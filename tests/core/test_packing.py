@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY_LLAMA, tiny_module
-from tests.update_helpers import NO_CLIP, Recorder
+from tests.update_helpers import NO_CLIP, G, N, P, Recorder, T, grouped_rollout
 from vapo_lightning import attention, core, packing
 from vapo_lightning.advantages import compute_advantages
 from vapo_lightning.config import Algorithm
@@ -23,41 +23,6 @@ from vapo_lightning.updates import (
     update_actor,
     update_critic,
 )
-
-G, N, P, T = 3, 4, 6, 10  # prompts, responses per prompt, prompt and response widths
-
-
-def grouped_rollout(vocab: int, same_prompt: bool = True, n: int = N, common: int = 0) -> Rollout:
-    """G prompts of 2-6 tokens (left-padded; with `common`, more than it, all starting with the
-    same `common` tokens), each answered `n` times with 1-10 tokens."""
-    g = torch.Generator().manual_seed(1)
-    B = G * n
-    prompt_len = torch.randint(2, P + 1, (G,), generator=g).clamp(min=common + 1)
-    resp_len = torch.randint(1, T + 1, (B,), generator=g)
-    prompts = torch.randint(3, vocab, (G, P), generator=g)
-    if common:
-        start = torch.randint(3, vocab, (common,), generator=g)
-        for i, length in enumerate(prompt_len.tolist()):
-            prompts[i, P - length : P - length + common] = start
-            prompts[i, P - length + common] = 3 + i  # the prompts differ right after it
-    prompts, prompt_len = prompts.repeat_interleave(n, 0), prompt_len.repeat_interleave(n)
-    if not same_prompt:
-        prompts[1, -1] = (prompts[0, -1] + 1) % vocab  # row 1 answers a different prompt
-    prompt_mask = torch.arange(P)[None] >= P - prompt_len[:, None]
-    response_mask = torch.arange(T)[None] < resp_len[:, None]
-    ids = torch.cat([prompts, torch.randint(3, vocab, (B, T), generator=g)], 1)
-    attn = torch.cat([prompt_mask, response_mask], 1)
-    scores = torch.randn(B, generator=g)
-    return Rollout(
-        input_ids=torch.where(attn, ids, torch.zeros_like(ids)),
-        attention_mask=attn.long(),
-        response_mask=response_mask,
-        group_ids=torch.arange(B) // n,
-        truncated=torch.zeros(B, dtype=torch.bool),
-        scores=scores,
-        correct=scores > 0,
-    )
-
 
 LAYOUTS = ["end to end", "one pack per row"]
 
