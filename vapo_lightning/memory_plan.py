@@ -12,7 +12,9 @@ token of activations and logits. The terms:
   bf16 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models", Eq. 2, without the attention-score term a fused attention kernel does not store);
   with activation checkpointing, 2·hidden a token a layer plus one layer's 34·hidden;
-- the actor's logits and their gradient: 2 × 2 bytes a token a vocabulary entry (bf16);
+- the actor's log-probs: the logits and their gradient, 2 × 2 bytes a token a vocabulary
+  entry (bf16); or, where they come from the LM head's input (`head_logprobs`), three fp32
+  (chunk, vocabulary) temporaries and the head weight's fp32 gradient sum (vocabulary × hidden);
 - rollout: the vLLM engine's share of the device (`gpu_memory_utilization`), or the native
   engine's bf16 weights and KV cache: 2 (K, V) × layers × kv heads × head size × 2 bytes a
   token of every sequence at once.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GiB", "ModelShape", "Plan", "check_memory", "memory_plan"]
+__all__ = ["GiB", "ModelShape", "Plan", "check_memory", "logprob_bytes", "memory_plan"]
 
 GiB = 2**30
 
@@ -36,6 +38,7 @@ class ModelShape:
     kv_heads: int = 0
     head_dim: int = 0
     trained: float | None = None  # parameters that learn (LoRA: the adapters); None: all
+    head_rows: int = 0  # positions per chunk where log-probs come from the head's input; 0: logits
 
     @property
     def state_bytes(self) -> float:  # fp32 weights (+ AdamW's moments where they learn)
@@ -47,18 +50,26 @@ class ModelShape:
         return 4 * (self.params if self.trained is None else self.trained)
 
     @classmethod
-    def of(cls, model) -> ModelShape:
-        """The shape of a built (possibly sharded) Hugging Face model."""
+    def of(cls, model, device=None) -> ModelShape:
+        """The shape of a built (possibly sharded) Hugging Face model; `device`: where its
+        log-probs are taken (the chunk of `head_logprobs.rows_per_chunk` there)."""
+        import torch
+
+        from vapo_lightning import head_logprobs
+
         cfg = model.config
+        vocab = getattr(cfg, "vocab_size", 0)
+        chunked = vocab and head_logprobs.plain_head(model) is not None
         heads = getattr(cfg, "num_attention_heads", 1)
         return cls(
             params=sum(p.numel() for p in model.parameters()),
             trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
             layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
-            vocab=getattr(cfg, "vocab_size", 0),
+            vocab=vocab,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            head_rows=head_logprobs.rows_per_chunk(vocab, torch.device(device or "cuda")) if chunked else 0,
         )
 
 
@@ -87,6 +98,15 @@ def activations(shape: ModelShape, tokens: float, checkpointing: bool) -> float:
     if checkpointing:
         return 2 * shape.hidden * tokens * shape.layers + per_layer
     return per_layer * shape.layers
+
+
+def logprob_bytes(shape: ModelShape, tokens: float) -> float:
+    """Bytes the actor's log-probs and entropies of `tokens` tokens hold beyond the
+    activations: the bf16 (tokens, V) logits and their gradient, or, from the head's input, a
+    chunk's (rows, V) logits, probabilities and their gradient in fp32 and W's fp32 gradient."""
+    if shape.head_rows:
+        return 3 * 4 * min(tokens, shape.head_rows) * shape.vocab + 4 * shape.vocab * shape.hidden
+    return 4 * tokens * shape.vocab
 
 
 def memory_plan(
@@ -126,7 +146,10 @@ def memory_plan(
         kv = 2 * policy.layers * policy.kv_heads * policy.head_dim * 2 * responses * seq
         rollout = states + 2 * policy.params + kv  # the gathered bf16 weights sample
     actor = (
-        states + policy.gradient_bytes / share + activations(policy, tokens, checkpointing) + 4 * tokens * policy.vocab
+        states
+        + policy.gradient_bytes / share
+        + activations(policy, tokens, checkpointing)
+        + logprob_bytes(policy, tokens)
     )
     critic_update = states + (
         critic.gradient_bytes / share + activations(critic, tokens, checkpointing) if critic else 0
@@ -146,7 +169,7 @@ def check_memory(module) -> None:
     strategy, dm = trainer.strategy, trainer.datamodule
     total = torch.cuda.get_device_properties(module.device).total_memory
     plan = memory_plan(
-        ModelShape.of(module.policy),
+        ModelShape.of(module.policy, module.device),
         ModelShape.of(module.critic) if module.critic is not None else None,
         world=trainer.world_size,
         sharded=getattr(strategy, "mode", None) == "fsdp",

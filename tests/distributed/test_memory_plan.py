@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vapo_lightning.memory_plan import GiB, ModelShape, memory_plan
 
+# log-probs through the full logits (a model without a plain LM head)
 QWEN7B = ModelShape(params=7.615e9, layers=28, hidden=3584, vocab=152_064, kv_heads=4, head_dim=128)
 QWEN7B_CRITIC = ModelShape(params=7.07e9, layers=28, hidden=3584)
+PLAN_SMALL = dict(
+    world=1,
+    sharded=False,
+    reference=False,
+    responses=1,
+    max_tokens=None,
+    checkpointing=False,
+    engine="vllm",
+    device_bytes=80 * GiB,
+    gpu_memory_utilization=0.0,
+)
 
 
-def plan_7b(**overrides):
+def plan_7b(policy=QWEN7B, **overrides):
     kwargs = dict(
         world=8,
         sharded=True,
@@ -25,7 +39,7 @@ def plan_7b(**overrides):
         device_bytes=80 * GiB,
         gpu_memory_utilization=0.5,
     )
-    return memory_plan(QWEN7B, QWEN7B_CRITIC, **{**kwargs, **overrides})
+    return memory_plan(policy, QWEN7B_CRITIC, **{**kwargs, **overrides})
 
 
 def test_the_7b_config_worked_by_hand():
@@ -42,6 +56,29 @@ def test_the_7b_config_worked_by_hand():
     # a token budget of one sequence: the logits of 8,704 tokens, not 34,816
     budget = plan_7b(max_tokens=8704)
     assert budget.actor_update / GiB == pytest.approx(31.6, abs=0.1)
+
+
+def test_log_probs_from_the_heads_input_cost_a_chunk_not_the_logits():
+    """Qwen2's plain head on a GPU: chunks of 512 positions; three fp32 (512, V) temporaries
+    and W's fp32 gradient (V, H) instead of the bf16 logits and their gradient."""
+    head = dataclasses.replace(QWEN7B, head_rows=512)
+    p, logits = plan_7b(head), plan_7b()
+    tokens = 4 * (512 + 8192)
+    temporaries, weight_grad = 3 * 4 * 512 * 152_064, 4 * 152_064 * 3584
+    assert (temporaries / GiB, weight_grad / GiB) == (pytest.approx(0.87, abs=0.005), pytest.approx(2.03, abs=0.005))
+    chunk = temporaries + weight_grad
+    assert chunk / GiB == pytest.approx(2.9, abs=0.05)
+    assert p.actor_update == pytest.approx(logits.actor_update - 4 * tokens * 152_064 + chunk)
+    assert p.actor_update / GiB == pytest.approx(37.4, abs=0.1)
+    assert plan_7b(head, max_tokens=8704).actor_update / GiB == pytest.approx(29.6, abs=0.1)
+    # flat in answer length without a token budget's help, but for the activations
+    grow = plan_7b(head, max_new_tokens=16384).actor_update - plan_7b(head, max_new_tokens=1024).actor_update
+    assert grow == pytest.approx(4 * (16384 - 1024) * (2 * 3584 * 28 + 34 * 3584))
+    # fewer tokens than a chunk: the chunk is as long as the tokens
+    tiny = ModelShape(params=1e6, layers=1, hidden=8, vocab=100, head_rows=512)
+    assert memory_plan(
+        tiny, None, **{**PLAN_SMALL, "max_new_tokens": 10, "prompt": 0, "micro_batch": 1}
+    ).actor_update == pytest.approx(12e6 + 4e6 + 34 * 8 * 10 + 3 * 4 * 10 * 100 + 4 * 100 * 8)
 
 
 def test_more_answer_tokens_cost_memory_unless_a_budget_holds_them():
@@ -82,3 +119,44 @@ def test_replication_holds_every_state_on_every_rank_and_the_native_engine_its_k
 def test_offloaded_models_leave_their_states_in_host_memory():
     p, off = plan_7b(), plan_7b(offload=("critic",))
     assert p.rollout - off.rollout == pytest.approx(12 * 7.07e9 / 8)
+
+
+def test_a_models_shape_says_whether_its_log_probs_come_from_the_heads_input():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=151_936, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=16, n_layer=1, n_head=2))
+    # Qwen2.5's vocabulary: verl's 512 positions a chunk on a GPU, 128 on the CPU
+    assert ModelShape.of(llama, torch.device("cuda")).head_rows == 512
+    assert ModelShape.of(llama, torch.device("cpu")).head_rows == 128
+    assert ModelShape.of(gpt2, torch.device("cuda")).head_rows == 0  # not a plain head: the logits
+    shape = ModelShape.of(llama)
+    assert (shape.vocab, shape.hidden, shape.layers, shape.kv_heads, shape.head_dim) == (151_936, 16, 1, 2, 8)
+
+
+def test_the_plans_head_term_against_the_cpu_measurement():
+    """benchmarks/results/memory_head_logprobs.md measured the whole update's peak growth from
+    the head's input (the plan's term plus a 2-layer model's activations); docs/distributed.md
+    quotes the term."""
+    import re
+    from pathlib import Path
+
+    from vapo_lightning.memory_plan import logprob_bytes
+
+    bench = ModelShape(params=0, layers=2, hidden=64, vocab=151_936, head_rows=128)
+    term = logprob_bytes(bench, 2048) / GiB
+    assert term == pytest.approx(0.25, abs=0.005)
+    root = Path(__file__).resolve().parents[2]
+    row = next(
+        line
+        for line in (root / "benchmarks/results/memory_head_logprobs.md").read_text().splitlines()
+        if line.startswith("| from the head's input")
+    )
+    measured = [float(v) for v in re.findall(r"([\d.]+) GiB", row)]
+    assert len(measured) == 3 and all(term < m < term + 0.1 for m in measured)
+    assert "is 0.25 GiB" in (root / "docs/distributed.md").read_text()
