@@ -72,7 +72,7 @@ def token_budget(cpu: bool) -> str:
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo" if cpu else "nccl", rank=0, world_size=1)
     policy = build_policy(ModelSpec(config=TINY if cpu else QWEN05), Tok()).to(device)
-    shape = ModelShape.of(policy)
+    shape = ModelShape.of(policy, device)
     shard(policy, init_device_mesh(device.type, (1,)), _mixed_precision("32-true" if cpu else "bf16-mixed"))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-7)
     budget, prompt, B, out = 4096, 256, 8, []

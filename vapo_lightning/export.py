@@ -37,7 +37,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, adapters: bool = F
     module = VAPOModule(**hparams)
     module.configure_model()
     models = module.trained_models
-    restore_frozen(ckpt, models, str(ckpt_path))  # LoRA: the base weights from their source
+    restore_frozen(ckpt, models, str(ckpt_path), cast=True)  # LoRA: the base from its source
     module.load_state_dict(ckpt["state_dict"])
     if adapters and not any(is_lora(m) for m in models.values()):
         raise CheckpointError(f"--adapters: {ckpt_path} is a full fine-tuning run, it has no adapters")

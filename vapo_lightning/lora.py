@@ -10,7 +10,14 @@ reference policy of the KL term is the same model with its adapters switched off
 The critic's value head is new, so it is always trained in full (peft's `modules_to_save`).
 Policy and critic keep their own copy of the base weights: one base with two adapters would
 need the critic's forward to switch peft's active adapter (which also flips `requires_grad`)
-around every critic pass; a second copy of a 135 M-parameter base costs 0.5 GB in fp32.
+around every critic pass; a second copy of a 135 M-parameter base costs 0.27 GB in bf16.
+
+Under mixed precision the frozen base is kept in the compute dtype (`keep_base_in`): every
+matmul runs in that dtype anyway, and no optimiser needs an fp32 master copy of weights that
+never change, so an fp32 base would only double the largest state of a LoRA run (2 bytes a
+parameter instead of 4, for each of the two bases). This is what a TRL or verl LoRA run gets
+from a model loaded in bf16; the adapters and the value head stay in fp32 (peft's
+`autocast_adapter_dtype`), with their AdamW states.
 
 Merged weights (`merged_weights`) are what leaves the trainer: the vLLM engine loads them at a
 weight sync, `vapo export` and `hf_export_dir` save them; the trainer's copy stays unmerged.
@@ -32,8 +39,10 @@ __all__ = [
     "AdaptersOff",
     "LoRA",
     "MergedCopy",
+    "base_dtype",
     "drop_frozen",
     "is_lora",
+    "keep_base_in",
     "merged_weights",
     "restore_frozen",
     "with_adapters",
@@ -67,6 +76,34 @@ class LoRA:
 def is_lora(model: Any) -> bool:
     """Whether `model` is a peft model (LoRA adapters on a frozen base)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def base_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a LoRA base is kept in under the trainer's `precision`: the one its forwards
+    compute in (bf16-mixed: bfloat16, 16-mixed: float16); None (as built) without autocast."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return None
+
+
+PRECISION_OF_BASE = {"bfloat16": "bf16-mixed", "float16": "16-mixed", "float32": "32-true"}
+
+
+def frozen_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of a LoRA model's frozen floating-point weights (its base)."""
+    return next((p.dtype for p in model.parameters() if not p.requires_grad and p.is_floating_point()), None)
+
+
+@torch.no_grad()
+def keep_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Casts a LoRA model's frozen floating-point weights to `dtype`, in place; the adapters
+    and a value head (trainable) keep theirs. Before the model is sharded or replicated."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    model.__dict__.pop("_vapo_base_fingerprint", None)
 
 
 def _import_peft() -> Any:
@@ -216,7 +253,8 @@ def drop_frozen(checkpoint: dict[str, Any], models: dict[str, nn.Module | None],
     `checkpoint["state_dict"]` and a fingerprint of them stays, for `restore_frozen` to check.
     A base initialised at random (`from_source` False) has no source: it stays in the
     checkpoint. `models`: state-dict prefix -> model."""
-    bases = {}
+    bases: dict[str, list[float] | None] = {}
+    dtypes: dict[str, str] = {}
     for prefix, model in models.items():
         if model is None or not is_lora(model):
             continue
@@ -225,16 +263,21 @@ def drop_frozen(checkpoint: dict[str, Any], models: dict[str, nn.Module | None],
             for key in frozen_names(model, f"{prefix}."):
                 checkpoint["state_dict"].pop(key, None)
             bases[prefix] = base_fingerprint(model)
+            dtypes[prefix] = str(frozen_dtype(model)).removeprefix("torch.")
     if bases:
-        checkpoint["lora_base"] = bases
+        checkpoint["lora_base"], checkpoint["lora_base_dtype"] = bases, dtypes
 
 
-def restore_frozen(checkpoint: dict[str, Any], models: dict[str, nn.Module | None], source: str) -> None:
+def restore_frozen(
+    checkpoint: dict[str, Any], models: dict[str, nn.Module | None], source: str, cast: bool = False
+) -> None:
     """Puts the frozen base weights of the models as built (read from their source) back into
     a LoRA checkpoint's state dict, so that it loads strictly, after checking they are the
-    weights its adapters were trained on. A LoRA checkpoint into a model without adapters, or
-    the reverse, is refused in one line naming `source` (the checkpoint's path)."""
-    bases = checkpoint.get("lora_base", {})
+    weights its adapters were trained on, in the dtype it was trained with (`cast`: a base
+    built wider is cast to it, as an export does; otherwise a base in another dtype, another
+    `trainer.precision`, is refused). A LoRA checkpoint into a model without adapters, or the
+    reverse, is refused in one line naming `source` (the checkpoint's path)."""
+    bases, dtypes = checkpoint.get("lora_base", {}), checkpoint.get("lora_base_dtype", {})
     for prefix, model in models.items():
         if model is None:
             continue
@@ -248,6 +291,15 @@ def restore_frozen(checkpoint: dict[str, Any], models: dict[str, nn.Module | Non
             )
         if not here or bases[prefix] is None:  # (a random base: saved in the checkpoint)
             continue
+        trained, built = dtypes.get(prefix, "float32"), str(frozen_dtype(model)).removeprefix("torch.")
+        if trained != built and cast and built == "float32":
+            keep_base_in(model, getattr(torch, trained))
+        elif trained != built:
+            raise SetupError(
+                f"{source}: the {prefix}'s LoRA adapters were trained on its base in {trained}, "
+                f"this run keeps it in {built}: resume with the trainer.precision it was trained "
+                f"with ({PRECISION_OF_BASE.get(trained, trained)})"
+            )
         if not all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(base_fingerprint(model), bases[prefix])):
             raise SetupError(
                 f"{source}: the {prefix}'s base weights differ from those its LoRA adapters were "

@@ -5,7 +5,8 @@ An estimate from counts, not a measurement: bytes per parameter of each state, b
 token of activations and logits. The terms:
 
 - training state, always resident: fp32 weights and AdamW's two fp32 moments, 12 bytes a
-  trained parameter (a frozen reference policy: 4), divided over the ranks under fsdp;
+  trained parameter (a frozen one, a LoRA base: its own dtype's, 2 in bf16; a reference
+  policy: 4), divided over the ranks under fsdp;
 - gradients, during the update of their model: 4 bytes a parameter (/ W under fsdp, which
   reduce-scatters every micro-batch);
 - activations of one micro-batch's forward and backward: 34·hidden bytes a token a layer in
@@ -39,11 +40,12 @@ class ModelShape:
     head_dim: int = 0
     trained: float | None = None  # parameters that learn (LoRA: the adapters); None: all
     head_rows: int = 0  # positions per chunk where log-probs come from the head's input; 0: logits
+    frozen_bytes: float = 4  # a frozen parameter's (a LoRA base's: its dtype's, 2 in bf16)
 
     @property
     def state_bytes(self) -> float:  # fp32 weights (+ AdamW's moments where they learn)
         trained = self.params if self.trained is None else self.trained
-        return 12 * trained + 4 * (self.params - trained)
+        return 12 * trained + self.frozen_bytes * (self.params - trained)
 
     @property
     def gradient_bytes(self) -> float:
@@ -64,6 +66,7 @@ class ModelShape:
         return cls(
             params=sum(p.numel() for p in model.parameters()),
             trained=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            frozen_bytes=max((p.element_size() for p in model.parameters() if not p.requires_grad), default=4),
             layers=cfg.num_hidden_layers,
             hidden=cfg.hidden_size,
             vocab=vocab,

@@ -35,7 +35,7 @@ from transformers import (
 )
 
 from vapo_lightning.attention import SDPA, STANDARD_SDPA
-from vapo_lightning.lora import LoRA, with_adapters
+from vapo_lightning.lora import LoRA, is_lora, keep_base_in, with_adapters
 
 __all__ = [
     "ModelSpec",
@@ -273,10 +273,15 @@ def build_critic(
 
 
 def add_adapters(
-    policy: PreTrainedModel, critic: PreTrainedModel | None, policy_spec: ModelSpec, critic_spec: ModelSpec | None
+    policy: PreTrainedModel,
+    critic: PreTrainedModel | None,
+    policy_spec: ModelSpec,
+    critic_spec: ModelSpec | None,
+    base_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, nn.Module | None]:
     """Policy and critic with LoRA adapters where their specs ask (`vapo_lightning.lora`); a
-    critic without a spec of its own takes the policy's. The value head trains in full."""
+    critic without a spec of its own takes the policy's. The value head trains in full. A
+    `base_dtype` (the compute dtype under mixed precision) holds each frozen base."""
     critic_lora = critic_spec.lora if critic_spec is not None else policy_spec.lora
     if policy_spec.lora is not None and critic is not None and critic_lora is None:
         rank_zero_warn(
@@ -287,6 +292,9 @@ def add_adapters(
         policy = with_adapters(policy, policy_spec.lora, "policy")
     if critic is not None and critic_lora is not None:
         critic = with_adapters(critic, critic_lora, "critic", value_head=_value_head_name(critic))
+    for model in (policy, critic):
+        if base_dtype is not None and is_lora(model):
+            keep_base_in(model, base_dtype)
     return policy, critic
 
 

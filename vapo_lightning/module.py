@@ -31,7 +31,7 @@ from vapo_lightning.distributed import (
 )
 from vapo_lightning.dynamic_sampling import sample_in_rounds
 from vapo_lightning.engines import RolloutEngine, check_generation, make_engine
-from vapo_lightning.lora import AdaptersOff, is_lora
+from vapo_lightning.lora import AdaptersOff, base_dtype, is_lora
 from vapo_lightning.memory_plan import check_memory
 from vapo_lightning.metrics import PhaseTimer, drop_undefined, reduce_over_ranks, step_metrics
 from vapo_lightning.models import (
@@ -169,7 +169,8 @@ class VAPOModule(ValidationHooks, RunStateHooks, L.LightningModule):
             self.policy = build_policy(self.policy_spec, self.tokenizer, meta=meta)
             if self.algo.uses_critic:
                 self.critic = build_critic(self.critic_spec, self.policy, self.tokenizer, meta=meta)
-            self.policy, self.critic = add_adapters(self.policy, self.critic, self.policy_spec, self.critic_spec)
+            base = base_dtype(str(self._trainer.precision)) if self._trainer is not None else None
+            self.policy, self.critic = add_adapters(self.policy, self.critic, self.policy_spec, self.critic_spec, base)
             if self.algo.kl_coef > 0:  # LoRA: the base itself, adapters off (no second copy)
                 lora = is_lora(self.policy)
                 self.ref_policy = (

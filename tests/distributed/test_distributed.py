@@ -200,11 +200,12 @@ def test_a_sharded_save_that_fails_on_one_rank_leaves_the_last_one_whole(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "precision"), [("ddp", "32-true"), ("fsdp", "32-true"), ("fsdp", "bf16-mixed")])
+def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp_path, strategy, precision):
     """LoRA on policy and critic under ddp / fsdp, on a base from a folder: the run trains and
     resumes from its checkpoint (ddp's leaves the base out, fsdp's keeps it), and the exported
-    policy is the base + (alpha / r) B A of the checkpoint's adapters."""
+    policy is the base + (alpha / r) B A of the checkpoint's adapters. Under bf16-mixed the
+    frozen bases are bf16 beside fp32 adapters in one FSDP group, and so is the export."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
@@ -214,6 +215,7 @@ def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp
         "--model.policy.tokenizer=null",
     ]  # a base from a folder: ddp checkpoints leave it out
     lora = ['--model.policy.lora={"r": 4, "alpha": 8}', "--model.algorithm.kl_coef=0.05", *sft]
+    lora.append(f"--trainer.precision={precision}")
     vapo_fit(tmp_path, strategy, "--trainer.max_steps=3", *lora)  # 2 warm-up steps, then the actor
     logged = version_scalars(tmp_path / "lightning_logs" / "version_0")
     assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
@@ -242,6 +244,9 @@ def test_cli_lora_trains_resumes_and_exports_merged_weights_on_two_processes(tmp
             merged += 1
         else:
             expected = base[name]
+        if precision == "bf16-mixed":  # the base in bf16, the sum rounded to it
+            expected = (base[name].to(torch.bfloat16) + (expected - base[name])).to(torch.bfloat16)
+        assert value.dtype == expected.dtype, name
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
     layers = json.loads((ROOT / "vapo_lightning/assets/quickstart_sft/config.json").read_text())["num_hidden_layers"]
     assert merged == layers * 7  # every layer's q, k, v, o, gate, up, down

@@ -160,3 +160,22 @@ def test_the_plans_head_term_against_the_cpu_measurement():
     measured = [float(v) for v in re.findall(r"([\d.]+) GiB", row)]
     assert len(measured) == 3 and all(term < m < term + 0.1 for m in measured)
     assert "is 0.25 GiB" in (root / "docs/distributed.md").read_text()
+
+
+def test_a_lora_base_kept_in_bf16_counts_two_bytes_a_parameter():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    pytest.importorskip("peft")
+    from vapo_lightning.lora import LoRA, keep_base_in, with_adapters
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
+    model = with_adapters(llama, LoRA(r=2, alpha=4), "policy")
+    assert ModelShape.of(model).frozen_bytes == 4
+    keep_base_in(model, torch.bfloat16)
+    shape = ModelShape.of(model)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert shape.frozen_bytes == 2 and shape.trained == trained
+    assert shape.state_bytes == 12 * trained + 2 * (shape.params - trained)

@@ -172,10 +172,10 @@ def test_a_critic_of_its_own_takes_its_own_lora_or_none(tok, policy_dir):
     assert module.critic.peft_config["default"].r == 2 and module.policy.peft_config["default"].r == 4
 
 
-def run(root: Path, data_dir: Path, policy_dir: Path, max_steps: int, ckpt_path=None, **overrides):
+def run(root: Path, data_dir: Path, policy_dir: Path, max_steps: int, ckpt_path=None, precision="32-true", **overrides):
     L.seed_everything(5)
     ckpt = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
-    trainer = tiny_trainer(root, max_steps=max_steps, callbacks=[ckpt, ValuePretraining(steps=1)])
+    trainer = tiny_trainer(root, max_steps=max_steps, callbacks=[ckpt, ValuePretraining(steps=1)], precision=precision)
     module = lora_module(policy_dir, optim=Optim(actor_lr=1e-2, critic_lr=1e-2, warmup_steps=2), **overrides)
     trainer.fit(module, datamodule=tiny_data(data_dir), ckpt_path=ckpt_path)
     return module, scalars(root)
@@ -247,6 +247,39 @@ def test_export_writes_merged_models_and_on_request_the_adapters(tok, policy_dir
         assert (critic(input_ids=ids).logits - values).abs().max() < 1e-4
     config = json.loads((tmp_path / "out/policy/config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_under_mixed_precision_each_frozen_base_is_kept_in_the_compute_dtype(tok, policy_dir, tmp_path):
+    """bf16-mixed: each base in bf16 (2 bytes a parameter, not 4), the adapters and the value
+    head in fp32 with their AdamW states; the run resumes exactly, refuses a resume in another
+    precision, and exports the merged weights it trained."""
+    full_module, full = run(tmp_path / "full", tmp_path, policy_dir, 3, precision="bf16-mixed")
+    for m in ("policy", "critic"):
+        model = getattr(full_module, m)
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}, m
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}, m
+    states = [s for o in full_module.trainer.optimizers for s in o.state.values()]
+    assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
+    run(tmp_path / "part", tmp_path, policy_dir, 2, precision="bf16-mixed")
+    last = tmp_path / "part/ckpt/last.ckpt"
+    assert torch.load(last, weights_only=False)["lora_base_dtype"] == {"policy": "bfloat16", "critic": "bfloat16"}
+    resumed_module, resumed = run(
+        tmp_path / "part2", tmp_path, policy_dir, 3, ckpt_path=str(last), precision="bf16-mixed"
+    )
+    assert [v for _, v in resumed["actor/pg_loss"]] == [v for step, v in full["actor/pg_loss"] if step >= 2]
+    for m in ("policy", "critic"):
+        for (name, p), q in zip(getattr(full_module, m).named_parameters(), getattr(resumed_module, m).parameters()):
+            assert torch.equal(p, q), name
+    with pytest.raises(
+        SetupError, match=r"trained on its base in bfloat16, this run keeps it in float32: .*\(bf16-mixed\)"
+    ):
+        run(tmp_path / "fp32", tmp_path, policy_dir, 3, ckpt_path=str(last))
+    export_checkpoint(tmp_path / "full/ckpt/last.ckpt", tmp_path / "out")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out/policy")
+    merged = dict(merged_weights(full_module.policy))
+    assert plain.model.norm.weight.dtype == torch.bfloat16  # the base's dtype, as trained
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(tensor, merged[name]), name
 
 
 @pytest.mark.parametrize(
