@@ -271,6 +271,35 @@ def test_tool_calls_on_vllm_match_the_native_engine(prompts, tok):
     assert diff.max() < 1e-3
 
 
+def test_the_engine_leaves_the_trainers_random_streams_where_they_were(policy, prompts, tok):
+    """vLLM seeds Python's, NumPy's and torch's global generators when it starts in this
+    process: a resumed run (its streams restored, then its engine made) would draw other
+    numbers than the run it resumes. Starting and syncing move none of them; sampling (the
+    engine in this process) draws from torch's stream, as the native sampler does, so a
+    restored stream samples the same answers again."""
+    import random
+
+    import numpy as np
+
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    expected = random.random(), float(np.random.rand()), torch.rand(3)
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    e = vllm_engine(policy, tok)
+    try:
+        drawn = random.random(), float(np.random.rand()), torch.rand(3)
+        assert drawn[:2] == expected[:2] and torch.equal(drawn[2], expected[2])
+        cfg = Generation(n=2, max_new_tokens=16, temperature=1.0)
+        state = torch.get_rng_state()
+        first = responses(e.generate(prompts, cfg))
+        e.policy_changed()
+        after_sync = torch.get_rng_state()
+        assert e.sync() and torch.equal(torch.get_rng_state(), after_sync)
+        torch.set_rng_state(state)
+        assert responses(e.generate(prompts, cfg)) == first
+    finally:
+        e.close()
+
+
 def test_the_vllm_api_the_weight_sync_uses_is_there():
     """The weight sync calls vLLM's public `LLM.collective_rpc("reload_weights",
     weights_iterator=...)`; a vLLM that renamed either says so here, in one line, rather than

@@ -66,6 +66,25 @@ def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield name, tensor.detach()
 
 
+@contextlib.contextmanager
+def global_rng_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's global generators as they were before the block: vLLM's
+    worker, started in this process, seeds all three (`set_random_seed(seed)`), which would
+    move the trainer's streams (dropout, a resumed run's draws after its engine starts)."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+
+
 class VLLMEngine(RolloutEngine):
     """A vLLM `LLM` holding a copy of the policy, sampling rollouts as the native engine does.
 
@@ -119,22 +138,23 @@ class VLLMEngine(RolloutEngine):
         write_model_dir(config, architectures, Path(self._dir.name))
         if self.tools:  # detokenize, to stop at a call's end string
             tokenizer.save_pretrained(self._dir.name)
-        self.llm = vllm.LLM(
-            model=self._dir.name,
-            skip_tokenizer_init=not self.tools,  # token ids in and out
-            load_format="dummy",  # the weights come from the trainer (`load_weights`)
-            dtype=str(dtype).removeprefix("torch."),
-            max_model_len=max_model_len,
-            seed=seed,
-            tensor_parallel_size=options.tensor_parallel_size,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            enforce_eager=options.enforce_eager or not self.on_gpu,
-            enable_prefix_caching=options.enable_prefix_caching,
-            enable_sleep_mode=options.sleep and self.on_gpu,
-            max_num_seqs=options.max_num_seqs,
-            logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
-            **extra,
-        )
+        with global_rng_kept():  # vLLM's worker seeds the process's generators
+            self.llm = vllm.LLM(
+                model=self._dir.name,
+                skip_tokenizer_init=not self.tools,  # token ids in and out
+                load_format="dummy",  # the weights come from the trainer (`load_weights`)
+                dtype=str(dtype).removeprefix("torch."),
+                max_model_len=max_model_len,
+                seed=seed,
+                tensor_parallel_size=options.tensor_parallel_size,
+                gpu_memory_utilization=options.gpu_memory_utilization,
+                enforce_eager=options.enforce_eager or not self.on_gpu,
+                enable_prefix_caching=options.enable_prefix_caching,
+                enable_sleep_mode=options.sleep and self.on_gpu,
+                max_num_seqs=options.max_num_seqs,
+                logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
+                **extra,
+            )
         self.asleep: set[str] = set()  # what sleeps: "weights", "kv_cache"
         self.weights_stale = True  # discarded by a deep sleep, or never loaded
         self.load_weights(policy)
