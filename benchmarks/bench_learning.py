@@ -376,7 +376,7 @@ def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str
             [f"--seed_everything={seed}", f"--ckpt_path={last}", *extra],
             "log_validate.txt",
         )
-        last.unlink()  # the study keeps curves and samples, not weights
+    last.unlink(missing_ok=True)  # the study keeps curves and samples, not weights
     started.unlink()
     return minutes + (time.time() - since) / 60, resumed
 
@@ -444,7 +444,8 @@ def ensure_run(folder: str, task: Task, job: tuple, root: Path, extra: list[str]
         if not (again and (run_dir / "val_samples.jsonl").exists()):
             return old
         summary = summarize(task, run_dir, old["minutes"], old["commit"])
-        summary.update(date=old["date"], machine=old["machine"])
+        kept = ("date", "machine", "resumed_from_step", "resumed_from_commit")
+        summary.update({k: old[k] for k in kept if k in old})
     else:
         at_commit = commit()
         minutes, resumed = run(task, layer, seed, run_dir, extra)
@@ -470,18 +471,18 @@ def scalar_curve(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 def val_points(run_dir: Path) -> list[float]:
-    """val/accuracy of each validation of a run, in the order they ran (the fit's, then the
-    final `vapo validate`'s, which logs under `validate/`): not merged by step, as the two
-    processes count steps apart."""
+    """val/accuracy of each validation of a run, in the order they ran (the fit's, a resumed
+    fit's files after the first part's, then the final `vapo validate`'s, which logs under
+    `validate/`): not merged by step, as the two processes count steps apart."""
     points = []
 
-    def version(path: str) -> int:
-        return int(Path(path).parent.name.split("_")[1])
+    def order(path: str) -> tuple[int, int]:  # version, then the file's creation (a resumed fit's)
+        return int(Path(path).parent.name.split("_")[1]), int(Path(path).name.split(".")[3])
 
     fit_then_validate = [
         path
         for folder in ("lightning_logs", "validate")
-        for path in sorted(glob.glob(f"{run_dir}/{folder}/version_*/events.out.tfevents.*"), key=version)
+        for path in sorted(glob.glob(f"{run_dir}/{folder}/version_*/events.out.tfevents.*"), key=order)
     ]
     for path in fit_then_validate:
         acc = EventAccumulator(path, size_guidance={"scalars": 0})

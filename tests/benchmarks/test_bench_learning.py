@@ -287,8 +287,11 @@ def test_a_finished_run_is_summarized_once_and_then_read_not_rerun(tmp_path, mon
     assert B.ensure_run("digitwise", task, job, tmp_path / "other_root", []) == first
     assert B.ensure_run("digitwise", task, job, tmp_path / "other_root", [], again=True) == first
 
-    # made anew from the run (a field added since): what it took, when and where are kept
+    # made anew from the run (a field added since): what it took, when and where are kept,
+    # and where a resumed run's first part stopped
     from torch.utils.tensorboard import SummaryWriter
+
+    path.write_text(json.dumps(first | {"resumed_from_step": 10, "resumed_from_commit": "0ld0000"}))
 
     later = SummaryWriter(tmp_path / "runs/vapo/seed3/lightning_logs/version_0")
     for step in range(45):
@@ -299,6 +302,7 @@ def test_a_finished_run_is_summarized_once_and_then_read_not_rerun(tmp_path, mon
     assert {k: again[k] for k in ("val", "minutes", "date", "commit", "machine")} == {
         k: first[k] for k in ("val", "minutes", "date", "commit", "machine")
     }
+    assert (again["resumed_from_step"], again["resumed_from_commit"]) == (10, "0ld0000")
     row = B.collect(task, "VAPO", None, 60, [again])
     assert float(B.late_explained_variance(row)) == pytest.approx(0.395, abs=0.0051)
     assert B.late_explained_variance(B.collect(task, "VAPO", None, 60, [first])) == "-"
@@ -496,7 +500,7 @@ def test_a_fit_killed_after_a_checkpoint_resumes_from_it(tmp_path, monkeypatch):
     )
     assert resumed == {"resumed_from_step": 10, "resumed_from_commit": "0ld0000"}
     assert 15.0 <= minutes < 15.5
-    assert not (run_dir / "started.json").exists()
+    assert not (run_dir / "started.json").exists() and not last.exists()
 
     calls.clear()  # killed before a checkpoint: afresh
     (run_dir / "started.json").write_text(json.dumps({"minutes": 0.0, "since": time.time(), "commit": "x"}))
@@ -504,3 +508,36 @@ def test_a_fit_killed_after_a_checkpoint_resumes_from_it(tmp_path, monkeypatch):
     minutes, resumed = B.run(task, layer, 0, run_dir, [])
     assert resumed == {} and not any(a.startswith("--ckpt_path=") for a in calls[0][1])
     assert not (run_dir / "stale.txt").exists()
+
+
+def test_a_resumed_fits_validations_read_in_the_order_they_ran(tmp_path, monkeypatch):
+    """A resumed fit writes a second event file into the first part's version folder: the
+    start's validation (first part) comes before the final one, whatever order the folder
+    lists them in; a row without a separate `vapo validate` keeps no checkpoint."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = tmp_path / "lightning_logs" / "version_0"
+    folder.mkdir(parents=True)
+    for when, step, value in ((1796554085, 0, 0.1641), (1796566344, 21, 0.2344)):
+        part = tmp_path / f"part{step}"
+        with SummaryWriter(str(part)) as writer:
+            writer.add_scalar("val/accuracy", value, step)
+        (written,) = part.iterdir()
+        written.rename(folder / f"events.out.tfevents.{when}.vm.{step}.0")
+    listed = sorted(str(p) for p in folder.iterdir())
+    monkeypatch.setattr(B.glob, "glob", lambda pattern: listed[::-1] if "lightning_logs" in pattern else [])
+    assert B.val_points(tmp_path) == pytest.approx([0.1641, 0.2344], abs=1e-6)
+
+    calls = []
+
+    def vapo(command, configs, run_dir, args, log):
+        calls.append(command)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "last.ckpt").touch()
+
+    monkeypatch.setattr(B, "vapo", vapo)
+    monkeypatch.setattr(B, "commit", lambda: "abc1234")
+    grpo = next(layer for name, layer, _ in B.RUNS if name == "GRPO")
+    run_dir = tmp_path / "grpo" / "seed0"
+    B.run(B.TASKS["smollm2"], grpo, 0, run_dir, [])
+    assert calls == ["fit"] and not (run_dir / "checkpoints" / "last.ckpt").exists()
