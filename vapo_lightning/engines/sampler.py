@@ -1,7 +1,7 @@
 """The rollout sampler: a lean decoding loop over any Hugging Face causal LM's forward.
 
 `transformers`' `generate` is built for every decoding strategy; a rollout needs one, and
-pays for two of its general-purpose choices on every token:
+pays for three of its general-purpose choices:
 
 - its `DynamicCache` concatenates each layer's keys and values with the new token's, so
   decoding T tokens copies O(T²) cache; `kv_cache.GrowingLayer` writes in place into a buffer
