@@ -149,3 +149,21 @@ def test_rewards_read_the_response_without_special_tokens(tmp_path):
     (sample,) = samples_of(r, [{"prompt_text": "p", "ground_truth": "5"}], tok)
     assert sample.response == "What is 2 + 3? 2 + 3 = 5"
     assert sample.response_ids == [*answer, eos]
+
+
+def test_the_weight_sync_hands_the_engine_its_own_dtype():
+    """A bf16 engine receives bf16 tensors (cast before an FSDP gather: half the bytes), each
+    the fp32 weight rounded as the engine's own load would round it; without a dtype, the
+    weights as they are."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vapo_lightning.engines.vllm import named_full_tensors
+
+    cfg = dict(TINY_LLAMA)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    state = model.state_dict()
+    sent = dict(named_full_tensors(model, torch.bfloat16))
+    assert sent.keys() == state.keys()
+    for name, tensor in sent.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state[name].to(torch.bfloat16)), name
+    assert all(t.dtype == torch.float32 for _, t in named_full_tensors(model))

@@ -233,7 +233,7 @@ def test_a_sync_that_skips_any_one_tensor_is_caught(engine, policy, prompts, tok
         monkeypatch.setattr(
             engine_module,
             "named_full_tensors",
-            lambda model, skipped=skipped: ((k, v) for k, v in full(model) if k not in skipped),
+            lambda model, dtype, skipped=skipped: ((k, v) for k, v in full(model, dtype) if k not in skipped),
         )
         engine.load_weights(policy)
         gap = max_logprob_gap(engine, policy, prompts, tok)  # NaN (a fused half missing): caught

@@ -54,13 +54,18 @@ from vapo_lightning.tools.turns import Segment
 __all__ = ["EngineSetupError", "VLLMEngine", "check_architecture", "check_setup", "import_vllm", "named_full_tensors"]
 
 
-def named_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def named_full_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, full tensor) of each weight of a possibly sharded model, one at a
     time: an FSDP2 shard (DTensor) is all-gathered when its turn comes and dropped after the
     consumer has copied it. Collective under FSDP: every rank iterates to the end. (`replicate`,
     `fully_shard` and the in-place `model.compile()` keep the Hugging Face names.) A LoRA
-    policy sends its weights with the adapters merged in; its own copy stays unmerged."""
+    policy sends its weights with the adapters merged in; its own copy stays unmerged.
+    `dtype`: the engine's; floating-point weights are cast to it before the gather (a bf16
+    engine then gathers and receives half the bytes of the fp32 master weights, rounded as its
+    own load would round them)."""
     for name, tensor in merged_weights(model):
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         if hasattr(tensor, "full_tensor"):  # DTensor: gather this one tensor
             tensor = tensor.full_tensor()
         yield name, tensor.detach()
@@ -124,7 +129,7 @@ class VLLMEngine(RolloutEngine):
         names = config.architectures or [type(base).__name__]
         architectures = [a.removeprefix("DDP").removeprefix("FSDP") for a in names]
         check_setup(config, max_model_len, architectures)
-        self.options = options
+        self.options, self.dtype = options, dtype
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.kv_cache_gib))
@@ -230,7 +235,8 @@ class VLLMEngine(RolloutEngine):
         runs in this process, so the iterator is passed, not serialised). Collective under
         FSDP (every rank calls)."""
         with self._awake(("weights",)):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_full_tensors(policy)})
+            weights = named_full_tensors(policy, self.dtype)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.weights_stale = False
         if self.options.enable_prefix_caching:
             self.llm.reset_prefix_cache()  # cached prompts hold the old weights' keys
