@@ -163,6 +163,7 @@ def test_rows_of_one_prompt_share_its_cache(model, monkeypatch):
     torch.testing.assert_close(got.entropy, copied.entropy, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_long_forced_responses_equal_the_reference(model):
     """100 forced tokens (min_new_tokens): every position still matches full forwards."""
     ids, mask = left_pad(PROMPTS[:2])
@@ -268,6 +269,7 @@ def test_sampled_tokens_follow_the_tempered_softmax():
     assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()
 
 
+@pytest.mark.slow
 def test_inverse_cdf_draws_never_return_a_zero_probability_token():
     """Masked tokens (top-k's -inf) between and after the kept ones, a row whose whole mass is
     on the last token, and a peaked row: 50k draws each, none lands on a zero."""

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
@@ -33,6 +34,7 @@ def test_export_writes_the_checkpoints_policy_and_critic(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "hf" / "policy").eos_token_id is not None
 
 
+@pytest.mark.slow
 def test_a_weights_only_checkpoint_exports_and_refuses_to_resume(tmp_path, capsys):
     """`ModelCheckpoint(save_weights_only=True)`: a third of the size of a full checkpoint
     (no AdamW moments), `vapo export` reads it, and `vapo fit --ckpt_path` refuses it in one

@@ -181,6 +181,7 @@ def run(root: Path, data_dir: Path, policy_dir: Path, max_steps: int, ckpt_path=
     return module, scalars(root)
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_holds_adapters_and_resumes_exactly(tok, policy_dir, tmp_path):
     full_module, full = run(tmp_path / "full", tmp_path, policy_dir, 4)
     run(tmp_path / "part", tmp_path, policy_dir, 2)
@@ -249,6 +250,7 @@ def test_export_writes_merged_models_and_on_request_the_adapters(tok, policy_dir
     assert config["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.slow
 def test_under_mixed_precision_each_frozen_base_is_kept_in_the_compute_dtype(tok, policy_dir, tmp_path):
     """bf16-mixed: each base in bf16 (2 bytes a parameter, not 4), the adapters and the value
     head in fp32 with their AdamW states; the run resumes exactly, refuses a resume in another
@@ -315,6 +317,7 @@ def test_lora_settings_are_checked():
         LoRA(dropout=1.0)
 
 
+@pytest.mark.slow
 def test_tools_value_pretraining_and_extra_critic_steps_run_with_lora(tok, policy_dir, tmp_path):
     from tests.tool_helpers import EverySpace
 

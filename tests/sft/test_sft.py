@@ -84,6 +84,7 @@ def test_rows_without_observations_encode_as_one_text(data):
         assert example == (prompt, response, response)
 
 
+@pytest.mark.slow
 def test_short_run_lowers_the_loss_and_export_reloads(data, tmp_path):
     L.seed_everything(0)
     module = SFTModule(

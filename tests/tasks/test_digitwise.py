@@ -147,6 +147,7 @@ def test_the_role_probe_splits_the_loss_by_what_each_token_is():
     assert overall == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_shipped_sft_start_solves_the_task_greedily():
     """vapo_lightning/assets/digitwise_sft: its greedy answers to validation problems are right
     (96 % over the 125 in its eval.json), written in the task's format."""

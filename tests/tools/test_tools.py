@@ -442,6 +442,7 @@ def test_ddp_run_with_tools_on_two_processes(tmp_path):
     assert len(logged["actor/grad_norm"]) == 1 and 0 < logged["actor/grad_norm"][0] < 1e3
 
 
+@pytest.mark.slow
 def test_failing_calls_are_counted_every_step_and_shown_once(tok, tmp_path):
     """Every failed call counts in tools/errors; each kind of failure is warned about once,
     with its message, however often it recurs (training and validation)."""

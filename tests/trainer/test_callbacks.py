@@ -20,6 +20,7 @@ from tests.helpers import (
 from vapo_lightning.callbacks import EntropyTracker, ValidationSamples, ValuePretraining
 
 
+@pytest.mark.slow
 def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
     L.seed_everything(1)
     module = tiny_module(tok)
@@ -41,6 +42,7 @@ def test_value_pretraining_freezes_the_actor_then_releases_it(tok, tmp_path):
         torch.testing.assert_close(reloaded.state_dict()[name], p.detach())
 
 
+@pytest.mark.slow
 def test_value_pretraining_ends_early_at_its_explained_variance_threshold(tok, tmp_path):
     """The phase is the module's, from the rollout step's index: a threshold every critic
     reaches ends it after its first step, and the actor learns from the second."""
@@ -94,6 +96,7 @@ def test_validation_generations_go_to_a_jsonl_file(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_validation_before_training_is_written_at_step_0(tmp_path):
     """The module scores the start outside Lightning's validation loop; its generations are
     written too, and they are the ones `val/accuracy` at step 0 was computed from."""
@@ -114,6 +117,7 @@ def test_validation_before_training_is_written_at_step_0(tmp_path):
     assert sum(start) / len(start) == pytest.approx(module.initial_val_accuracy, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_training_samples_are_the_scored_responses_of_each_step(tok, tmp_path):
     """`TrainingSamples` writes k responses per rollout step, one per prompt, with the reward
     the update used and each reward callback's own score, to JSONL and to TensorBoard text."""

@@ -97,6 +97,7 @@ def test_vapo_offers_exactly_the_working_commands_each_with_its_help():
         assert done.returncode != 0 and f"unknown command '{command}'" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_reward_failing_everywhere_ends_the_run_with_one_line(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         main(

@@ -85,6 +85,7 @@ def test_compiled_updates_match_eager(tok, tmp_path, algorithm, min_graphs):
         assert compiled[key][0] == pytest.approx(eager[key][0], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_bf16_compiled_forward_is_one_graph(tok):
     """Under CPU autocast `attention.sdpa_fp32_on_cpu` asks whether the sampler is decoding;
     a compiled forward must not read that context variable (a graph break per layer)."""
@@ -95,6 +96,7 @@ def test_bf16_compiled_forward_is_one_graph(tok):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
+@pytest.mark.slow
 def test_sampler_never_traces_a_compiled_model(tok):
     tokenizer = load_tokenizer(str(tok))
     model = build_policy(ModelSpec(config=TINY_LLAMA), tokenizer).eval()

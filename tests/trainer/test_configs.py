@@ -67,6 +67,7 @@ def test_the_defaults_run_together():
     assert algo.mini_batch_size % algo.micro_batch_size == 0
 
 
+@pytest.mark.slow
 def test_a_yaml_layer_adds_a_reward_without_restating_the_callbacks(tmp_path):
     """`callbacks+:` in a layer appends to the earlier layers' list (`callbacks:` replaces it)."""
     layer = tmp_path / "overlong.yaml"
@@ -80,6 +81,7 @@ def test_a_yaml_layer_adds_a_reward_without_restating_the_callbacks(tmp_path):
     assert layered[-1]["init_args"]["cache_length"] == 32
 
 
+@pytest.mark.slow
 def test_the_lora_layer_saves_every_step_and_keeps_the_other_callbacks():
     """A LoRA checkpoint is small (adapters, head, their optimiser states): its layer saves each
     rollout step, so a stop loses no finished step; its list is the base config's otherwise."""

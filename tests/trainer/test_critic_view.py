@@ -118,6 +118,7 @@ def test_the_picture_of_a_long_wrong_answer_holds_its_last_token_and_its_drop():
         plt.close(fig)
 
 
+@pytest.mark.slow
 def test_the_view_draws_the_values_and_advantages_the_update_used(tok, tmp_path, monkeypatch):
     """Captured at the actor's update of a run with tools: V_old and the advantages the loss
     read are the view's, on the action tokens, and the observations have none."""
@@ -160,6 +161,7 @@ def test_the_view_draws_the_values_and_advantages_the_update_used(tok, tmp_path,
         assert n == int(r.attention_mask[b, r.prompt_length :].sum())  # every token, observations too
 
 
+@pytest.mark.slow
 def test_a_validation_writes_the_view_to_tensorboard_and_files(tok, tmp_path):
     L.seed_everything(0)
     module = tiny_module(tok)

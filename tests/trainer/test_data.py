@@ -16,6 +16,7 @@ from tests.helpers import (
 from vapo_lightning.data import DataError
 
 
+@pytest.mark.slow
 def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", make_rows(3))
     with path.open("a") as f:
@@ -40,6 +41,7 @@ def test_malformed_data_is_reported_with_file_and_line(tok, tmp_path):
     assert dm.skipped["train/bad_rows"] == 2 and len(dm.train_rows) == 2
 
 
+@pytest.mark.slow
 def test_overlong_prompts_error_or_drop(tok, tmp_path):
     rows = [*make_rows(4), {"prompt": "What is " + " + ".join(["1"] * 50) + "?", "answer": "50"}]
     path = write_jsonl(tmp_path / "long.jsonl", rows)

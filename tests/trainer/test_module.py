@@ -24,6 +24,7 @@ from vapo_lightning.optim import fused_adamw
 from vapo_lightning.rewards.base import RewardCallback
 
 
+@pytest.mark.slow
 def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
     L.seed_everything(0)
     module = tiny_module(tok)
@@ -99,6 +100,7 @@ def test_fit_updates_every_parameter_and_logs_expected_metrics(tok, tmp_path):
     assert all(0.0 <= v <= 1.0 for v in acc)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_fit_updates_both_models(tok, tmp_path):
     """`--trainer.precision=bf16-mixed` (what a GPU user runs; here on the CPU, the same
     autocast): logits come out bf16, log-probs and values must still land in fp32 buffers."""
@@ -114,6 +116,7 @@ def test_bf16_mixed_precision_fit_updates_both_models(tok, tmp_path):
     assert torch.isfinite(trainer.callback_metrics["actor/pg_loss"])
 
 
+@pytest.mark.slow
 def test_bf16_fit_is_the_same_when_autocast_caches_casts(tok, tmp_path, monkeypatch):
     """Lightning < 2.6 runs training_step under an autocast that caches its bf16 casts of the
     weights; the step makes several optimizer steps (2 mini-batches here), and each must drop
@@ -141,6 +144,7 @@ def test_bf16_fit_is_the_same_when_autocast_caches_casts(tok, tmp_path, monkeypa
         assert [k for k in uncached if not torch.equal(uncached[k], cached[k])] == []
 
 
+@pytest.mark.slow
 def test_resume_continues_at_the_right_rollout_step(tok, tmp_path):
     L.seed_everything(2)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1, save_top_k=0)
@@ -195,6 +199,7 @@ def test_hf_export_reloads_and_generates(tok, tmp_path):
     ],
     ids=["grpo", "dapo", "ppo-with-kl-and-entropy"],
 )
+@pytest.mark.slow
 def test_baselines_run_from_the_same_code(tok, tmp_path, algorithm):
     L.seed_everything(4)
     module = tiny_module(tok, algorithm=algorithm, val_before_train=False)
@@ -346,6 +351,7 @@ def test_impossible_settings_fail_at_start_up(tok, tmp_path):
         Algorithm(mini_batch_size=8, micro_batch_size=3)
 
 
+@pytest.mark.slow
 def test_resumed_run_reproduces_the_uninterrupted_run(tok, tmp_path):
     """Same data order, RNG streams, optimiser/scheduler and warm-up state after a resume."""
 
@@ -391,6 +397,7 @@ class StepCounter(L.Callback):
         poison_actor_logits.step += 1
 
 
+@pytest.mark.slow
 def test_non_finite_updates_are_skipped_and_counted(tok, tmp_path, monkeypatch):
     poison_actor_logits(monkeypatch, steps={0})
     L.seed_everything(6)
@@ -408,6 +415,7 @@ def test_non_finite_updates_are_skipped_and_counted(tok, tmp_path, monkeypatch):
     assert [v for _, v in logged["critic/update_skipped"]] == [0.0]
 
 
+@pytest.mark.slow
 def test_consecutive_non_finite_updates_stop_with_a_good_checkpoint(tok, tmp_path, monkeypatch):
     poison_actor_logits(monkeypatch, steps=set(range(100)))
     L.seed_everything(7)
@@ -430,6 +438,7 @@ def test_an_undefined_explained_variance_is_not_logged_but_a_nan_loss_is():
     assert drop_undefined({"critic/vf_explained_var": 0.25}) == {"critic/vf_explained_var": 0.25}
 
 
+@pytest.mark.slow
 def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
     """Value pretraining (step 1) updates no actor; the next step does: step 1's
     `timing_s/update_actor` is 0, and so is the next step's `timing_s/old_log_prob`, whose
@@ -459,6 +468,7 @@ def test_a_phase_that_did_not_run_logs_zero_not_its_last_value(tok, tmp_path):
     assert parts <= second["timing_s/step"] * 1.001
 
 
+@pytest.mark.slow
 def test_the_actor_is_not_updated_on_a_batch_without_signal(tok, tmp_path, monkeypatch):
     """GRPO on a batch whose every group scored alike has a zero gradient: no actor forward
     and backward, no optimiser step (AdamW's weight decay would still move the weights). The
@@ -513,6 +523,7 @@ def test_both_optimisers_use_the_fused_adamw_kernel_for_plain_parameters(tok):
     assert not fused_adamw([])
 
 
+@pytest.mark.slow
 def test_pi_old_from_the_rollout_skips_the_policy_pass(tok, tmp_path, monkeypatch):
     """`old_logprobs='rollout'` (verl's bypass mode), two mini-batches a step: no no-grad
     pass of the policy, the ratio is taken against the sampler's log-probs, and in fp32 the
