@@ -295,6 +295,10 @@ def parallelize(module: Any) -> None:
         device = strategy.root_device
         for m in trainable:
             replicate(m, **({"device_id": device} if device.type == "cuda" else {}))
+            # DDP is built at the first forward, from the parameters the model then holds: a
+            # first forward with the LM head swapped out (`head_logprobs`: log-probs before
+            # any sampling forward, as with vLLM) would leave the head's gradient unreduced.
+            replicate.state(m).lazy_init()
         if ref is not None:  # frozen: no gradients to reduce, same weights
             ref.to(device)
             for t in [*ref.parameters(), *ref.buffers()]:
