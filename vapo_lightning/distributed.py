@@ -294,10 +294,12 @@ def parallelize(module: Any) -> None:
 
         device = strategy.root_device
         for m in trainable:
+            m.to(device)
             replicate(m, **({"device_id": device} if device.type == "cuda" else {}))
-            # DDP is built at the first forward, from the parameters the model then holds: a
-            # first forward with the LM head swapped out (`head_logprobs`: log-probs before
-            # any sampling forward, as with vLLM) would leave the head's gradient unreduced.
+            # DDP now, on the device, from the model's own parameters: `replicate` builds it
+            # at the first forward, which may run with the LM head swapped out (log-probs
+            # from the head's input before any sampling forward, as with vLLM), leaving the
+            # head's gradient unreduced.
             replicate.state(m).lazy_init()
         if ref is not None:  # frozen: no gradients to reduce, same weights
             ref.to(device)
