@@ -73,6 +73,7 @@ class SleepingEngine(VLLMEngine):
     def __init__(self, policy: torch.nn.Module, tokenizer: Any, tools: list, logprobs: bool = False) -> None:
         self.policy, self.tokenizer, self.tools, self.logprobs = policy, tokenizer, list(tools), True
         self.options, self.on_gpu, self.tp_group = VLLMOptions(sleep=True), True, None
+        self.dtype = torch.float32
         self.asleep: set[str] = set()
         self.weights_stale = True
         self.llm = SleepingLLM(policy)

@@ -143,7 +143,11 @@ class VLLMEngine(RolloutEngine):
         write_model_dir(config, architectures, Path(self._dir.name))
         if self.tools:  # detokenize, to stop at a call's end string
             tokenizer.save_pretrained(self._dir.name)
-        with global_rng_kept():  # vLLM's worker seeds the process's generators
+        # vLLM's worker seeds the process's generators. An engine of its own keeps the
+        # trainer's; the ranks of one tensor-parallel engine sample from the global stream in
+        # lock-step, so they keep vLLM's common seed.
+        solo = options.tensor_parallel_size == 1
+        with global_rng_kept() if solo else contextlib.nullcontext():
             self.llm = vllm.LLM(
                 model=self._dir.name,
                 skip_tokenizer_init=not self.tools,  # token ids in and out
