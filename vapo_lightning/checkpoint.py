@@ -175,15 +175,32 @@ class CheckpointOnSigterm(L.Callback):
     decision is rank 0's, as Lightning's own stop is (a sharded save is collective).
     """
 
+    _saved_step: int | None = None
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         stopping = bool(getattr(trainer, "received_sigterm", False))
         if trainer.world_size > 1:
             stopping = bool(trainer.strategy.broadcast(stopping, src=0))
+        if stopping:
+            self._save_last(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
+        """SIGTERM that came after this callback's hook, while Lightning ended the step, stops
+        the run at the step's end all the same: that step is saved here. (One process only:
+        with several, rank 0's broadcast decides above, and a save here could be entered by
+        some ranks alone.)"""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException) and trainer.world_size == 1:
+            self._save_last(trainer)
+
+    def _save_last(self, trainer: L.Trainer) -> None:
         keeper = next((cb for cb in trainer.checkpoint_callbacks if getattr(cb, "save_last", False)), None)
-        if not stopping or keeper is None or keeper.dirpath is None:
+        if keeper is None or keeper.dirpath is None or self._saved_step == trainer.global_step:
             return
+        self._saved_step = trainer.global_step
         every = getattr(keeper, "_every_n_train_steps", 0)
         if every and trainer.global_step % every == 0:
-            return  # its own save of this step follows
+            return  # its own save of this step follows (or came)
         last = Path(keeper.dirpath) / f"{keeper.CHECKPOINT_NAME_LAST}{keeper.FILE_EXTENSION}"
         trainer.save_checkpoint(last)

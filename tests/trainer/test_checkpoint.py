@@ -128,3 +128,29 @@ def test_a_resumed_run_logs_on_in_its_tensorboard_folder(tmp_path):
     fresh = L.Trainer(default_root_dir=tmp_path / "other", logger=TensorBoardLogger(tmp_path / "other"))
     continue_logging(fresh, None)  # not resuming: a new version as always
     assert fresh.logger.version == 0 and "purge_step" not in fresh.logger._kwargs
+
+
+def test_sigterm_after_the_steps_save_hook_still_keeps_the_step(tok, tmp_path):
+    """A scheduler's SIGTERM that lands after `CheckpointOnSigterm`'s hook of a step, while
+    Lightning ends that step, stops the run there all the same: the step is in last.ckpt
+    (the `ModelCheckpoint` saves only every 100 steps)."""
+    import os
+    import signal
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from tests.helpers import tiny_data, tiny_module, tiny_trainer
+    from vapo_lightning.checkpoint import CheckpointOnSigterm
+
+    class LateSigterm(L.Callback):  # after CheckpointOnSigterm's hook, at the end of step 2
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    keeper = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=100, save_top_k=0)
+    trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[keeper, CheckpointOnSigterm(), LateSigterm()])
+    with pytest.raises(SIGTERMException):
+        trainer.fit(tiny_module(tok), datamodule=tiny_data(tmp_path))
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 2
