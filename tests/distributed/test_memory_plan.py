@@ -25,20 +25,8 @@ PLAN_SMALL = dict(
 
 
 def plan_7b(policy=QWEN7B, **overrides):
-    kwargs = dict(
-        world=8,
-        sharded=True,
-        reference=False,
-        prompt=512,
-        max_new_tokens=8192,
-        responses=1024,
-        micro_batch=4,
-        max_tokens=None,
-        checkpointing=True,
-        engine="vllm",
-        device_bytes=80 * GiB,
-        gpu_memory_utilization=0.5,
-    )
+    kwargs = PLAN_SMALL | dict(world=8, sharded=True, prompt=512, max_new_tokens=8192, responses=1024, micro_batch=4)
+    kwargs |= dict(checkpointing=True, gpu_memory_utilization=0.5)
     return memory_plan(policy, QWEN7B_CRITIC, **{**kwargs, **overrides})
 
 
