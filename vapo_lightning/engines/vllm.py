@@ -76,18 +76,16 @@ def global_rng_kept() -> Iterator[None]:
     """Python's, NumPy's and torch's global generators as they were before the block: vLLM's
     worker, started in this process, seeds all three (`set_random_seed(seed)`), which would
     move the trainer's streams (dropout, a resumed run's draws after its engine starts)."""
-    import random
-
     import numpy as np
 
-    states = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(states[0])
-            np.random.set_state(states[1])
+    from vapo_lightning.checkpoint import rng_state, set_rng_state
+
+    state, numpy_state = rng_state(), np.random.get_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+        np.random.set_state(numpy_state)
 
 
 class VLLMEngine(RolloutEngine):
