@@ -352,7 +352,8 @@ def run(task: Task, layer: str | None, seed: int, run_dir: Path, extra: list[str
         state = json.loads(started.read_text())
         step = int(torch.load(last, map_location="cpu", mmap=True, weights_only=False)["global_step"])
         resumed = {"resumed_from_step": step, "resumed_from_commit": state["commit"]}
-        minutes = state["minutes"] + (last.stat().st_mtime - state["since"]) / 60
+        # a part killed before a checkpoint of its own (its last.ckpt older than its start) adds none
+        minutes = state["minutes"] + max(0.0, last.stat().st_mtime - state["since"]) / 60
         keep_samples_up_to(run_dir / "train_samples.jsonl", step)
         resume = [f"--ckpt_path={last}"]
     else:

@@ -502,6 +502,13 @@ def test_a_fit_killed_after_a_checkpoint_resumes_from_it(tmp_path, monkeypatch):
     assert 15.0 <= minutes < 15.5
     assert not (run_dir / "started.json").exists() and not last.exists()
 
+    # a resumed part killed again before a checkpoint of its own adds nothing to the minutes
+    torch.save({"global_step": 10}, last)
+    os.utime(last, (since + 600, since + 600))
+    (run_dir / "started.json").write_text(json.dumps({"minutes": 15.0, "since": since + 3600, "commit": "0ld0000"}))
+    minutes, resumed = B.run(task, layer, 0, run_dir, [])
+    assert 15.0 <= minutes < 15.5 and resumed["resumed_from_step"] == 10
+
     calls.clear()  # killed before a checkpoint: afresh
     (run_dir / "started.json").write_text(json.dumps({"minutes": 0.0, "since": time.time(), "commit": "x"}))
     (run_dir / "stale.txt").write_text("left by the killed run")
