@@ -407,6 +407,7 @@ def cache_dtypes(monkeypatch) -> list[tuple[torch.dtype, torch.dtype]]:
     return dtypes
 
 
+@pytest.mark.slow
 def test_autocast_decoding_keeps_the_cache_in_the_autocast_dtype(model, monkeypatch, cache_dtypes):
     """Under bf16 autocast the keys reach the cache in fp32 (rotary embedding) and SDPA cast
     the whole cache to bf16 at every step. Stored in bf16 once: half the bytes, and the same

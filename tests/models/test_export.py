@@ -11,6 +11,7 @@ from tests.helpers import build_tokenizer, tiny_data, tiny_module, tiny_trainer
 from vapo_lightning.cli import main
 
 
+@pytest.mark.slow
 def test_export_writes_the_checkpoints_policy_and_critic(tmp_path):
     tok = build_tokenizer(tmp_path / "tok")
     module = tiny_module(tok, val_before_train=False)

@@ -134,6 +134,7 @@ def test_the_reference_policy_is_the_base_with_adapters_off():
         assert (model(input_ids=ids).logits - before).abs().max() > 0.1
 
 
+@pytest.mark.slow
 def test_only_adapters_and_the_value_head_change_and_the_base_stays_bit_identical(tok, policy_dir, tmp_path):
     L.seed_everything(0)
     module = lora_module(policy_dir, algorithm=Algorithm(mini_batch_size=8, micro_batch_size=4, kl_coef=0.1))
@@ -228,6 +229,7 @@ def test_a_full_checkpoint_refuses_a_lora_config(tok, policy_dir, tmp_path):
         run(tmp_path / "lora", tmp_path, policy_dir, 2, ckpt_path=str(tmp_path / "full/ckpt/last.ckpt"))
 
 
+@pytest.mark.slow
 def test_export_writes_merged_models_and_on_request_the_adapters(tok, policy_dir, tmp_path):
     module, _ = run(tmp_path / "run", tmp_path, policy_dir, 2)
     written = export_checkpoint(tmp_path / "run/ckpt/last.ckpt", tmp_path / "out", adapters=True)

@@ -16,6 +16,7 @@ class Broken(RewardCallback):
         return [None if i % self.fail_every == 0 else 1.0 for i in range(len(samples))]
 
 
+@pytest.mark.slow
 def test_errors_are_on_the_progress_bar(tok, tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=1, callbacks=[Broken(fail_every=4)])
     with pytest.warns(UserWarning, match="Broken failed on 4 of 16 samples"):
@@ -23,6 +24,7 @@ def test_errors_are_on_the_progress_bar(tok, tmp_path):
     assert trainer.progress_bar_metrics["reward/errors"] == 4
 
 
+@pytest.mark.slow
 def test_a_reward_failing_on_every_sample_stops_the_run(tok, tmp_path):
     trainer = tiny_trainer(tmp_path, max_steps=10, callbacks=[Broken(max_error_steps=2)])
     with pytest.raises(RewardError, match=r"Broken failed on more than 50% .* 2 consecutive"):

@@ -255,6 +255,7 @@ class Fixed(RewardCallback):
         return [self.value] * len(samples)
 
 
+@pytest.mark.slow
 def test_two_verifiers_of_one_class_both_decide_correctness(tok, tmp_path):
     """Two reward callbacks of the same class (the same name) keep their own scores: a
     response is correct only when every verifier says so, whichever was listed last."""
