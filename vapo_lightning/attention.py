@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -211,6 +212,19 @@ def grouped_decode_attention(
     return out.reshape(B, 1, H, D), None
 
 
+def columns(packs: Sequence, shared: int, length: int, row: Sequence[torch.Tensor]) -> list[dict[int, torch.Tensor]]:
+    """Each (H, L, D) tensor of `row` as (1, H, n, D) views of the row's spans, keyed by their
+    first column: the shared start, each pack's prompt, each response. One split per tensor,
+    not a slice per span: a slice's backward writes a zero tensor the size of the whole row,
+    once per span (quadratic in the spans a row holds), a split's is one concatenation."""
+    bounds = {0, shared, length}
+    for pack in packs:
+        bounds |= {pack.first, pack.P, *(s + n for s, n in pack.responses)}
+    cuts = sorted(bounds)
+    sizes = [b - a for a, b in itertools.pairwise(cuts)]
+    return [dict(zip(cuts, x[None].split(sizes, 2), strict=False)) for x in row]
+
+
 def packed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -237,29 +251,25 @@ def packed_attention(
         return torch.ones(n, context + n, dtype=torch.bool, device=query.device).tril(context)
 
     rows = []
-    for r, packs in enumerate(spans):
-        q, k, v = query[r : r + 1], key[r : r + 1], value[r : r + 1]
+    for packs, *row in zip(spans, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
         S = packs[0].shared if packs else 0
+        q, k, v = columns(packs, S, L, row)
         parts, done = [], S
         if S:
-            parts.append(attend(q[:, :, :S], k[:, :, :S], v[:, :, :S], is_causal=True))
+            parts.append(attend(q[0], k[0], v[0], is_causal=True))
         for span in packs:
             f, P = span.first, span.P
-            pk, pv = k[:, :, f:P], v[:, :, f:P]  # views: no copy where no start is shared
+            pk, pv = k[f], v[f]  # views: no copy where no start is shared
             if S:
-                pk, pv = torch.cat([k[:, :, :S], pk], 2), torch.cat([v[:, :, :S], pv], 2)
-            prompt = (
-                attend(q[:, :, f:P], pk, pv, attn_mask=after(S, P - f))
-                if S
-                else attend(q[:, :, f:P], pk, pv, is_causal=True)
-            )
-            parts += [q.new_zeros(1, H, f - done, D), prompt]
+                pk, pv = torch.cat([k[0], pk], 2), torch.cat([v[0], pv], 2)
+            prompt = attend(q[f], pk, pv, attn_mask=after(S, P - f)) if S else attend(q[f], pk, pv, is_causal=True)
+            parts += [query.new_zeros(1, H, f - done, D), prompt]
             for s, n in span.responses:
-                keys = torch.cat([pk, k[:, :, s : s + n]], 2)
-                values = torch.cat([pv, v[:, :, s : s + n]], 2)
-                parts.append(attend(q[:, :, s : s + n], keys, values, attn_mask=after(S + P - f, n)))
+                if n:  # an empty response has no column
+                    keys, values = torch.cat([pk, k[s]], 2), torch.cat([pv, v[s]], 2)
+                    parts.append(attend(q[s], keys, values, attn_mask=after(S + P - f, n)))
             done = span.end
-        parts.append(q.new_zeros(1, H, L - done, D))
+        parts.append(query.new_zeros(1, H, L - done, D))
         rows.append(torch.cat(parts, 2))
     return torch.cat(rows).transpose(1, 2).contiguous()
 

@@ -301,6 +301,27 @@ def test_packed_attention_equals_one_masked_call(gqa, end_to_end, common, c):
         torch.testing.assert_close(a, x.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_attentions_backward_adds_no_row_sized_zeros_per_span():
+    """The spans are views of one split per tensor: a slice per span would give each its own
+    backward node that writes a zero tensor the size of the whole row and adds to it, which
+    is quadratic in the spans of a row (64 answers end to end: most of an update's time)."""
+    r = grouped_rollout(64)
+    packed = packing.pack(r.input_ids, r.attention_mask, T, N, end_to_end=True)
+    L = packed.input_ids.shape[1]
+    q, k, v = (torch.randn(1, 2, L, 4, requires_grad=True) for _ in "qkv")
+    out = attention.packed_attention(q, k, v, packed.spans)
+    nodes, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes.append(type(node).__name__)
+            todo += [n for n, _ in node.next_functions]
+    assert sum(len(row) for row in packed.spans) > 1
+    assert not [n for n in nodes if n.startswith("SliceBackward")], sorted(set(nodes))
+    assert nodes.count("SplitWithSizesBackward0") == 3  # one for each of q, k and v
+
+
 def test_packs_end_to_end_leave_out_padding():
     """In one row, without a mask: the prompt once per pack, each response only as long as
     it is; the kept columns are exactly those that predict a response token."""
