@@ -11,7 +11,7 @@ lazy DDP / FSDP initialisation) is left out of the median.
 built and its peak once they are built and sharded. Under ddp every rank loads the full policy
 and critic; under fsdp only rank 0 does, rank 1 holds its shards and one tensor in flight.
 
-    python -m benchmarks.bench_distributed [--steps 6] [--out benchmarks/results/distributed.md]
+    python -m benchmarks.bench_distributed --steps 6 --out benchmarks/results/distributed.md
     python -m benchmarks.bench_distributed --load [--out benchmarks/results/distributed_load.md]
 """
 
@@ -223,11 +223,26 @@ def main() -> None:
             f"{strategy:6s} x{devices}: step {step:.2f} s, peak RSS {rss} MB, steps {[round(t, 2) for r in ranks for t in r['times']]}",
             flush=True,
         )
+    step = {name: st for name, _, st, _, threads in rows if not (name == "single" and threads == 1)}
     lines = [
-        f"{stamp()}\n",
+        "# Distributed: 1 vs 2 processes on tiny_cpu shapes (CPU, gloo)\n",
+        f"    python -m benchmarks.bench_distributed --steps {args.steps} --out benchmarks/results/distributed.md\n",
+        f"{stamp()}; load average at the end {Path('/proc/loadavg').read_text().split()[0]}\n",
+        "`vapo fit -c configs/tiny_cpu.yaml` (a tiny Llama, policy + critic), the same global batch in",
+        "every row: 8 prompts x 4 responses forced to 32 tokens, mini-batches of 16 responses overall.",
+        f"Step = wall time of one rollout step, median over steps 2-{args.steps}, slowest rank; peak RSS",
+        "= ru_maxrss of each rank's process. Lightning gives each of 2 ranks 1 torch thread; torch's",
+        "default in one process is 2. Process start-up (imports, process group) is not in the steps.\n",
         "| setting | processes | torch threads / process | median step (s) | peak RSS per process (MB) |",
         "|---|---|---|---|---|",
         *[f"| {s} | {d} | {t} | {st:.2f} | {', '.join(map(str, rss))} |" for s, d, st, rss, t in rows],
+        "",
+        "Reading: at these shapes a step is a fraction of a second of compute, so 2 processes cannot be",
+        "faster than one; the rows measure overhead. Gathering the sharded policy once per rollout",
+        "(`generation.gather_weights`, the default) takes FSDP2's step from "
+        f"{step['fsdp, gather_weights=false']:.2f} to {step['fsdp']:.2f} s",
+        f"(one process with 2 threads: {step['single']:.2f} s); it costs one full copy of the policy's weights",
+        "per device while sampling.",
     ]
     print("\n".join(lines))
     if args.out:
