@@ -426,11 +426,24 @@ def summarize(task: Task, run_dir: Path, minutes: float, at_commit: str) -> dict
         "start_buckets": bucket_accuracy(run_dir, difficulty, task.buckets, first=True),
         **({"lengths": length_accuracy(run_dir, task.lengths)} if task.lengths else {}),
         "curves": {tag: scalar_curve(run_dir, tag) for tag in CURVES},
+        **dynamic_sampling(run_dir),
         "minutes": round(minutes, 2),
         "date": time.strftime("%Y-%m-%d"),
         "commit": at_commit,
         "machine": machine(),
     }
+
+
+def dynamic_sampling(run_dir: Path) -> dict:
+    """What DAPO's dynamic sampling filtered on in this run (`dynamic_sampling_metric`: the
+    answers' correctness or their total reward), read from the config the fit saved; {} for
+    a run without dynamic sampling."""
+    configs = sorted(run_dir.glob("lightning_logs/version_*/config.yaml"))
+    config = load(str(configs[0])) if configs else {}
+    algo = (config.get("model") or {}).get("algorithm") or {}
+    if not algo.get("dynamic_sampling_rounds"):
+        return {}
+    return {"dynamic_sampling_metric": algo.get("dynamic_sampling_metric", "reward")}
 
 
 def ensure_run(folder: str, task: Task, job: tuple, root: Path, extra: list[str], again: bool = False) -> dict:
@@ -968,9 +981,27 @@ def report(
         out.insert(
             -2,
             "DAPO's rollout accuracy and length are over the groups its dynamic "
-            "sampling keeps: its curves are not comparable with the other rows.\n",
+            "sampling keeps: its curves are not comparable with the other rows. "
+            + filters(next(r for r in rows if r["name"] == "DAPO"))
+            + "\n",
         )
     return "\n".join(out)
+
+
+def filters(row: dict) -> str:
+    """Which groups DAPO's dynamic sampling dropped, over the row's runs: those whose answers
+    were all right or all wrong (`dynamic_sampling_metric: correct`, the default), or, in runs
+    summarised without the field (made before the metric was a choice), those whose total
+    rewards were all equal, which keeps a group of wrong answers that a shaping reward tells apart."""
+    correct = sum(f == "correct" for f in row["filters"])
+    if correct == len(row["filters"]):
+        return "Its dynamic sampling dropped the groups whose answers were all right or all wrong."
+    return (
+        f"Its dynamic sampling dropped the groups whose answers were all right or all wrong in {correct} "
+        f"of its {len(row['filters'])} runs, and in the others, made before the filter on correctness, "
+        "the groups whose total rewards were all equal (with the overlong penalty in the sum, a group "
+        "of wrong answers of different lengths was kept and trained on)."
+    )
 
 
 def per_seed(rows: list[dict]) -> list[str]:
@@ -1037,6 +1068,7 @@ def collect(task: Task, name: str, layer: str | None, paper, summaries: list[dic
         "machines": {s["machine"] for s in summaries},
         "dates": {s["date"] for s in summaries},
         "commits": {s["commit"] for s in summaries},
+        "filters": [s.get("dynamic_sampling_metric") for s in summaries],
     }
     for s in summaries:
         val = s["val"]  # start, at `updates` rollout steps, [after P more]

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from scipy import stats
 
 from benchmarks import bench_learning as B
@@ -548,3 +549,27 @@ def test_a_resumed_fits_validations_read_in_the_order_they_ran(tmp_path, monkeyp
     run_dir = tmp_path / "grpo" / "seed0"
     B.run(B.TASKS["smollm2"], grpo, 0, run_dir, [])
     assert calls == ["fit"] and not (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+def test_the_report_says_what_dapos_filter_dropped(tmp_path):
+    """A run's summary records what its dynamic sampling filtered on, from the config the fit
+    saved (a config from before the metric was a choice: the total reward); the report says
+    which groups were dropped in how many runs."""
+    runs = {}
+    for name, algo in {
+        "new": {"dynamic_sampling_rounds": 2, "dynamic_sampling_metric": "correct"},
+        "old": {"dynamic_sampling_rounds": 2},
+        "grpo": {"dynamic_sampling_rounds": 0},
+    }.items():
+        folder = tmp_path / name / "lightning_logs" / "version_0"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump({"model": {"algorithm": algo}}))
+        runs[name] = B.dynamic_sampling(tmp_path / name)
+    assert runs == {
+        "new": {"dynamic_sampling_metric": "correct"},
+        "old": {"dynamic_sampling_metric": "reward"},
+        "grpo": {},
+    }
+    assert "all right or all wrong." in B.filters({"filters": ["correct"] * 3})
+    mixed = B.filters({"filters": ["correct", None, None]})
+    assert "in 1 of its 3 runs" in mixed and "total rewards were all equal" in mixed
