@@ -7,7 +7,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-torch.set_num_threads(2)
+# Two threads whatever the machine's cores; under pytest-xdist (`-n N` workers) the workers
+# share those two instead of each taking two.
+torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 import pytest  # noqa: E402
