@@ -316,12 +316,23 @@ def usage() -> str:
     return f"usage: vapo {{{','.join(COMMANDS)}}} ...\n\ncommands:\n{rows}\n\n`vapo COMMAND --help` for each command's options.\n"
 
 
+def shows_help(argv: list[str]) -> bool:
+    """Whether the command line prints the options' help: `-h`, `--help`, a group's
+    `--model.algorithm.help`, or a `--print_config` with comments."""
+    return any(
+        a == "-h" or a.split("=")[0].endswith("help") or (a.startswith("--print_config") and "comments" in a)
+        for a in argv
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     import_from_working_directory()
     quiet_lightning()
-    # The config dataclasses document each field in an attribute docstring: that is the help.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # The config dataclasses document each field in an attribute docstring: that is the help
+    # (`--help`, `--print_config=comments`). Reading them takes about a second of every
+    # command's start, so only a command that shows them reads them.
+    set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(argv))
     command = argv[0] if argv else None
     if command in (None, "-h", "--help") or (command not in COMMANDS and not command.startswith("-")):
         sys.stdout.write(usage()) if command in ("-h", "--help") else sys.stderr.write(usage())

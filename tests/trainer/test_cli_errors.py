@@ -1,7 +1,10 @@
 """The `vapo` command as a new user meets it: plug-ins from the working directory, and
 mistakes reported in one line naming the field or file, before any work."""
 
+import contextlib
+import io
 import re
+import sys
 
 import pytest
 
@@ -136,3 +139,21 @@ def test_the_private_lightning_names_we_rely_on_exist():
 
     logger = TensorBoardLogger("unused")
     assert logger._version is None and isinstance(logger._kwargs, dict)
+
+
+def test_only_a_command_that_shows_the_help_reads_the_fields_docstrings(monkeypatch):
+    """Each config field's attribute docstring is its help; reading them all takes about a
+    second, so `--help` reads them and a command that shows no help does not."""
+    import docstring_parser.parser
+
+    calls = []
+    real = docstring_parser.parser.add_attribute_docstrings
+    monkeypatch.setattr(docstring_parser.parser, "add_attribute_docstrings", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(sys, "argv", ["vapo"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["fit", "-c", str(ROOT / "configs/quickstart.yaml"), "--print_config"])
+    assert not calls
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["fit", "--model.algorithm.help"])
+    assert calls and "the verifiers' verdicts" in " ".join(out.getvalue().split())
