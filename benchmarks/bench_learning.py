@@ -998,9 +998,9 @@ def filters(row: dict) -> str:
         return "Its dynamic sampling dropped the groups whose answers were all right or all wrong."
     return (
         f"Its dynamic sampling dropped the groups whose answers were all right or all wrong in {correct} "
-        f"of its {len(row['filters'])} runs, and in the others, made before the filter on correctness, "
-        "the groups whose total rewards were all equal (with the overlong penalty in the sum, a group "
-        "of wrong answers of different lengths was kept and trained on)."
+        f"of its {len(row['filters'])} runs, and in the others the groups whose total rewards were all "
+        "equal (with the overlong penalty in the sum, a group of wrong answers of different lengths was "
+        "kept and trained on)" + (": runs made before the filter on correctness." if None in row["filters"] else ".")
     )
 
 

@@ -572,4 +572,6 @@ def test_the_report_says_what_dapos_filter_dropped(tmp_path):
     }
     assert "all right or all wrong." in B.filters({"filters": ["correct"] * 3})
     mixed = B.filters({"filters": ["correct", None, None]})
-    assert "in 1 of its 3 runs" in mixed and "total rewards were all equal" in mixed
+    assert "in 1 of its 3 runs" in mixed and "total rewards were all equal" in mixed and "made before" in mixed
+    chosen = B.filters({"filters": ["correct", "reward"]})  # `dynamic_sampling_metric: reward`, chosen
+    assert "in 1 of its 2 runs" in chosen and "made before" not in chosen
