@@ -96,7 +96,7 @@ def test_dapo_overlong_window_starts_above_the_longest_correct_answer(task):
         tok = AutoTokenizer.from_pretrained(B.ROOT / "vapo_lightning/assets/quickstart_sft")
     else:
         tok = train_bpe([r["prompt"] for r in rows] + [r["solution"] for r in rows])
-    longest = max(len(tok(" " + r["solution"], add_special_tokens=False)["input_ids"]) for r in rows) + 1
+    longest = max(map(len, tok([" " + r["solution"] for r in rows], add_special_tokens=False)["input_ids"])) + 1
     layer = B.load(t.layers.get("DAPO", "configs/baselines/dapo.yaml"))
     (cb,) = [c for c in layer["trainer"]["callbacks"] if c["class_path"].endswith("OverlongPenalty")]
     assert cb["init_args"]["max_length"] - cb["init_args"]["cache_length"] > longest

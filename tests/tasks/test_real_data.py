@@ -12,7 +12,6 @@ import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
-import datasets
 import pytest
 import yaml
 
@@ -189,6 +188,8 @@ def test_math_style_files_take_the_last_box(tmp_path, prepare):
 
 
 def test_dapo_style_parquet(tmp_path, tokenizer):
+    import datasets  # a second to import: only the tests that write parquet pay it
+
     def row(problem, answer, index):
         return {
             "data_source": "math_dapo",
@@ -243,6 +244,8 @@ def test_a_bad_row_is_named_by_file_and_line(tmp_path, capsys):
 
 
 def test_bad_rows_in_json_lists_and_parquet_name_the_item(tmp_path):
+    import datasets  # a second to import: only the tests that write parquet pay it
+
     path = tmp_path / "math.json"
     path.write_text(json.dumps([{"problem": "p", "solution": "no box"}, {"problem": "q", "answer": "1"}]))
     assert convert("math", [str(path)]).errors == [
