@@ -159,6 +159,24 @@ class FailingSaveOnRank1(L.Callback):
             FileSystemWriter.write_data = fail
 
 
+LAYER_BASES = {
+    "ablations": "quickstart.yaml",
+    "baselines": "quickstart.yaml",
+    "digitwise": "digitwise.yaml",
+    "smollm2": "smollm2.yaml",
+}
+"""The config a layer in configs/<folder>/ goes on top of (a layer alone is not a run)."""
+
+
+def config_chain(path: Path) -> list[str]:
+    """`vapo` arguments that run the config at `path`: its command, then `-c` its base (for a
+    layer) and itself."""
+    if path.name.endswith("_sft.yaml"):
+        return ["sft", "-c", str(path)]
+    base = LAYER_BASES.get(path.parent.name)
+    return ["fit", *(["-c", str(CONFIGS / base)] if base else []), "-c", str(path)]
+
+
 def print_config(*args: str) -> dict:
     """The config `vapo <args> --print_config` prints, parsed (nothing is loaded)."""
     out = io.StringIO()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import CONFIGS, print_config
+from tests.helpers import CONFIGS, config_chain, print_config
 from vapo_lightning.cli import main
 from vapo_lightning.config import Algorithm, Generation
 from vapo_lightning.data import PromptDataModule
@@ -19,18 +19,10 @@ ALL = sorted(p for p in CONFIGS.rglob("*.yaml"))
 @pytest.mark.parametrize("path", ALL, ids=[str(p.relative_to(CONFIGS)) for p in ALL])
 def test_config_parses(path):
     assert path.read_text().startswith("#"), f"{path} must start with a comment saying how to run it"
+    cfg = print_config(*config_chain(path))
     if path.name.endswith("_sft.yaml"):
-        cfg = print_config("sft", "-c", str(path))
         assert cfg["model"] and cfg["data"]
         return
-    base = {
-        "ablations": "quickstart.yaml",
-        "baselines": "quickstart.yaml",
-        "digitwise": "digitwise.yaml",
-        "smollm2": "smollm2.yaml",
-    }
-    layers = ["-c", str(CONFIGS / base[path.parent.name])] if path.parent.name in base else []
-    cfg = print_config("fit", *layers, "-c", str(path))
     assert cfg["model"]["policy"] and cfg["data"]["train"]
     export = cfg["model"]["hf_export_dir"]
     if export:  # a layer writes under its own folder, never over its base run's export
