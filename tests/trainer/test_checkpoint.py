@@ -4,6 +4,7 @@ an unreadable checkpoint is named in the error."""
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -95,7 +96,7 @@ def test_the_cli_writes_checkpoints_atomically(tmp_path):
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
 
 
-def test_a_resumed_run_logs_on_in_its_tensorboard_folder(tmp_path):
+def test_a_resumed_run_logs_on_in_its_tensorboard_folder(tmp_path, monkeypatch):
     """`--ckpt_path last` continues the killed run's `version_0` (not a new `version_1`), and
     the steps the killed run logged after its checkpoint keep the resumed run's values only."""
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -103,10 +104,16 @@ def test_a_resumed_run_logs_on_in_its_tensorboard_folder(tmp_path):
 
     from vapo_lightning.checkpoint import continue_logging
 
-    first = TensorBoardLogger(tmp_path)
-    for step in range(5):  # a run killed after step 4, its last checkpoint at global step 3
-        first.log_metrics({"reward": float(step)}, step=step)
-    first.finalize("killed")
+    # The killed run started a minute earlier. TensorBoard reads a folder's event files in name
+    # order, and a name is the file's start second, then host, pid and a per-process counter
+    # that sorts ".10" before ".9": two files of one process in the same second may swap.
+    now = time.time
+    with monkeypatch.context() as earlier:
+        earlier.setattr(time, "time", lambda: now() - 60)
+        first = TensorBoardLogger(tmp_path)
+        for step in range(5):  # a run killed after step 4, its last checkpoint at global step 3
+            first.log_metrics({"reward": float(step)}, step=step)
+        first.finalize("killed")
     (tmp_path / "checkpoints").mkdir()
     torch.save({"global_step": 3}, tmp_path / "checkpoints" / "last.ckpt")
     trainer = L.Trainer(default_root_dir=tmp_path, logger=TensorBoardLogger(tmp_path))
