@@ -209,7 +209,7 @@ QUOTED_PAGES = [
 NUMBER = r"\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?"
 UNIT = r"%|ms|s|min|minutes|hours|GiB|GB|MiB|MB|tokens/s|×(?!\s?\d)|x(?![\w\d])"
 FIGURE = re.compile(
-    rf"(?<![\w.,/^-])(?:(?P<low>{NUMBER})\s?[-–]\s?)?(?P<num>{NUMBER})\s?(?P<unit>{UNIT})"
+    rf"(?<![\w.,/^-])(?:(?P<low>{NUMBER})\s?[-–±]\s?)?(?P<num>{NUMBER})\s?(?P<unit>{UNIT})"
     rf"(?![\w/]|\s?[×x]\s?\d)"
 )
 P_VALUE = re.compile(r"\bp\s?[=≈<]\s?(?P<num>0?\.\d+|1\.0+|0|1)\b")
@@ -324,8 +324,8 @@ def test_every_quoted_figure_is_in_the_file_it_names(page):
 
 
 def test_a_figure_the_file_does_not_hold_fails(tmp_path, monkeypatch):
-    """The check above can fail: a figure off by one digit, one with no file, and one in a
-    table whose introducing sentence names the file."""
+    """The check above can fail: a figure off by one digit, one with no file, one in a table
+    whose introducing sentence names the file, and a mean before its interval."""
     monkeypatch.setattr(sys.modules[__name__], "RESULTS", tmp_path)
     (tmp_path / "r.md").write_text("| overhead | 3.37 ms | 3.12× | p = 0.015 | 1,375 checks/s |\n")
     page = tmp_path / "page.md"
@@ -340,6 +340,9 @@ def test_a_figure_the_file_does_not_hold_fails(tmp_path, monkeypatch):
     assert unbacked_figures(page, table) == []
     assert unbacked_figures(page, table.replace("1375", "1376")) != []
     assert unbacked_figures(page, "Shapes are not figures: 16 × 4 responses, `3 ms`.") == []
+    (tmp_path / "m.md").write_text("| DAPO | 37.1 ± 16.9 |\n")
+    assert unbacked_figures(page, "DAPO 37.1 ± 16.9 % ([m](m.md))") == []
+    assert unbacked_figures(page, "DAPO 37.2 ± 16.9 % ([m](m.md))") != []  # a mean with its interval
 
 
 def test_a_rounded_figure_matches_only_its_rounding():
