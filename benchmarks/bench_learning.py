@@ -253,7 +253,11 @@ TASKS = {
             GATED,
         ),
         lengths=((0, 63), (64, 127), (128, 192)),
-        threads="one run at a time, two threads",
+        threads=(
+            "two threads, one run at a time, except the runs of DAPO, the critic pretrained to "
+            "convergence and the gated baseline: mostly one thread beside other work, so their "
+            "minutes compare with the others' only roughly"
+        ),
         critics=(
             "the prompts come in the same order in every run (`data.seed` 0); VAPO "
             "pretrains a critic from the policy's backbone and the random-critic row one "
