@@ -330,8 +330,8 @@ def main(args: list[str] | None = None) -> None:
     import_from_working_directory()
     quiet_lightning()
     # The config dataclasses document each field in an attribute docstring: that is the help
-    # (`--help`, `--print_config=comments`). Reading them takes about a second of every
-    # command's start, so only a command that shows them reads them.
+    # (`--help`, `--print_config=comments`). Reading them means parsing every config class's
+    # source, so only a command that shows them reads them.
     set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(argv))
     command = argv[0] if argv else None
     if command in (None, "-h", "--help") or (command not in COMMANDS and not command.startswith("-")):
