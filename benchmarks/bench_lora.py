@@ -105,7 +105,9 @@ def main() -> None:
         f"Policy and critic (from the policy's backbone, the same LoRA; the value head in full); "
         f"64 responses of ≤ 192 tokens a step, micro- and mini-batches of 16. Seconds per phase of "
         f"step {args.steps} of {args.steps} (`timing_s/*`; no value pretraining, so both models "
-        "update); gen tokens/s = generated tokens / `timing_s/gen`; peak RSS of the whole run.\n"
+        "update); gen tokens/s = generated tokens / `timing_s/gen`; peak RSS of the whole run. "
+        "A LoRA base is held in the compute dtype (bf16 under `bf16-mixed`), full fine-tuning keeps "
+        "fp32 weights; the native engine samples a merged copy of a LoRA policy.\n"
     )
     if args.sampling:
         print(
